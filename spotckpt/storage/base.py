@@ -1,0 +1,209 @@
+"""The object-store protocol that every back end implements, and `open_store`.
+
+Call order for a streamed object: ``open_writer(key)`` -> ``write(chunk)`` any number of times ->
+exactly one of ``commit()`` (the object becomes visible, atomically) or ``abort()`` (nothing becomes
+visible and every resource held for it, such as a multipart upload, is released). A writer used as
+a context manager aborts when the block raises and commits when it does not.
+
+Keys are relative to the store's root (the path part of the URI), use ``/`` as separator and are
+validated by :func:`check_key`: a store never reads or writes outside its root.
+
+This layer knows nothing of torch, DCP or manifests.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+
+class StorageError(Exception):
+    """A storage operation failed for a reason that retrying will not fix."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist."""
+
+
+class AlreadyExistsError(StorageError, FileExistsError):
+    """A create-only write found the object already there (HTTP 412 on object stores)."""
+
+
+class PermissionDeniedError(StorageError, PermissionError):
+    """The credentials in use may not perform this operation (HTTP 403)."""
+
+
+class InvalidKeyError(StorageError, ValueError):
+    """A key is not a plain relative path inside the store's root."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a listing or a commit tells about one object."""
+
+    key: str
+    size: int
+    last_modified: datetime | None = None
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """An unfinished multipart (or resumable) upload found under the store's root."""
+
+    key: str
+    upload_id: str
+    initiated: datetime | None = None
+
+
+@runtime_checkable
+class ObjectWriter(Protocol):
+    """A streamed object being written; see the module docstring for the call order."""
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes accepted by `write` so far."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes; may block while earlier parts are still uploading (bounded memory)."""
+
+    def commit(self) -> ObjectInfo:
+        """Make the object visible under its key; raises AlreadyExistsError for create-only."""
+
+    def abort(self) -> None:
+        """Discard everything written; safe to call more than once and after a failed commit."""
+
+    def __enter__(self) -> ObjectWriter: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """One bucket prefix or folder. Implementations are thread-safe."""
+
+    @property
+    def uri(self) -> str:
+        """The root URI, without credentials."""
+
+    def open_writer(self, key: str, *, create_only: bool = False) -> ObjectWriter:
+        """Start a streamed write of `key`; see the module docstring."""
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        """Write a small object in one request; create-only raises AlreadyExistsError."""
+
+    def get(self, key: str) -> bytes:
+        """Read a whole object; raises ObjectNotFoundError."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Read `length` bytes from `start`; a short result means the object is shorter."""
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """The object's size and time, or None when it does not exist."""
+
+    def exists(self, key: str) -> bool:
+        """Whether the object exists."""
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix`, in key order, across all pages."""
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Delete the given objects; missing ones are ignored."""
+
+    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        """Unfinished uploads under `prefix` (empty for stores without multipart uploads)."""
+
+    def abort_upload(self, upload: UploadInfo) -> None:
+        """Abort one unfinished upload found by `list_uploads`."""
+
+    def close(self) -> None:
+        """Release thread pools and connections."""
+
+
+class WriterBase:
+    """Context-manager behaviour shared by the writers: commit on success, abort on error."""
+
+    def commit(self) -> ObjectInfo:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def abort(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self) -> WriterBase:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+MAX_KEY_LENGTH = 1024
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it is a plain relative path; raise InvalidKeyError naming the problem."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"object key must be a non-empty string, got {key!r}")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(f"object key is longer than {MAX_KEY_LENGTH} characters")
+    if key.startswith("/") or key.startswith("\\"):
+        raise InvalidKeyError(f"object key {key!r} is absolute")
+    if _SCHEME.match(key):
+        raise InvalidKeyError(f"object key {key!r} carries a URL scheme")
+    if "\\" in key or "\x00" in key or any(ord(c) < 32 for c in key):
+        raise InvalidKeyError(f"object key {key!r} has a backslash or control character")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
+        raise InvalidKeyError(f"object key {key!r} has an empty, '.' or '..' path segment")
+    return key
+
+
+StoreFactory = Callable[[str, dict[str, Any]], ObjectStore]
+_FACTORIES: dict[str, StoreFactory] = {}
+
+
+def register_store(scheme: str, factory: StoreFactory) -> None:
+    """Make `open_store` build `factory(uri, options)` for URIs with this scheme."""
+    _FACTORIES[scheme] = factory
+
+
+def uri_scheme(uri: str) -> str:
+    """The scheme of `uri`; plain paths (including Windows drive letters) count as ``file``."""
+    scheme = urlsplit(uri).scheme
+    return scheme if len(scheme) > 1 else "file"
+
+
+def open_store(uri: str, **options: Any) -> ObjectStore:
+    """Open the store for `uri`: ``s3://bucket/prefix``, ``gs://bucket/prefix``,
+    ``file:///path`` or a plain path, ``memory://name``. Options go to the back end
+    (for S3: ``endpoint_url``, ``part_size``, ``max_concurrency``, ``region_name``, ...)."""
+    from spotckpt.storage import builtin_stores  # noqa: F401  (registers the back ends)
+
+    scheme = uri_scheme(uri)
+    factory = _FACTORIES.get(scheme)
+    if factory is None:
+        known = ", ".join(sorted(f"{s}://" for s in _FACTORIES))
+        raise ValueError(f"unsupported storage URI scheme {scheme!r}; use one of {known}")
+    return factory(uri, dict(options))
+
+
+def join_key(*parts: str) -> str:
+    """Join key segments with single slashes."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))

@@ -1,0 +1,159 @@
+"""``memory://name``: an in-process store for tests and the local tier of experiments.
+
+Stores with the same name share their objects within one process, so a manager and a test that
+opens the same URI see the same bytes. `fault` lets tests fail chosen operations.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import urlsplit
+
+from spotckpt.storage.base import (
+    AlreadyExistsError,
+    ObjectInfo,
+    ObjectNotFoundError,
+    StorageError,
+    UploadInfo,
+    WriterBase,
+    check_key,
+)
+
+_BUCKETS: dict[str, dict[str, tuple[bytes, datetime]]] = {}
+_BUCKETS_LOCK = threading.Lock()
+
+FaultHook = Callable[[str, str], None]
+"""Called as hook(operation, key) before each operation; raise to inject a failure."""
+
+
+class MemoryWriter(WriterBase):
+    """Buffers the object and publishes it on commit."""
+
+    def __init__(self, store: MemoryStore, key: str, create_only: bool) -> None:
+        self._store = store
+        self._key = key
+        self._create_only = create_only
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._done = False
+
+    @property
+    def bytes_written(self) -> int:
+        return self._size
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._done:
+            raise StorageError(f"write to {self._key!r} after commit or abort")
+        self._store.inject("write", self._key)
+        self._parts.append(bytes(data))
+        self._size += len(data)
+
+    def commit(self) -> ObjectInfo:
+        if self._done:
+            raise StorageError(f"commit of {self._key!r} after commit or abort")
+        self._done = True
+        data = b"".join(self._parts)
+        self._parts = []
+        return self._store.put(self._key, data, create_only=self._create_only)
+
+    def abort(self) -> None:
+        self._done = True
+        self._parts = []
+
+
+class MemoryStore:
+    """A dict of bytes guarded by a lock, shared by name."""
+
+    def __init__(self, name: str, fault: FaultHook | None = None) -> None:
+        self._name = name
+        with _BUCKETS_LOCK:
+            self._objects = _BUCKETS.setdefault(name, {})
+        self._lock = threading.Lock()
+        self.fault = fault
+
+    @property
+    def uri(self) -> str:
+        return f"memory://{self._name}"
+
+    def inject(self, operation: str, key: str) -> None:
+        """Run the fault hook, if any, before `operation` on `key`."""
+        if self.fault is not None:
+            self.fault(operation, key)
+
+    def open_writer(self, key: str, *, create_only: bool = False) -> MemoryWriter:
+        return MemoryWriter(self, check_key(key), create_only)
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        check_key(key)
+        self.inject("put", key)
+        now = datetime.now(timezone.utc)
+        with self._lock:
+            if create_only and key in self._objects:
+                raise AlreadyExistsError(f"{self.uri}/{key} already exists")
+            self._objects[key] = (bytes(data), now)
+        return ObjectInfo(key, len(data), now)
+
+    def get(self, key: str) -> bytes:
+        self.inject("get", check_key(key))
+        with self._lock:
+            entry = self._objects.get(key)
+        if entry is None:
+            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist")
+        return entry[0]
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise ValueError("range start and length must be non-negative")
+        return self.get(key)[start : start + length]
+
+    def head(self, key: str) -> ObjectInfo | None:
+        with self._lock:
+            entry = self._objects.get(check_key(key))
+        return None if entry is None else ObjectInfo(key, len(entry[0]), entry[1])
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self.inject("list", prefix)
+        with self._lock:
+            items = sorted((k, len(v[0]), v[1]) for k, v in self._objects.items())
+        for key, size, when in items:
+            if key.startswith(prefix):
+                yield ObjectInfo(key, size, when)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        keys = [check_key(k) for k in keys]
+        for key in keys:
+            self.inject("delete", key)
+        with self._lock:
+            for key in keys:
+                self._objects.pop(key, None)
+
+    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        return []
+
+    def abort_upload(self, upload: UploadInfo) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def drop_memory_store(name: str) -> None:
+    """Forget every object of the named memory store (tests call this between cases)."""
+    with _BUCKETS_LOCK:
+        _BUCKETS.pop(name, None)
+
+
+def open_memory_store(uri: str, options: dict[str, Any]) -> MemoryStore:
+    """Factory for ``memory://name``; the only option is ``fault``."""
+    parts = urlsplit(uri)
+    name = (parts.netloc + parts.path).strip("/") or "default"
+    fault = options.pop("fault", None)
+    if options:
+        raise ValueError(f"memory:// store takes no options {sorted(options)}")
+    return MemoryStore(name, fault)

@@ -1,0 +1,502 @@
+"""``s3://bucket/prefix`` through boto3: parallel multipart uploads with bounded memory.
+
+Design choices:
+- Objects smaller than one part go up in a single PUT; larger ones as a multipart upload whose
+  parts are uploaded by a bounded thread pool. A writer holds at most ``max_concurrency + 1``
+  part buffers, so memory is about ``part_size * (max_concurrency + 1)`` whatever the object size.
+- Create-only writes send ``If-None-Match: *`` on the PUT or on CompleteMultipartUpload; S3
+  answers 412 when the key exists, which becomes `AlreadyExistsError`.
+- Any failure aborts the multipart upload, so no parts are left to bill.
+- botocore's own retries are switched off; every request, each part on its own, is retried by a
+  `RetryPolicy` (jittered exponential back-off with a total deadline) on throttling, 5xx,
+  timeouts and connection errors. 403, 404 and 412 fail at once.
+- CRC32C of each part is computed with google-crc32c and sent to S3, which verifies it; botocore
+  is told not to add checksums of its own (that would hash every byte a second time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import urllib3.exceptions
+
+from spotckpt.checksum import crc32c_b64
+from spotckpt.storage.base import (
+    AlreadyExistsError,
+    ObjectInfo,
+    ObjectNotFoundError,
+    PermissionDeniedError,
+    StorageError,
+    UploadInfo,
+    WriterBase,
+    check_key,
+)
+from spotckpt.storage.retry import RetryPolicy
+
+log = logging.getLogger("spotckpt.storage")
+T = TypeVar("T")
+
+MIB = 1 << 20
+MIN_PART_SIZE = 5 * MIB
+MAX_PARTS = 10_000
+DELETE_BATCH = 1000
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "ConditionalRequestConflict",
+        "OperationAborted",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404", "NoSuchUpload"})
+_DENIED_CODES = frozenset({"AccessDenied", "Forbidden", "403", "InvalidAccessKeyId"})
+_CONFLICT_CODES = frozenset({"PreconditionFailed", "412"})
+_TRANSIENT_ERRORS = (
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.HTTPClientError,
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.IncompleteReadError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.ReadTimeoutError,
+    ConnectionError,
+    TimeoutError,
+)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether an S3 error is worth retrying: throttling, 5xx, timeouts, connection resets."""
+    if isinstance(error, botocore.exceptions.ClientError):
+        code = error.response.get("Error", {}).get("Code", "")
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return code in _TRANSIENT_CODES or status == 429 or status >= 500
+    return isinstance(error, _TRANSIENT_ERRORS)
+
+
+def _error_code(error: botocore.exceptions.ClientError) -> tuple[str, int]:
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def translate_error(error: botocore.exceptions.ClientError, what: str) -> StorageError:
+    """Turn a botocore ClientError into the storage layer's exception, naming the object."""
+    code, status = _error_code(error)
+    message = error.response.get("Error", {}).get("Message", "") or code
+    text = f"{what}: {code or status} {message}".strip()
+    if code in _CONFLICT_CODES or status == 412:
+        return AlreadyExistsError(f"{what}: the object already exists (HTTP 412)")
+    if code in _NOT_FOUND_CODES or status == 404:
+        return ObjectNotFoundError(text)
+    if code in _DENIED_CODES or status == 403:
+        return PermissionDeniedError(text)
+    return StorageError(text)
+
+
+@dataclass(kw_only=True)
+class S3Options:
+    """Settings of an S3 store; every field may come from ``storage_options``."""
+
+    endpoint_url: str | None = None
+    region_name: str | None = None
+    profile_name: str | None = None
+    aws_access_key_id: str | None = field(default=None, repr=False)
+    aws_secret_access_key: str | None = field(default=None, repr=False)
+    aws_session_token: str | None = field(default=None, repr=False)
+    part_size: int = 16 * MIB
+    max_concurrency: int = 8
+    list_page_size: int = 1000
+    send_checksums: bool = True
+    addressing_style: str = "auto"
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if self.part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
+        if not 1 <= self.max_concurrency <= 256:
+            raise ValueError("max_concurrency must be between 1 and 256")
+        if not 1 <= self.list_page_size <= 1000:
+            raise ValueError("list_page_size must be between 1 and 1000")
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ValueError("addressing_style must be 'auto', 'path' or 'virtual'")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> S3Options:
+        """Build from a dict, converting strings (from a CLI or env) to each field's type."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown S3 storage options {unknown}; known: {sorted(known)}")
+        return cls(**{k: _coerce(v, known[k].type) for k, v in options.items()})
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    kind = str(annotation)
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "bool":
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return value
+
+
+class S3Writer(WriterBase):
+    """One streamed object: a single PUT when small, else a parallel multipart upload."""
+
+    def __init__(self, store: S3Store, key: str, create_only: bool) -> None:
+        self._store = store
+        self._key = key
+        self._create_only = create_only
+        self._part_size = store.options.part_size
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._slots = threading.BoundedSemaphore(store.options.max_concurrency)
+        self._size = 0
+        self._crc = 0
+        self._closed = False
+
+    @property
+    def bytes_written(self) -> int:
+        return self._size
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise StorageError(f"write to {self._key!r} after commit or abort")
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        try:
+            while view.nbytes:
+                room = self._part_size - len(self._buffer)
+                self._buffer += view[:room]
+                view = view[room:]
+                if len(self._buffer) == self._part_size:
+                    self._send_part()
+        except BaseException:
+            self.abort()
+            raise
+        self._size += size
+
+    def _send_part(self) -> None:
+        self._raise_failed_part()
+        if self._upload_id is None:
+            self._upload_id = self._store.create_multipart(self._key)
+        if len(self._parts) >= MAX_PARTS:
+            raise StorageError(f"{self._key!r} needs more than {MAX_PARTS} parts; raise part_size")
+        body, self._buffer = self._buffer, bytearray()
+        self._slots.acquire()
+        number = len(self._parts) + 1
+        try:
+            future = self._store.pool.submit(self._upload_part, self._upload_id, number, body)
+        except BaseException:
+            self._slots.release()
+            raise
+        self._parts.append(future)
+
+    def _upload_part(self, upload_id: str, number: int, body: bytearray) -> dict[str, Any]:
+        try:
+            return self._store.upload_part(self._key, upload_id, number, body)
+        finally:
+            self._slots.release()
+
+    def _raise_failed_part(self) -> None:
+        for future in self._parts:
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+
+    def commit(self) -> ObjectInfo:
+        if self._closed:
+            raise StorageError(f"commit of {self._key!r} after commit or abort")
+        try:
+            if self._upload_id is None:
+                body, self._buffer = self._buffer, bytearray()
+                self._store.put(self._key, bytes(body), create_only=self._create_only)
+            else:
+                if self._buffer:
+                    self._send_part()
+                parts = [future.result() for future in self._parts]
+                self._store.complete_multipart(
+                    self._key, self._upload_id, parts, create_only=self._create_only
+                )
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return ObjectInfo(self._key, self._size)
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._buffer = bytearray()
+        for future in self._parts:
+            future.cancel()
+        for future in self._parts:
+            if not future.cancelled():
+                future.exception()  # waits; the error, if any, was already raised or is moot
+        if self._upload_id is not None:
+            self._store.abort_upload(UploadInfo(self._key, self._upload_id))
+
+
+class S3Store:
+    """A bucket prefix on S3 or any S3-compatible server."""
+
+    def __init__(self, bucket: str, prefix: str, options: S3Options) -> None:
+        if len(bucket) < 3:
+            raise ValueError(f"S3 bucket name {bucket!r} is too short (3 characters at least)")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.options = options
+        session = boto3.session.Session(
+            aws_access_key_id=options.aws_access_key_id,
+            aws_secret_access_key=options.aws_secret_access_key,
+            aws_session_token=options.aws_session_token,
+            profile_name=options.profile_name,
+            region_name=options.region_name,
+        )
+        config = botocore.config.Config(
+            max_pool_connections=options.max_concurrency * 2 + 4,
+            retries={"max_attempts": 1, "mode": "standard"},
+            connect_timeout=options.connect_timeout_s,
+            read_timeout=options.read_timeout_s,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": options.addressing_style},
+        )
+        self.client = session.client("s3", endpoint_url=options.endpoint_url, config=config)
+        self.pool = ThreadPoolExecutor(options.max_concurrency, thread_name_prefix="spotckpt-s3")
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def _full(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _full_prefix(self, prefix: str) -> str:
+        if prefix:
+            return self._full(prefix)
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def _relative(self, full_key: str) -> str:
+        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return self.options.retry.call(fn, is_transient, what)
+        except botocore.exceptions.ClientError as error:
+            raise translate_error(error, what) from None
+
+    # Writes ---------------------------------------------------------------------------------
+
+    def open_writer(self, key: str, *, create_only: bool = False) -> S3Writer:
+        self._full(key)
+        return S3Writer(self, key, create_only)
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key), "Body": data}
+        if create_only:
+            args["IfNoneMatch"] = "*"
+        if self.options.send_checksums:
+            args["ChecksumCRC32C"] = crc32c_b64(data)
+        self._call(f"put {self.uri}/{key}", lambda: self.client.put_object(**args))
+        return ObjectInfo(key, len(data))
+
+    def create_multipart(self, key: str) -> str:
+        """Start a multipart upload; returns its id."""
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
+        if self.options.send_checksums:
+            args["ChecksumAlgorithm"] = "CRC32C"
+        response = self._call(
+            f"start upload {self.uri}/{key}", lambda: self.client.create_multipart_upload(**args)
+        )
+        return str(response["UploadId"])
+
+    def upload_part(self, key: str, upload_id: str, number: int, body: bytearray) -> dict[str, Any]:
+        """Upload one part (retried alone); returns its entry for CompleteMultipartUpload."""
+        args: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self._full(key),
+            "UploadId": upload_id,
+            "PartNumber": number,
+            "Body": body,
+        }
+        part: dict[str, Any] = {"PartNumber": number}
+        if self.options.send_checksums:
+            args["ChecksumCRC32C"] = part["ChecksumCRC32C"] = crc32c_b64(body)
+        response = self._call(
+            f"upload part {number} of {self.uri}/{key}", lambda: self.client.upload_part(**args)
+        )
+        part["ETag"] = response["ETag"]
+        return part
+
+    def complete_multipart(
+        self, key: str, upload_id: str, parts: list[dict[str, Any]], *, create_only: bool
+    ) -> None:
+        """Finish a multipart upload; create-only sends If-None-Match."""
+        args: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self._full(key),
+            "UploadId": upload_id,
+            "MultipartUpload": {"Parts": parts},
+        }
+        if create_only:
+            args["IfNoneMatch"] = "*"
+        self._call(
+            f"complete upload {self.uri}/{key}",
+            lambda: self.client.complete_multipart_upload(**args),
+        )
+
+    def abort_upload(self, upload: UploadInfo) -> None:
+        what = f"abort upload {self.uri}/{upload.key}"
+        try:
+            self._call(
+                what,
+                lambda: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=self._full(upload.key), UploadId=upload.upload_id
+                ),
+            )
+        except ObjectNotFoundError:
+            return
+
+    # Reads ----------------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        def fetch() -> bytes:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._full(key))
+            return bytes(response["Body"].read())
+
+        return self._call(f"get {self.uri}/{key}", fetch)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise ValueError("range start and length must be non-negative")
+        if length == 0:
+            return b""
+        byte_range = f"bytes={start}-{start + length - 1}"
+
+        def fetch() -> bytes:
+            try:
+                response = self.client.get_object(
+                    Bucket=self.bucket, Key=self._full(key), Range=byte_range
+                )
+            except botocore.exceptions.ClientError as error:
+                if _error_code(error) == ("InvalidRange", 416):
+                    return b""
+                raise
+            return bytes(response["Body"].read())
+
+        return self._call(f"get {byte_range} of {self.uri}/{key}", fetch)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            response = self._call(
+                f"head {self.uri}/{key}",
+                lambda: self.client.head_object(Bucket=self.bucket, Key=self._full(key)),
+            )
+        except ObjectNotFoundError:
+            return None
+        return ObjectInfo(key, int(response["ContentLength"]), response.get("LastModified"))
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        full_prefix = self._full_prefix(prefix)
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": full_prefix,
+                "MaxKeys": self.options.list_page_size,
+            }
+            if token:
+                args["ContinuationToken"] = token
+            page = self._call(
+                f"list {self.uri}/{prefix}", lambda a=args: self.client.list_objects_v2(**a)
+            )
+            for item in page.get("Contents", []):
+                yield ObjectInfo(
+                    self._relative(item["Key"]), int(item["Size"]), item.get("LastModified")
+                )
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        full = [self._full(k) for k in keys]
+        for start in range(0, len(full), DELETE_BATCH):
+            batch = [{"Key": k} for k in full[start : start + DELETE_BATCH]]
+            response = self._call(
+                f"delete {len(batch)} objects under {self.uri}",
+                lambda b=batch: self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}
+                ),
+            )
+            errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"deleting {len(errors)} objects under {self.uri} failed, first "
+                    f"{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
+                )
+
+    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        full_prefix = self._full_prefix(prefix)
+        uploads: list[UploadInfo] = []
+        markers: dict[str, str] = {}
+        while True:
+            args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix, **markers}
+            page = self._call(
+                f"list uploads {self.uri}/{prefix}",
+                lambda a=args: self.client.list_multipart_uploads(**a),
+            )
+            for item in page.get("Uploads", []):
+                uploads.append(
+                    UploadInfo(self._relative(item["Key"]), item["UploadId"], item.get("Initiated"))
+                )
+            if not page.get("IsTruncated"):
+                return uploads
+            markers = {
+                "KeyMarker": page.get("NextKeyMarker", ""),
+                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
+            }
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.client.close()
+
+
+def open_s3_store(uri: str, options: dict[str, Any]) -> S3Store:
+    """Factory for ``s3://bucket/prefix``; see `S3Options` for the options."""
+    parts = urlsplit(uri)
+    if not parts.netloc:
+        raise ValueError(f"S3 URI {uri!r} has no bucket; use s3://bucket/prefix")
+    if parts.username or parts.password:
+        raise ValueError("S3 URI must not carry credentials; use the standard AWS credential chain")
+    if "endpoint_url" not in options:
+        options["endpoint_url"] = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+            "AWS_ENDPOINT_URL"
+        )
+    return S3Store(parts.netloc, parts.path, S3Options.from_options(options))

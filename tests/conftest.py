@@ -1,0 +1,58 @@
+"""Shared fixtures: a moto S3 server over HTTP on loopback, and a fresh bucket per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+# Fake credentials for the loopback server only; nothing here can reach AWS.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.pop("AWS_PROFILE", None)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """URL of a moto S3 server running on 127.0.0.1 for the whole test session."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_client(moto_endpoint: str):  # type: ignore[no-untyped-def]
+    """A plain boto3 client on the moto server, for looking behind spotckpt's back."""
+    return boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+
+
+@pytest.fixture
+def s3_bucket(s3_client) -> str:  # type: ignore[no-untyped-def]
+    """A new, empty bucket on the moto server."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_uri(s3_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """An s3:// root in a fresh bucket; AWS_ENDPOINT_URL points at moto for child processes."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    return f"s3://{s3_bucket}/runs/exp1"
+
+
+@pytest.fixture
+def memory_uri() -> Iterator[str]:
+    """A fresh memory:// store, dropped after the test."""
+    from spotckpt.storage.memory import drop_memory_store
+
+    name = f"mem-{uuid.uuid4().hex[:8]}"
+    yield f"memory://{name}"
+    drop_memory_store(name)

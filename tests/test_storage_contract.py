@@ -1,0 +1,195 @@
+"""One contract, every store: memory, local disk, and S3 on a moto server over HTTP.
+
+A new back end joins by adding a fixture parameter to `store`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotckpt.storage import (
+    AlreadyExistsError,
+    InvalidKeyError,
+    ObjectNotFoundError,
+    ObjectStore,
+    open_store,
+)
+
+MIB = 1 << 20
+PART = 5 * MIB
+
+
+def _payload(size: int, seed: int = 0) -> bytes:
+    return (bytes(range(256)) * (size // 256 + 1))[seed : seed + size] if size else b""
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
+    kind = request.param
+    if kind == "memory":
+        uri = request.getfixturevalue("memory_uri")
+        opened = open_store(uri)
+    elif kind == "local":
+        opened = open_store(str(tmp_path / "root"))
+    else:
+        uri = request.getfixturevalue("s3_uri")
+        opened = open_store(uri, part_size=PART, max_concurrency=4, list_page_size=7)
+    yield opened
+    opened.close()
+
+
+def test_put_get_head_exists(store: ObjectStore) -> None:
+    store.put("a/b.bin", b"hello")
+    assert store.get("a/b.bin") == b"hello"
+    info = store.head("a/b.bin")
+    assert info is not None and info.size == 5 and info.key == "a/b.bin"
+    assert store.exists("a/b.bin")
+    assert not store.exists("a/missing.bin")
+    assert store.head("a/missing.bin") is None
+    with pytest.raises(ObjectNotFoundError):
+        store.get("a/missing.bin")
+
+
+def test_empty_object(store: ObjectStore) -> None:
+    store.put("empty", b"")
+    assert store.get("empty") == b""
+    with store.open_writer("empty-streamed") as writer:
+        writer.write(b"")
+    assert store.get("empty-streamed") == b""
+    assert store.head("empty-streamed").size == 0  # type: ignore[union-attr]
+
+
+def test_streamed_object_larger_than_three_parts(store: ObjectStore) -> None:
+    data = os.urandom(3 * PART + 12345)
+    with store.open_writer("big/object.bin") as writer:
+        # uneven chunks so part boundaries fall inside writes
+        for start in range(0, len(data), 3 * MIB + 7):
+            writer.write(memoryview(data)[start : start + 3 * MIB + 7])
+    assert writer.bytes_written == len(data)
+    assert store.get("big/object.bin") == data
+
+
+def test_streamed_object_of_exactly_one_part(store: ObjectStore) -> None:
+    data = os.urandom(PART)
+    with store.open_writer("one-part") as writer:
+        writer.write(data)
+    assert store.get("one-part") == data
+
+
+def test_ranged_reads_at_edges(store: ObjectStore) -> None:
+    data = _payload(1000)
+    store.put("r", data)
+    assert store.get_range("r", 0, 1) == data[:1]
+    assert store.get_range("r", 999, 1) == data[999:]
+    assert store.get_range("r", 10, 0) == b""
+    assert store.get_range("r", 0, 1000) == data
+    assert store.get_range("r", 990, 50) == data[990:]
+    assert store.get_range("r", 1000, 10) == b""
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range("nope", 0, 10)
+
+
+def test_create_only_put_conflicts(store: ObjectStore) -> None:
+    store.put("m.json", b"first", create_only=True)
+    with pytest.raises(AlreadyExistsError):
+        store.put("m.json", b"second", create_only=True)
+    assert store.get("m.json") == b"first"
+    store.put("m.json", b"overwrite")
+    assert store.get("m.json") == b"overwrite"
+
+
+def test_create_only_streamed_conflicts_small_and_multipart(store: ObjectStore) -> None:
+    for size in (10, 2 * PART + 1):
+        key = f"c-{size}"
+        with store.open_writer(key, create_only=True) as writer:
+            writer.write(_payload(size))
+        writer2 = store.open_writer(key, create_only=True)
+        writer2.write(os.urandom(size))
+        with pytest.raises(AlreadyExistsError):
+            writer2.commit()
+        assert store.get(key) == _payload(size)
+    assert store.list_uploads() == []
+
+
+def test_concurrent_create_only_has_one_winner(store: ObjectStore) -> None:
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def attempt(i: int) -> None:
+        try:
+            store.put("race", f"writer-{i}".encode(), create_only=True)
+            outcome = "won"
+        except AlreadyExistsError:
+            outcome = "lost"
+        with lock:
+            results.append(outcome)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["lost"] * 5 + ["won"]
+
+
+def test_abort_leaves_nothing(store: ObjectStore) -> None:
+    writer = store.open_writer("aborted/obj")
+    writer.write(os.urandom(2 * PART + 3))
+    writer.abort()
+    writer.abort()  # idempotent
+    assert not store.exists("aborted/obj")
+    assert list(store.list("aborted/")) == []
+    assert store.list_uploads() == []
+
+
+def test_error_inside_writer_block_aborts(store: ObjectStore) -> None:
+    with pytest.raises(RuntimeError, match="boom"), store.open_writer("x/y") as writer:
+        writer.write(os.urandom(PART + 1))
+        raise RuntimeError("boom")
+    assert not store.exists("x/y")
+    assert store.list_uploads() == []
+
+
+def test_list_paginates_and_filters(store: ObjectStore) -> None:
+    keys = [f"step-{i:03d}/obj" for i in range(23)] + ["other/file"]
+    for key in keys:
+        store.put(key, key.encode())
+    listed = [info.key for info in store.list("step-")]
+    assert listed == sorted(k for k in keys if k.startswith("step-"))
+    assert [i.size for i in store.list("step-001/")] == [len(b"step-001/obj")]
+    assert sorted(i.key for i in store.list()) == sorted(keys)
+
+
+def test_delete_many(store: ObjectStore) -> None:
+    for i in range(5):
+        store.put(f"d/{i}", b"x")
+    store.delete_many([f"d/{i}" for i in range(3)] + ["d/never-existed"])
+    assert [i.key for i in store.list("d/")] == ["d/3", "d/4"]
+    store.delete_many([])
+
+
+@pytest.mark.parametrize(
+    "key", ["../escape", "a/../../b", "/abs", "s3://other/key", "a//b", "a\\b", "", "a/./b"]
+)
+def test_bad_keys_are_rejected(store: ObjectStore, key: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        store.put(key, b"x")
+    with pytest.raises(InvalidKeyError):
+        store.get(key)
+
+
+def test_stores_with_same_uri_share_objects(store: ObjectStore) -> None:
+    key = f"shared-{uuid.uuid4().hex}"
+    store.put(key, b"seen")
+    options = {"part_size": PART} if store.uri.startswith("s3://") else {}
+    other = open_store(store.uri, **options)
+    try:
+        assert other.get(key) == b"seen"
+    finally:
+        other.close()
