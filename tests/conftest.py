@@ -56,3 +56,10 @@ def memory_uri() -> Iterator[str]:
     name = f"mem-{uuid.uuid4().hex[:8]}"
     yield f"memory://{name}"
     drop_memory_store(name)
+
+
+# Metadata services: never reach a real address from tests. A closed loopback port makes the
+# preemption pollers find "no service" at once, and botocore never looks for IMDS credentials.
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")

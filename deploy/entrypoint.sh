@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Container entry point: run the trainer under torchrun so that a stop signal reaches every
+# worker, the workers get the time their emergency save needs, and the container's exit status
+# tells the scheduler what to do:
+#   0   training finished
+#   75  preempted: a checkpoint was (or was being) saved; start the job again to resume
+#   1   anything else (a crash): counts against the scheduler's retry limit
+#
+# Signal path: docker stop / kubelet / systemd -> tini (PID 1) -> this script, which `exec`s the
+# launcher, so the launcher *is* this process -> torchrun's agent (inside the launcher) forwards
+# the signal to each worker's process group -> the trainer's PreemptionWatcher flags it, the
+# training loop saves, and the worker exits 75.
+#
+# Timing chain (every link must be longer than the one before it):
+#   SPOTCKPT_SAVE_BUDGET_S                    seconds the trainer's emergency save may take
+#   + SPOTCKPT_EXIT_MARGIN_S                  seconds for a worker to exit after its save
+#   = torchrun --shutdown-timeout             torchrun SIGKILLs workers this long after forwarding
+#   + a few seconds for the launcher to exit
+#   <= the caller's stop timeout              Kubernetes terminationGracePeriodSeconds,
+#                                             `docker run --stop-timeout`, systemd TimeoutStopSec
+# torchrun's own default shutdown timeout is 30 s whatever the save needs; it is set here.
+#
+# Arguments are passed to the training script (e.g. --steps 1000 --save-every 100).
+# Environment (all optional):
+#   SPOTCKPT_URI                 checkpoint root, read by the trainer (s3://, gs://, file://, path)
+#   SPOTCKPT_SAVE_BUDGET_S       emergency save budget in seconds (default 25, as the trainer's)
+#   SPOTCKPT_EXIT_MARGIN_S       see above (default 5)
+#   SPOTCKPT_NPROC_PER_NODE      worker processes (default: one per visible GPU, else 1)
+#   SPOTCKPT_TORCHRUN_ARGS       rendezvous arguments for torchrun (default: --standalone)
+#   SPOTCKPT_TRAIN_SCRIPT        the training script (default: train.py beside this file, else
+#                                ../examples/train.py, as laid out in the repository)
+#   SPOTCKPT_PYTHON              the interpreter (default: python3)
+#   SPOTCKPT_DRY_RUN=1           print the command, one argument per line, and exit 0
+set -euo pipefail
+
+die() {
+	echo "entrypoint: $*" >&2
+	exit 2
+}
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# Whole seconds, rounded up, so "12.5" gives 13.
+ceil_seconds() {
+	local name="$1" value="$2"
+	[[ $value =~ ^([0-9]+)(\.([0-9]+))?$ ]] || die "$name must be a number of seconds, got '$value'"
+	local whole=$((10#${BASH_REMATCH[1]}))
+	if [[ -n ${BASH_REMATCH[3]:-} && ${BASH_REMATCH[3]} =~ [1-9] ]]; then
+		whole=$((whole + 1))
+	fi
+	echo "$whole"
+}
+
+export SPOTCKPT_SAVE_BUDGET_S="${SPOTCKPT_SAVE_BUDGET_S:-25}"
+budget="$(ceil_seconds SPOTCKPT_SAVE_BUDGET_S "$SPOTCKPT_SAVE_BUDGET_S")"
+margin="$(ceil_seconds SPOTCKPT_EXIT_MARGIN_S "${SPOTCKPT_EXIT_MARGIN_S:-5}")"
+shutdown_timeout=$((budget + margin))
+
+# Signals torchrun catches and forwards to the workers. SIGUSR1 is what SLURM and some
+# schedulers send ahead of a stop; torchrun does not handle it unless told.
+signals="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+nproc="${SPOTCKPT_NPROC_PER_NODE:-}"
+if [[ -z $nproc ]]; then
+	nproc=0
+	if command -v nvidia-smi >/dev/null 2>&1; then
+		nproc="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+	fi
+	[[ $nproc -gt 0 ]] || nproc=1
+fi
+[[ $nproc =~ ^[1-9][0-9]*$ ]] || die "SPOTCKPT_NPROC_PER_NODE must be a positive integer, got '$nproc'"
+
+script="${SPOTCKPT_TRAIN_SCRIPT:-}"
+if [[ -z $script ]]; then
+	if [[ -f $here/train.py ]]; then
+		script="$here/train.py"
+	else
+		script="$here/../examples/train.py"
+	fi
+fi
+[[ -f $script ]] || die "training script not found: $script"
+
+# Word splitting is intended: the variable holds several torchrun options.
+# shellcheck disable=SC2206
+rdzv=(${SPOTCKPT_TORCHRUN_ARGS:---standalone})
+
+cmd=(
+	"${SPOTCKPT_PYTHON:-python3}" "$here/launch.py"
+	"${rdzv[@]}"
+	--nproc-per-node="$nproc"
+	--max-restarts=0
+	--shutdown-timeout="$shutdown_timeout"
+	--signals-to-handle="$signals"
+	"$script" "$@"
+)
+
+if [[ ${SPOTCKPT_DRY_RUN:-0} == 1 ]]; then
+	printf '%s\n' "${cmd[@]}"
+	exit 0
+fi
+
+echo "entrypoint: save budget ${budget}s, torchrun shutdown timeout ${shutdown_timeout}s," \
+	"$nproc worker(s), script $script" >&2
+# exec: no shell stays in between to swallow the stop signal.
+exec "${cmd[@]}"

@@ -1,0 +1,1 @@
+"""On-bucket formats: streaming safetensors files and the JSON manifest."""

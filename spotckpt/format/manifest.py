@@ -1,0 +1,354 @@
+"""The manifest: the JSON commit record of one checkpoint, and DCP metadata to and from it.
+
+A checkpoint exists exactly when ``step-<N>/manifest.json`` exists. The manifest names every
+data object (size, CRC32C), every tensor (dtype, global shape, chunks, where each chunk's bytes lie
+and their per-block CRC32Cs) and every non-tensor value. It is plain JSON: nothing in it is ever
+unpickled. Everything read from a bucket is validated here before use; a bad manifest raises
+`ManifestError` that names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from spotckpt.format.dtypes import BY_NAME
+from spotckpt.storage.base import InvalidKeyError, check_key
+
+FORMAT_VERSION = "spotckpt/1"
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest.json"
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_OBJECTS = 1_000_000
+MAX_ENTRIES = 5_000_000
+MAX_BLOCK_SIZE = 1 << 30
+_STEP_FOLDER = re.compile(r"^step-(\d{9,})$")
+
+
+class ManifestError(ValueError):
+    """A manifest is malformed, inconsistent or of an unknown format."""
+
+
+def step_folder(step: int) -> str:
+    """The folder of a step, zero-padded so that lexical order is numeric order."""
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+    return f"step-{step:09d}"
+
+
+def parse_step_folder(name: str) -> int | None:
+    """The step of a folder name made by `step_folder`, or None for any other name."""
+    match = _STEP_FOLDER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def manifest_key(step: int) -> str:
+    """Key of a step's manifest, relative to the checkpoint root."""
+    return f"{step_folder(step)}/{MANIFEST_NAME}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectRecord:
+    """One data object of the checkpoint; `key` is relative to the step folder."""
+
+    key: str
+    size: int
+    crc32c: int
+    rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkLocation:
+    """Where one stored chunk's bytes lie, with a CRC32C per `block_size` block."""
+
+    key: str
+    offset: int
+    length: int
+    block_crc32c: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorChunk:
+    """A rectangular piece of a tensor, as DCP's ChunkStorageMetadata, plus its location."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    location: ChunkLocation
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRecord:
+    """A tensor's dtype, global shape and stored chunks."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[TensorChunk, ...]
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """The commit record of one checkpoint."""
+
+    step: int
+    attempt: str
+    world_size: int
+    block_size: int
+    objects: dict[str, ObjectRecord]
+    tensors: dict[str, TensorRecord]
+    values: dict[str, ChunkLocation]
+    created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    versions: dict[str, str] = field(default_factory=dict)
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    planner_data: dict[str, list[str | int]] = field(default_factory=dict)
+    format: str = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all data objects."""
+        return sum(o.size for o in self.objects.values())
+
+    def to_json(self) -> bytes:
+        """Serialise to UTF-8 JSON."""
+        document = {
+            "format": self.format,
+            "step": self.step,
+            "attempt": self.attempt,
+            "created_at": self.created_at,
+            "world_size": self.world_size,
+            "versions": self.versions,
+            "block_size": self.block_size,
+            "objects": [_object_json(o) for o in self.objects.values()],
+            "tensors": {fqn: _tensor_json(t) for fqn, t in self.tensors.items()},
+            "values": {fqn: _location_json(v) for fqn, v in self.values.items()},
+            "planner_data": self.planner_data,
+            "user_metadata": self.user_metadata,
+        }
+        return json.dumps(document, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, expected_step: int | None = None) -> Manifest:
+        """Parse and validate; raises ManifestError naming the first problem found."""
+        try:
+            return _parse(data, expected_step)
+        except InvalidKeyError as error:
+            raise ManifestError(f"manifest holds an unsafe object key: {error}") from None
+
+    def to_dcp(self) -> tuple[Metadata, dict[MetadataIndex, ChunkLocation]]:
+        """DCP metadata for a load, and where each stored item's bytes lie."""
+        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        locations: dict[MetadataIndex, ChunkLocation] = {}
+        for fqn, tensor in self.tensors.items():
+            chunks = []
+            for chunk in tensor.chunks:
+                chunks.append(
+                    ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
+                )
+                locations[MetadataIndex(fqn, torch.Size(chunk.offsets))] = chunk.location
+            properties = TensorProperties(dtype=BY_NAME[tensor.dtype].torch_dtype)
+            state[fqn] = TensorStorageMetadata(properties, torch.Size(tensor.shape), chunks)
+        for fqn, location in self.values.items():
+            state[fqn] = BytesStorageMetadata()
+            locations[MetadataIndex(fqn)] = location
+        planner_data = {fqn: tuple(path) for fqn, path in self.planner_data.items()}
+        metadata = Metadata(state_dict_metadata=state, planner_data=planner_data)
+        metadata.storage_data = locations
+        return metadata, locations
+
+
+def _object_json(record: ObjectRecord) -> dict[str, Any]:
+    return {"key": record.key, "size": record.size, "crc32c": record.crc32c, "rank": record.rank}
+
+
+def _location_json(location: ChunkLocation) -> dict[str, Any]:
+    return {
+        "key": location.key,
+        "offset": location.offset,
+        "length": location.length,
+        "block_crc32c": list(location.block_crc32c),
+    }
+
+
+def _tensor_json(tensor: TensorRecord) -> dict[str, Any]:
+    return {
+        "dtype": tensor.dtype,
+        "shape": list(tensor.shape),
+        "chunks": [
+            {"offsets": list(c.offsets), "sizes": list(c.sizes), **_location_json(c.location)}
+            for c in tensor.chunks
+        ],
+    }
+
+
+# Parsing and validation -----------------------------------------------------------------------
+
+
+def _fail(message: str) -> ManifestError:
+    return ManifestError(message)
+
+
+def _get(document: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if name not in document:
+        raise _fail(f"{where}: missing field {name!r}")
+    value = document[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _fail(f"{where}: field {name!r} has the wrong type")
+    return value
+
+
+def _count(document: dict[str, Any], name: str, where: str) -> int:
+    value = _get(document, name, int, where)
+    if isinstance(value, bool) or value < 0:
+        raise _fail(f"{where}: {name!r} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise _fail(f"{where}: expected a list of non-negative integers")
+    return tuple(value)
+
+
+def _parse(data: bytes, expected_step: int | None) -> Manifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise _fail(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    try:
+        document = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _fail(f"manifest is not valid JSON (truncated or corrupt?): {error}") from None
+    if not isinstance(document, dict):
+        raise _fail("manifest is not a JSON object")
+    version = document.get("format")
+    if version != FORMAT_VERSION:
+        raise _fail(f"unknown manifest format {version!r}; this spotckpt reads {FORMAT_VERSION!r}")
+    step = _count(document, "step", "manifest")
+    if expected_step is not None and step != expected_step:
+        raise _fail(f"manifest in the folder of step {expected_step} claims step {step}")
+    block_size = _count(document, "block_size", "manifest")
+    if not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise _fail(f"manifest block_size {block_size} is out of range")
+    objects = _parse_objects(_get(document, "objects", list, "manifest"))
+    tensors_json = _get(document, "tensors", dict, "manifest")
+    values_json = _get(document, "values", dict, "manifest")
+    if len(tensors_json) + len(values_json) > MAX_ENTRIES:
+        raise _fail(f"manifest lists more than {MAX_ENTRIES} tensors and values")
+    tensors = {
+        fqn: _parse_tensor(fqn, entry, objects, block_size) for fqn, entry in tensors_json.items()
+    }
+    values = {
+        fqn: _parse_location(entry, objects, block_size, f"value {fqn!r}")
+        for fqn, entry in values_json.items()
+    }
+    planner_data = document.get("planner_data", {})
+    if not isinstance(planner_data, dict) or not all(
+        isinstance(p, list) and all(isinstance(x, (str, int)) for x in p)
+        for p in planner_data.values()
+    ):
+        raise _fail("manifest planner_data must map names to lists of keys")
+    user_metadata = document.get("user_metadata", {})
+    versions = document.get("versions", {})
+    if not isinstance(user_metadata, dict) or not isinstance(versions, dict):
+        raise _fail("manifest user_metadata and versions must be JSON objects")
+    return Manifest(
+        step=step,
+        attempt=str(_get(document, "attempt", str, "manifest")),
+        created_at=str(_get(document, "created_at", str, "manifest")),
+        world_size=_count(document, "world_size", "manifest"),
+        block_size=block_size,
+        objects=objects,
+        tensors=tensors,
+        values=values,
+        versions={str(k): str(v) for k, v in versions.items()},
+        user_metadata=user_metadata,
+        planner_data=planner_data,
+    )
+
+
+def _parse_objects(entries: list[Any]) -> dict[str, ObjectRecord]:
+    if len(entries) > MAX_OBJECTS:
+        raise _fail(f"manifest lists {len(entries)} objects, more than {MAX_OBJECTS}")
+    objects: dict[str, ObjectRecord] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise _fail("manifest object entries must be JSON objects")
+        key = check_key(_get(entry, "key", str, "object"))
+        if key == MANIFEST_NAME or key in objects:
+            raise _fail(f"object key {key!r} is reserved or listed twice")
+        where = f"object {key!r}"
+        crc = _count(entry, "crc32c", where)
+        if crc >= 1 << 32:
+            raise _fail(f"{where}: crc32c is not a 32-bit value")
+        objects[key] = ObjectRecord(
+            key=key, size=_count(entry, "size", where), crc32c=crc, rank=_count(entry, "rank", where)
+        )
+    return objects
+
+
+def _parse_location(
+    entry: Any, objects: dict[str, ObjectRecord], block_size: int, where: str
+) -> ChunkLocation:
+    if not isinstance(entry, dict):
+        raise _fail(f"{where}: location must be a JSON object")
+    key = check_key(_get(entry, "key", str, where))
+    record = objects.get(key)
+    if record is None:
+        raise _fail(f"{where}: refers to object {key!r} that the manifest does not list")
+    offset, length = _count(entry, "offset", where), _count(entry, "length", where)
+    if offset + length > record.size:
+        raise _fail(
+            f"{where}: bytes {offset}..{offset + length} lie beyond the {record.size}-byte "
+            f"object {key!r}"
+        )
+    crcs = _ints(_get(entry, "block_crc32c", list, where), where)
+    if len(crcs) != max(1, math.ceil(length / block_size)) or any(c >= 1 << 32 for c in crcs):
+        raise _fail(f"{where}: block_crc32c does not match its length of {length} bytes")
+    return ChunkLocation(key=key, offset=offset, length=length, block_crc32c=crcs)
+
+
+def _parse_tensor(
+    fqn: str, entry: Any, objects: dict[str, ObjectRecord], block_size: int
+) -> TensorRecord:
+    where = f"tensor {fqn!r}"
+    if not isinstance(entry, dict):
+        raise _fail(f"{where}: entry must be a JSON object")
+    dtype = BY_NAME.get(_get(entry, "dtype", str, where))
+    if dtype is None:
+        raise _fail(f"{where}: unknown dtype {entry.get('dtype')!r}")
+    shape = _ints(_get(entry, "shape", list, where), where)
+    chunks = []
+    stored_elements = 0
+    for chunk in _get(entry, "chunks", list, where):
+        if not isinstance(chunk, dict):
+            raise _fail(f"{where}: chunk must be a JSON object")
+        offsets = _ints(_get(chunk, "offsets", list, where), where)
+        sizes = _ints(_get(chunk, "sizes", list, where), where)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise _fail(f"{where}: chunk rank differs from the tensor's {len(shape)} dimensions")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise _fail(f"{where}: chunk at {list(offsets)} reaches outside shape {list(shape)}")
+        location = _parse_location(chunk, objects, block_size, where)
+        elements = math.prod(sizes)
+        if location.length != elements * dtype.itemsize:
+            raise _fail(
+                f"{where}: chunk of {elements} {dtype.name} elements has {location.length} bytes"
+            )
+        stored_elements += elements
+        chunks.append(TensorChunk(offsets=offsets, sizes=sizes, location=location))
+    if stored_elements != math.prod(shape):
+        raise _fail(f"{where}: chunks hold {stored_elements} elements, shape needs {math.prod(shape)}")
+    return TensorRecord(dtype=dtype.name, shape=shape, chunks=tuple(chunks))

@@ -1,0 +1,487 @@
+"""`CheckpointManager`: save, restore, list, retention, preemption handling.
+
+One manager per process (per rank). All ranks call `save`, `maybe_save` and `restore` at the
+same points; the coordinator (rank 0) alone lists the bucket, reads and validates manifests,
+commits and applies retention, and shares its decisions with the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from spotckpt.config import Config
+from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats
+from spotckpt.errors import (
+    CheckpointAlreadyCommittedError,
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    SaveFailedError,
+)
+from spotckpt.format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    manifest_key,
+    parse_step_folder,
+    step_folder,
+)
+from spotckpt.preemption import PreemptionWatcher
+from spotckpt.state import RNG_KEY, TrainState, as_dcp_state
+from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, open_store
+from spotckpt.version import __version__
+
+log = logging.getLogger("spotckpt")
+
+
+class KeyMismatchError(CheckpointError, KeyError):
+    """The state to restore and the checkpoint disagree on which keys exist."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class CheckedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus a clear error naming missing and unexpected keys."""
+
+    def __init__(self, allow_missing: bool, allow_unexpected: bool) -> None:
+        super().__init__(allow_partial_load=allow_missing)
+        self.allow_unexpected = allow_unexpected
+
+    def create_local_plan(self):  # type: ignore[no-untyped-def]
+        stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
+        wanted = set(self.state_dict)
+        missing = sorted(wanted - stored)
+        unexpected = sorted(k for k in stored - wanted if not k.startswith(f"{RNG_KEY}."))
+        problems = []
+        if missing and not self.allow_partial_load:
+            problems.append(f"missing from the checkpoint: {_some(missing)}")
+        if unexpected and not self.allow_unexpected:
+            problems.append(f"in the checkpoint but not in the state: {_some(unexpected)}")
+        if problems:
+            raise KeyMismatchError(
+                "; ".join(problems) + " (pass strict=False to restore() to allow this)"
+            )
+        return super().create_local_plan()
+
+
+def _some(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class CheckpointManager:
+    """Saves and restores training state under one checkpoint root URI.
+
+    See README.md for the full tour. Key arguments: `keep_last` (retention, committed
+    checkpoints only), `interval_steps` (cadence of `maybe_save`), `async_save` (stage to CPU and
+    upload in the background), `preemption` (True: create and start a `PreemptionWatcher`; or
+    pass one), `storage_options` (back-end settings such as ``endpoint_url``).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        keep_last: int | None = None,
+        interval_steps: int | None = None,
+        async_save: bool = False,
+        preemption: bool | PreemptionWatcher = True,
+        storage_options: Mapping[str, Any] | None = None,
+        prefix_spread: bool = False,
+        collective_timeout_s: float = 300.0,
+        agree_every: int = 1,
+        store: ObjectStore | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1 (or None to keep everything)")
+        if interval_steps is not None and interval_steps < 1:
+            raise ValueError("interval_steps must be at least 1 (or None)")
+        if agree_every < 1:
+            raise ValueError("agree_every must be at least 1")
+        self.uri = uri
+        self.keep_last = keep_last
+        self.interval_steps = interval_steps
+        self.async_save = async_save
+        self.prefix_spread = prefix_spread
+        self.agree_every = agree_every
+        self.store = store if store is not None else open_store(uri, **dict(storage_options or {}))
+        self.rank = dist.get_rank() if _distributed() else 0
+        self.world_size = dist.get_world_size() if _distributed() else 1
+        self.group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout_s))
+            if _distributed()
+            else None
+        )
+        self.watcher = self._make_watcher(preemption)
+        self._pending: Future[Any] | None = None
+        self._pending_step: int | None = None
+        self._stager: DefaultStager | None = None
+        self._stop = False
+        self._closed = False
+        self.last_save_seconds: float | None = None
+        self.last_read_stats: ReadStats | None = None
+
+    @classmethod
+    def from_config(cls, config: Config | None = None, **overrides: Any) -> CheckpointManager:
+        """Build from a `Config` (by default loaded from kwargs, env and spotckpt.toml)."""
+        config = config if config is not None else Config.load(**overrides)
+        return cls(config.uri, **config.manager_kwargs())
+
+    def _make_watcher(self, preemption: bool | PreemptionWatcher) -> PreemptionWatcher | None:
+        if isinstance(preemption, PreemptionWatcher):
+            return preemption
+        if not preemption:
+            return None
+        watcher = PreemptionWatcher()
+        watcher.start()
+        return watcher
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Whether this rank commits, lists and applies retention."""
+        return self.rank == 0
+
+    # Saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: TrainState | Mapping[str, Any],
+        *,
+        blocking: bool | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Checkpoint `state` as `step` on every rank; commits once all ranks wrote.
+
+        Blocking by default unless the manager was built with ``async_save=True``. A new save
+        first waits for the previous one and raises its error, if any.
+        """
+        self._check_open()
+        blocking = not self.async_save if blocking is None else blocking
+        self.wait()
+        writer = ObjectStoreWriter(
+            self.store,
+            step,
+            prefix_spread=self.prefix_spread,
+            user_metadata=dict(user_metadata or {}),
+            versions={"spotckpt": __version__, "torch": torch.__version__},
+        )
+        state_dict = as_dcp_state(state, step)
+        started = time.monotonic()
+        if blocking:
+            self._run_save(step, writer, lambda: self._dcp_save(state_dict, writer))
+            self.last_save_seconds = time.monotonic() - started
+            log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
+            return
+        response = dcp.async_save(
+            state_dict,
+            storage_writer=writer,
+            process_group=self.group,
+            async_stager=self._async_stager(),
+            no_dist=self.group is None,
+        )
+        upload = response.upload_completion if hasattr(response, "upload_completion") else response
+        self._pending, self._pending_step = upload, step
+        self._pending_writer = writer
+        self._pending_started = started
+        log.info("checkpoint step %d staged in %.3f s; uploading", step, time.monotonic() - started)
+
+    def _async_stager(self) -> DefaultStager:
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        return self._stager
+
+    def _dcp_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
+        dcp.save(
+            state_dict, storage_writer=writer, process_group=self.group, no_dist=self.group is None
+        )
+
+    def _run_save(self, step: int, writer: ObjectStoreWriter, run: Any) -> None:
+        try:
+            run()
+        except CheckpointException as error:
+            self._discard_attempt(step, writer)
+            raise _save_error(step, error) from None
+        except BaseException:
+            self._discard_attempt(step, writer)
+            raise
+        if self.is_coordinator:
+            self._apply_retention()
+
+    def wait(self) -> None:
+        """Block until an asynchronous save has committed; raise its error if it failed."""
+        pending, step = self._pending, self._pending_step
+        if pending is None or step is None:
+            return
+        self._pending = self._pending_step = None
+        self._run_save(step, self._pending_writer, pending.result)
+        self.last_save_seconds = time.monotonic() - self._pending_started
+        log.info("checkpoint step %d committed in %.2f s (async)", step, self.last_save_seconds)
+
+    def _discard_attempt(self, step: int, writer: ObjectStoreWriter) -> None:
+        """After a failed save: abort this attempt's multipart uploads and delete its objects."""
+        if not self.is_coordinator or writer.attempt is None:
+            return
+        prefix = f"{step_folder(step)}/a-{writer.attempt}/"
+        try:
+            for upload in self.store.list_uploads(prefix):
+                self.store.abort_upload(upload)
+            self.store.delete_many([info.key for info in self.store.list(prefix)])
+        except StorageError as error:
+            log.warning("could not clean up failed attempt %s: %s (gc will)", prefix, error)
+
+    def _apply_retention(self) -> None:
+        if self.keep_last is None:
+            return
+        committed = self.steps()
+        for old in committed[: max(0, len(committed) - self.keep_last)]:
+            self.delete_step(old)
+
+    def delete_step(self, step: int) -> None:
+        """Delete a committed checkpoint: its manifest first (so it is never half-visible)."""
+        folder = step_folder(step)
+        self.store.delete_many([manifest_key(step)])
+        self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
+        log.info("retention: deleted checkpoint step %d", step)
+
+    # Preemption ---------------------------------------------------------------------------
+
+    def maybe_save(
+        self,
+        step: int,
+        state: TrainState | Mapping[str, Any],
+        *,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Save on the interval, or at once (blocking) when a preemption notice arrived.
+
+        With several ranks the preemption flag is agreed on (all-reduced) every `agree_every`
+        steps so that all ranks save the same step. Returns True when a save was started.
+        """
+        self._check_open()
+        if self._preemption_agreed(step):
+            self._emergency_save(step, state, user_metadata)
+            return True
+        if self.interval_steps is not None and step % self.interval_steps == 0:
+            self.save(step, state, user_metadata=user_metadata)
+            return True
+        return False
+
+    def _preemption_agreed(self, step: int) -> bool:
+        local = self.watcher is not None and self.watcher.preempted
+        if self.group is None:
+            return local
+        if step % self.agree_every != 0:
+            return False
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def _emergency_save(
+        self,
+        step: int,
+        state: TrainState | Mapping[str, Any],
+        user_metadata: Mapping[str, Any] | None,
+    ) -> None:
+        watcher = self.watcher
+        deadline = watcher.deadline if watcher is not None else None
+        remaining = None if deadline is None else deadline - time.monotonic()
+        log.warning(
+            "preemption (%s): emergency save of step %d; %s left; predicted save time %s",
+            watcher.reason if watcher is not None else "peer rank",
+            step,
+            "unknown time" if remaining is None else f"{remaining:.1f} s",
+            "unknown" if self.last_save_seconds is None else f"{self.last_save_seconds:.1f} s",
+        )
+        started = time.monotonic()
+        if self._pending_step == step:
+            self.wait()
+        else:
+            self.save(step, state, blocking=True, user_metadata=user_metadata)
+        log.warning("emergency save of step %d committed in %.2f s", step, time.monotonic() - started)
+        self._stop = True
+
+    def should_stop(self) -> bool:
+        """True on every rank once a preemption save has committed: leave the training loop."""
+        return self._stop
+
+    # Restoring ----------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (a step is committed exactly when its manifest exists)."""
+        found = set()
+        for info in self.store.list("step-"):
+            folder, _, name = info.key.partition("/")
+            step = parse_step_folder(folder)
+            if step is not None and name == MANIFEST_NAME:
+                found.add(step)
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        committed = self.steps()
+        return committed[-1] if committed else None
+
+    def read_manifest(self, step: int) -> Manifest:
+        """Fetch and validate the manifest of a committed step."""
+        try:
+            data = self.store.get(manifest_key(step))
+        except ObjectNotFoundError:
+            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}") from None
+        return Manifest.from_json(data, expected_step=step)
+
+    def restore(
+        self,
+        state: TrainState | Mapping[str, Any],
+        step: int | None = None,
+        *,
+        fallback: bool = True,
+        strict: bool = True,
+    ) -> int | None:
+        """Load the latest committed checkpoint (or `step`) into `state` in place.
+
+        Returns the restored step, or None when there is no checkpoint. When a checkpoint turns
+        out corrupt and `fallback` is set (and no `step` was asked for), falls back to the newest
+        older one that loads, with a warning. `strict=False` allows missing and extra keys.
+        """
+        self._check_open()
+        self.wait()
+        candidates = self._broadcast(self._restore_candidates(step) if self.is_coordinator else None)
+        for index, candidate in enumerate(candidates):
+            try:
+                self._restore_step(state, candidate, strict)
+                return candidate
+            except (CorruptCheckpointError, ManifestError) as error:
+                older = candidates[index + 1 :]
+                if step is not None or not fallback or not older:
+                    raise
+                log.warning(
+                    "checkpoint step %d is unusable (%s); falling back to step %d",
+                    candidate,
+                    error,
+                    older[0],
+                )
+        return None
+
+    def _restore_candidates(self, step: int | None) -> list[int]:
+        if step is not None:
+            if not self.store.exists(manifest_key(step)):
+                raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
+            return [step]
+        return list(reversed(self.steps()))
+
+    def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
+        data = self.store.get(manifest_key(step)) if self.is_coordinator else None
+        data = self._broadcast(data)
+        manifest = Manifest.from_json(data, expected_step=step)
+        if isinstance(state, TrainState) and state.rng is not None:
+            state.rng.source_rank = (
+                None if manifest.world_size == self.world_size else self.rank % manifest.world_size
+            )
+        reader = ObjectStoreReader(self.store, manifest)
+        started = time.monotonic()
+        try:
+            dcp.load(
+                as_dcp_state(state),
+                storage_reader=reader,
+                planner=CheckedLoadPlanner(allow_missing=not strict, allow_unexpected=not strict),
+                process_group=self.group,
+                no_dist=self.group is None,
+            )
+        except CheckpointException as error:
+            raise _load_error(step, error) from None
+        finally:
+            if isinstance(state, TrainState) and state.rng is not None:
+                state.rng.source_rank = None
+        if isinstance(state, TrainState):
+            state.values.step = step
+        self.last_read_stats = reader.stats
+        log.info(
+            "restored step %d in %.2f s (%d bytes read for %d needed)",
+            step,
+            time.monotonic() - started,
+            reader.stats.bytes_read,
+            reader.stats.bytes_needed,
+        )
+
+    def _broadcast(self, value: Any) -> Any:
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    # Lifecycle ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for pending uploads (raising their error), stop the watcher, free resources."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self.watcher is not None:
+                self.watcher.stop()
+            if self._stager is not None:
+                self._stager.close()
+            self.store.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _failures(error: CheckpointException) -> dict[int, BaseException]:
+    failures = getattr(error, "failures", {}) or {}
+    # DCP wraps each rank's failure as (exception, traceback summary).
+    return {rank: f[0] if isinstance(f, tuple) else f for rank, f in failures.items()}
+
+
+def _save_error(step: int, error: CheckpointException) -> BaseException:
+    failures = _failures(error)
+    for cause in failures.values():
+        if isinstance(cause, CheckpointAlreadyCommittedError):
+            return cause
+    described = "; ".join(
+        f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(failures.items())
+    )
+    return SaveFailedError(
+        f"save of step {step} failed on rank(s) {sorted(failures)}: {described or error}; "
+        "nothing was committed"
+    )
+
+
+def _load_error(step: int, error: CheckpointException) -> BaseException:
+    failures = _failures(error)
+    for cause in failures.values():
+        if isinstance(cause, (CorruptCheckpointError, KeyMismatchError, ManifestError)):
+            return cause
+    described = "; ".join(
+        f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(failures.items())
+    )
+    return CheckpointError(f"restore of step {step} failed: {described or error}")

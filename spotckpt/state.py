@@ -1,0 +1,390 @@
+"""`TrainState`: everything a resumed run needs to continue exactly, as DCP `Stateful` parts.
+
+Each part is a small Stateful adapter that DCP calls ``state_dict()`` on when saving and
+``load_state_dict()`` on after loading in place:
+- models and optimizers through DCP's ``get_state_dict`` / ``set_state_dict`` family, so plain,
+  DDP and FSDP2 models work and optimizer state is keyed by parameter name, not position;
+- schedulers, grad scalers and anything else with ``state_dict`` / ``load_state_dict``;
+- the data-loader position (torchdata's StatefulDataLoader, or a plain DataLoader driven by
+  `ResumableSampler`);
+- every RNG of this rank (Python, NumPy, torch CPU and each CUDA device), under a per-rank key so
+  ranks keep their own streams;
+- the step and JSON-serialisable extras.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import DataLoader, Sampler
+
+log = logging.getLogger("spotckpt")
+RNG_KEY = "rng"
+
+
+class ModelState:
+    """A model (plain, DDP or FSDP2) as a Stateful with FQN keys."""
+
+    def __init__(self, model: nn.Module, *, strict: bool = True) -> None:
+        self.model = model
+        self.strict = strict
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's parameters and buffers by fully qualified name (local shards for FSDP2)."""
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy loaded values into the model."""
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=self.strict))
+
+
+class OptimizerState:
+    """An optimizer as a Stateful whose state is keyed by parameter FQN.
+
+    Before the first save or load the optimizer state is created with a zero-learning-rate step
+    (DCP's own approach), so a fresh optimizer offers AdamW moments for a restore to fill.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """Moments, step counts and param-group settings by parameter FQN."""
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the optimizer in place."""
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class RNGState:
+    """Python, NumPy, torch CPU and CUDA RNG states of this rank.
+
+    Saved under ``rank_<r>`` so that every rank restores its own streams. `source_rank` says which
+    saved rank to read; the manager sets it when a checkpoint is restored on another world size.
+    """
+
+    def __init__(self) -> None:
+        self.source_rank: int | None = None
+
+    def key(self) -> str:
+        """The per-rank key this rank reads and writes."""
+        rank = _rank() if self.source_rank is None else self.source_rank
+        return f"rank_{rank:05d}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of every generator, as tensors and plain values."""
+        version, mt_state, gauss = random.getstate()
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+        state: dict[str, Any] = {
+            "python": {
+                "version": int(version),
+                "state": torch.tensor(mt_state, dtype=torch.int64),
+                "gauss": gauss,
+            },
+            "numpy": {
+                "name": str(np_name),
+                "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                "pos": int(np_pos),
+                "has_gauss": int(np_has_gauss),
+                "gauss": float(np_gauss),
+            },
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        return {self.key(): state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore every generator from a snapshot made by `state_dict`."""
+        state = state_dict[self.key()]
+        python = state["python"]
+        random.setstate(
+            (python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"])
+        )
+        numpy_state = state["numpy"]
+        np.random.set_state(
+            (
+                numpy_state["name"],
+                numpy_state["keys"].numpy().astype(np.uint32),
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["gauss"],
+            )
+        )
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            saved = [state["cuda"][str(i)] for i in range(len(state["cuda"]))]
+            torch.cuda.set_rng_state_all(saved[: torch.cuda.device_count()])
+
+
+class ResumableSampler(Sampler[int]):
+    """Shuffles `length` indices per epoch from `seed` and resumes mid-epoch.
+
+    A DataLoader prefetches indices ahead of what the loop has consumed, so the sampler cannot
+    know the position by itself: iterate the loader through `track_batches`, which counts each
+    batch the loop actually received and rolls the epoch over at the end.
+    """
+
+    def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        if length < 0:
+            raise ValueError("ResumableSampler length must be non-negative")
+        self.length = length
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.consumed = 0
+
+    def order(self, epoch: int) -> list[int]:
+        """The index order of an epoch."""
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.length, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order(self.epoch)[self.consumed :])
+
+    def __len__(self) -> int:
+        return self.length - self.consumed
+
+    def state_dict(self) -> dict[str, Any]:
+        """Seed, epoch and samples consumed in this epoch."""
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume at the saved epoch and position."""
+        if int(state_dict["seed"]) != self.seed:
+            raise ValueError(
+                f"sampler seed {self.seed} differs from the checkpoint's {state_dict['seed']}"
+            )
+        self.epoch = int(state_dict["epoch"])
+        self.consumed = int(state_dict["consumed"])
+
+
+def find_resumable_sampler(loader: DataLoader) -> ResumableSampler | None:
+    """The ResumableSampler driving a plain DataLoader, directly or inside its batch sampler."""
+    for candidate in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(candidate, ResumableSampler):
+            return candidate
+    return None
+
+
+def track_batches(loader: DataLoader) -> Iterator[Any]:
+    """Iterate one epoch of a DataLoader driven by a ResumableSampler, counting what was consumed."""
+    sampler = find_resumable_sampler(loader)
+    if sampler is None:
+        raise TypeError("track_batches needs a DataLoader whose sampler is a ResumableSampler")
+    batch_size = loader.batch_size or 1
+    for batch in loader:
+        sampler.consumed = min(sampler.length, sampler.consumed + batch_size)
+        yield batch
+    sampler.epoch += 1
+    sampler.consumed = 0
+
+
+class DataLoaderState:
+    """Adapter for a plain DataLoader driven by a ResumableSampler."""
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the sampler."""
+        self.sampler.load_state_dict(state_dict)
+
+
+def dataloader_stateful(loader: Any) -> Stateful:
+    """The Stateful for a data loader: its own (StatefulDataLoader) or its ResumableSampler's."""
+    if isinstance(loader, DataLoader) and not hasattr(loader, "load_state_dict"):
+        sampler = find_resumable_sampler(loader)
+        if sampler is None:
+            raise TypeError(
+                "a plain DataLoader cannot be resumed: give it a spotckpt ResumableSampler, or "
+                "use torchdata's StatefulDataLoader"
+            )
+        stateful: Stateful = DataLoaderState(sampler)
+    elif isinstance(loader, Stateful):
+        stateful = loader
+    else:
+        raise TypeError(f"{type(loader).__name__} has no state_dict()/load_state_dict()")
+    if isinstance(loader, DataLoader) and loader.generator is None and loader.num_workers > 0:
+        warnings.warn(
+            "the DataLoader has no generator=: creating its iterator after a restore draws "
+            "from the global torch RNG, so the resumed run will not match bit for bit",
+            stacklevel=3,
+        )
+    return stateful
+
+
+class ValuesState:
+    """The step and JSON-serialisable extras; restored in place into the given dict."""
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        self.extra = extra
+        self.step = -1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step and extras."""
+        _check_plain(self.extra, "extra")
+        return {"step": self.step, "extra": dict(self.extra)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the step and update the extras dict in place."""
+        self.step = int(state_dict["step"])
+        self.extra.update(state_dict["extra"])
+
+
+def _check_plain(value: Any, where: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: keys must be strings, got {key!r}")
+            _check_plain(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise TypeError(f"{where} is a {type(value).__name__}; extras must be JSON-like values")
+
+
+class TrainState:
+    """Model(s), optimizer(s), scheduler(s), scaler, data loader, RNGs, step and extras.
+
+    Pass single objects or dicts of named objects for `model`, `optimizer` and `scheduler`.
+    Optimizers are matched to the model they were built for (the single model, or the model of
+    the same name). Restored in place by `CheckpointManager.restore`.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module | Mapping[str, nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        dataloader: Any = None,
+        extra: dict[str, Any] | None = None,
+        rng: bool = True,
+        strict: bool = True,
+    ) -> None:
+        self.models = _named(model, "model")
+        self.optimizers = _named(optimizer, "optimizer")
+        self.schedulers = _named(scheduler, "scheduler")
+        self.scaler = scaler
+        self.dataloader = dataloader
+        self.extra = extra if extra is not None else {}
+        self.values = ValuesState(self.extra)
+        self.rng = RNGState() if rng else None
+        self.strict = strict
+        self._parts = self._build_parts()
+
+    @property
+    def step(self) -> int:
+        """The step of the last save or restore (-1 before either)."""
+        return self.values.step
+
+    def _build_parts(self) -> dict[str, Stateful]:
+        parts: dict[str, Stateful] = {}
+        for name, model in self.models.items():
+            parts[f"model.{name}" if len(self.models) > 1 else "model"] = ModelState(
+                model, strict=self.strict
+            )
+        for name, optimizer in self.optimizers.items():
+            model = self._model_for(name)
+            key = f"optimizer.{name}" if len(self.optimizers) > 1 else "optimizer"
+            parts[key] = OptimizerState(model, optimizer)
+        for name, scheduler in self.schedulers.items():
+            parts[f"scheduler.{name}" if len(self.schedulers) > 1 else "scheduler"] = _stateful(
+                scheduler, "scheduler"
+            )
+        if self.scaler is not None:
+            parts["scaler"] = _stateful(self.scaler, "scaler")
+        if self.dataloader is not None:
+            parts["dataloader"] = dataloader_stateful(self.dataloader)
+        if self.rng is not None:
+            parts[RNG_KEY] = self.rng
+        parts["train"] = self.values
+        return parts
+
+    def _model_for(self, optimizer_name: str) -> nn.Module:
+        if optimizer_name in self.models:
+            return self.models[optimizer_name]
+        if len(self.models) == 1:
+            return next(iter(self.models.values()))
+        raise ValueError(
+            f"optimizer {optimizer_name!r} needs a model of the same name (models: "
+            f"{sorted(self.models)})"
+        )
+
+    def parts(self, step: int | None = None) -> dict[str, Stateful]:
+        """The Stateful parts DCP saves or loads, by top-level key; sets the step if given."""
+        if step is not None:
+            self.values.step = step
+        return dict(self._parts)
+
+
+def _named(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return {what: value}
+
+
+def _stateful(value: Any, what: str) -> Stateful:
+    if not isinstance(value, Stateful):
+        raise TypeError(f"{what} {type(value).__name__} has no state_dict()/load_state_dict()")
+    return value
+
+
+def as_dcp_state(state: TrainState | Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
+    """The dict DCP saves or loads for a TrainState or a user dict.
+
+    In a user dict, modules and optimizers are wrapped like TrainState does (optimizers need the
+    dict's single module); tensors and other Stateful objects pass through.
+    """
+    if isinstance(state, TrainState):
+        return state.parts(step)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a TrainState or a dict, got {type(state).__name__}")
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    converted: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            converted[key] = ModelState(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            if len(modules) != 1:
+                raise ValueError(
+                    f"optimizer {key!r} needs exactly one model in the same dict (found "
+                    f"{len(modules)}); use TrainState for several"
+                )
+            converted[key] = OptimizerState(modules[0], value)
+        else:
+            converted[key] = value
+    return converted

@@ -1,0 +1,20 @@
+# Checkpoint bucket, least-privilege identity and spot capacity for spotckpt on AWS.
+#   terraform init && terraform apply -var-file=example.tfvars
+terraform {
+  required_version = ">= 1.5"
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 5.40"
+    }
+  }
+}
+
+# Credentials come from the environment of whoever runs terraform (SSO, a role, a profile);
+# none are written here.
+provider "aws" {
+  region = var.region
+  default_tags {
+    tags = var.tags
+  }
+}

@@ -1,0 +1,90 @@
+"""Test helpers that wrap real stores to inject failures (no mocks of the stores themselves)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from spotckpt.storage import ObjectInfo, ObjectStore, ObjectWriter, UploadInfo
+
+
+class InjectedFault(OSError):
+    """The failure a test asked for."""
+
+
+class FailingWriter:
+    """Passes writes through to a real writer until the store's byte budget runs out."""
+
+    def __init__(self, inner: ObjectWriter, store: FailingStore) -> None:
+        self.inner = inner
+        self.store = store
+
+    @property
+    def bytes_written(self) -> int:
+        return self.inner.bytes_written
+
+    def write(self, data: Any) -> None:
+        self.store.budget -= memoryview(data).nbytes
+        if self.store.budget < 0:
+            raise InjectedFault("injected failure while writing a shard")
+        self.inner.write(data)
+
+    def commit(self) -> ObjectInfo:
+        return self.inner.commit()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def __enter__(self) -> FailingWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class FailingStore:
+    """Delegates to a real store; streamed writes fail once `fail_after_bytes` were written."""
+
+    def __init__(self, inner: ObjectStore, fail_after_bytes: int) -> None:
+        self.inner = inner
+        self.budget = fail_after_bytes
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    def open_writer(self, key: str, *, create_only: bool = False) -> FailingWriter:
+        return FailingWriter(self.inner.open_writer(key, create_only=create_only), self)
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        return self.inner.put(key, data, create_only=create_only)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self.inner.get_range(key, start, length)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.inner.head(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.inner.delete_many(keys)
+
+    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        return self.inner.list_uploads(prefix)
+
+    def abort_upload(self, upload: UploadInfo) -> None:
+        self.inner.abort_upload(upload)
+
+    def close(self) -> None:
+        self.inner.close()
