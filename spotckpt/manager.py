@@ -7,8 +7,10 @@ commits and applies retention, and shares its decisions with the other ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from datetime import timedelta
@@ -80,6 +82,15 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
 def _some(keys: list[str], limit: int = 8) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+@contextlib.contextmanager
+def _single_process_quiet(single: bool):  # type: ignore[no-untyped-def]
+    """DCP warns on every call without a process group; that is the normal case here."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _distributed() -> bool:
@@ -190,13 +201,14 @@ class CheckpointManager:
             self.last_save_seconds = time.monotonic() - started
             log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
             return
-        response = dcp.async_save(
-            state_dict,
-            storage_writer=writer,
-            process_group=self.group,
-            async_stager=self._async_stager(),
-            no_dist=self.group is None,
-        )
+        with _single_process_quiet(self.group is None):
+            response = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.group,
+                async_stager=self._async_stager(),
+                no_dist=self.group is None,
+            )
         upload = response.upload_completion if hasattr(response, "upload_completion") else response
         self._pending, self._pending_step = upload, step
         self._pending_writer = writer
@@ -210,9 +222,13 @@ class CheckpointManager:
         return self._stager
 
     def _dcp_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
-        dcp.save(
-            state_dict, storage_writer=writer, process_group=self.group, no_dist=self.group is None
-        )
+        with _single_process_quiet(self.group is None):
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.group,
+                no_dist=self.group is None,
+            )
 
     def _run_save(self, step: int, writer: ObjectStoreWriter, run: Any) -> None:
         try:
@@ -399,13 +415,16 @@ class CheckpointManager:
         reader = ObjectStoreReader(self.store, manifest)
         started = time.monotonic()
         try:
-            dcp.load(
-                as_dcp_state(state),
-                storage_reader=reader,
-                planner=CheckedLoadPlanner(allow_missing=not strict, allow_unexpected=not strict),
-                process_group=self.group,
-                no_dist=self.group is None,
-            )
+            with _single_process_quiet(self.group is None):
+                dcp.load(
+                    as_dcp_state(state),
+                    storage_reader=reader,
+                    planner=CheckedLoadPlanner(
+                        allow_missing=not strict, allow_unexpected=not strict
+                    ),
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                )
         except CheckpointException as error:
             raise _load_error(step, error) from None
         finally:
