@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             manager.close()
             return PREEMPTED_EXIT_CODE
 
+    manager.wait()  # an asynchronous save of the last step may still be uploading
     if manager.latest_step() != args.steps:
         manager.save(args.steps, state)
     manager.close()

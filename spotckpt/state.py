@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -219,6 +220,35 @@ class DataLoaderState:
         self.sampler.load_state_dict(state_dict)
 
 
+class ShieldedWorkerInit:
+    """A DataLoader ``worker_init_fn`` that makes workers ignore preemption signals.
+
+    torchrun (which signals its workers' whole process group), SLURM and ``kill -- -PGID``
+    deliver SIGTERM to data-loader workers too; their default reaction is to die, and the trainer
+    then fails with "DataLoader worker is killed by signal" before it can save. Shielded workers
+    ignore the signal; the trainer saves and shuts them down as usual.
+    """
+
+    def __init__(self, original: Any, signals: tuple[int, ...]) -> None:
+        self.original = original
+        self.signals = signals
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.original is not None:
+            self.original(worker_id)
+
+
+def shield_workers(
+    loader: Any, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+) -> None:
+    """Install `ShieldedWorkerInit` on a DataLoader (once), keeping its own worker_init_fn."""
+    current = getattr(loader, "worker_init_fn", None)
+    if getattr(loader, "num_workers", 0) > 0 and not isinstance(current, ShieldedWorkerInit):
+        loader.worker_init_fn = ShieldedWorkerInit(current, signals)
+
+
 def dataloader_stateful(loader: Any) -> Stateful:
     """The Stateful for a data loader: its own (StatefulDataLoader) or its ResumableSampler's."""
     if isinstance(loader, DataLoader) and not hasattr(loader, "load_state_dict"):
@@ -239,6 +269,7 @@ def dataloader_stateful(loader: Any) -> Stateful:
             "from the global torch RNG, so the resumed run will not match bit for bit",
             stacklevel=3,
         )
+    shield_workers(loader)
     return stateful
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -63,3 +64,5 @@ def memory_uri() -> Iterator[str]:
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
+
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log

@@ -131,3 +131,19 @@ def test_state_mismatch_names_the_part(manager: CheckpointManager) -> None:
     manager.save(1, TrainState(model=nn.Linear(2, 2), rng=False))
     with pytest.raises(KeyMismatchError, match=r"missing from the checkpoint: .*model\.1\.weight.*not in the state: model\.bias"):
         manager.restore(TrainState(model=nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), rng=False))
+
+
+def test_dataloader_workers_survive_sigterm() -> None:
+    """A SIGTERM sent to the process group (torchrun, SLURM) must not kill loader workers."""
+    import os
+    import signal
+
+    data = TensorDataset(torch.arange(64))
+    loader = DataLoader(data, batch_size=4, sampler=ResumableSampler(64, seed=0), num_workers=2)
+    TrainState(dataloader=loader, rng=False)
+    iterator = iter(loader)
+    first = next(iterator)
+    for worker in iterator._workers:  # type: ignore[attr-defined]
+        os.kill(worker.pid, signal.SIGTERM)
+    rest = list(iterator)
+    assert len(rest) == 15 and first[0].numel() == 4

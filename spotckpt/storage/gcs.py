@@ -29,7 +29,8 @@ Design choices:
   own commit rather than reported as a conflict.
 - Retries: 408, 429 and 5xx answers (except 501 and 505), connection errors and timeouts, each
   request on its own; a chunk is retried after asking the server how many bytes it has
-  (``recover()``), so no byte is sent twice and none is skipped. 401/403, 404, 412 fail at once.
+  (``recover()``) and resumes from there, so no byte is stored twice or skipped. 401/403, 404
+  and 412 fail at once.
 - Credentials: Application Default Credentials (``google.auth.default``), or a key file given as
   ``credentials_file``, or anonymous (``anonymous=True``, and by default when the endpoint comes
   from ``STORAGE_EMULATOR_HOST``). The endpoint is ``endpoint_url``, else
@@ -158,6 +159,12 @@ def translate_error(error: BaseException, what: str) -> StorageError:
     if isinstance(error, DataCorruption):
         return StorageError(f"{what}: CRC32C mismatch between client and server ({error.args})")
     status = http_status(error)
+    auth = isinstance(error, google.auth.exceptions.GoogleAuthError)
+    if auth and not isinstance(error, google.auth.exceptions.TransportError):
+        return PermissionDeniedError(
+            f"{what}: the credentials were rejected or could not be refreshed "
+            f"({type(error).__name__}: {str(error)[:200]})"
+        )
     if status is None:
         return StorageError(f"{what}: {type(error).__name__}: {str(error)[:300]}")
     message = _server_message(error)
@@ -368,9 +375,11 @@ class GCSWriter(WriterBase):
 
     @property
     def bytes_written(self) -> int:
+        """Bytes accepted by `write` so far."""
         return self._size
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes; blocks while the previous chunk is still uploading."""
         if self._closed:
             raise StorageError(f"write to {self._key!r} after commit or abort")
         view = memoryview(data).cast("B")
@@ -481,17 +490,21 @@ class GCSWriter(WriterBase):
             if status in (200, 201):  # the last chunk did arrive; only its answer was lost
                 self._resource = error.response.json()
                 return False
-            if (
-                final
-                and status in (404, 410)
-                and self._store.holds(self._key, self._size, self._crc, self._token)
-            ):
+            if status not in (404, 410):
+                raise
+            # The session is gone. GCS keeps a finished one answering 200, but a server that
+            # forgets it (the emulator does) leaves only the object itself to compare with.
+            if final and self._store.holds(self._key, self._size, self._crc, self._token):
                 self._resource = {"size": str(self._size)}
                 return False
-            raise
+            raise StorageError(
+                f"the upload session of {self._store.where(self._key)} is gone (HTTP {status}): "
+                "it expired, was cancelled, or another attempt finished it"
+            ) from None
         return True
 
     def commit(self) -> ObjectInfo:
+        """Send the rest and finish the upload; raises AlreadyExistsError for create-only."""
         if self._closed:
             raise StorageError(f"commit of {self._key!r} after commit or abort")
         try:
@@ -523,6 +536,7 @@ class GCSWriter(WriterBase):
         return ObjectInfo(self._key, size, _parse_time(resource.get("updated")))
 
     def abort(self) -> None:
+        """Drop the buffered bytes and cancel the session; nothing becomes visible."""
         if self._closed:
             return
         self._closed = True
@@ -573,6 +587,7 @@ class GCSStore:
 
     @property
     def uri(self) -> str:
+        """The root as ``gs://bucket/prefix``."""
         return f"gs://{self.bucket}/{self.prefix}".rstrip("/")
 
     def full_name(self, key: str) -> str:
@@ -617,10 +632,12 @@ class GCSStore:
     # Writes ---------------------------------------------------------------------------------
 
     def open_writer(self, key: str, *, create_only: bool = False) -> GCSWriter:
+        """Start a streamed write of `key`."""
         self.full_name(key)
         return GCSWriter(self, key, create_only)
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        """Write a small object in one request; create-only raises AlreadyExistsError."""
         return self.put_object(key, bytes(data), uuid.uuid4().hex if create_only else None)
 
     def put_object(self, key: str, data: bytes, token: str | None) -> ObjectInfo:
@@ -680,6 +697,7 @@ class GCSStore:
         self.call(f"cancel upload of {self.where(key)}", cancel)
 
     def abort_upload(self, upload: UploadInfo) -> None:
+        """Cancel the resumable session whose URL is `upload.upload_id`."""
         self.cancel_session(upload.upload_id, upload.key)
 
     # Reads ----------------------------------------------------------------------------------
@@ -692,6 +710,7 @@ class GCSStore:
         )
 
     def get(self, key: str) -> bytes:
+        """Read a whole object, checking its CRC32C; raises ObjectNotFoundError."""
         name = self.full_name(key)
 
         def fetch() -> bytes:
@@ -705,6 +724,7 @@ class GCSStore:
         return self.call(f"get {self.where(key)}", fetch, _is_transient_read)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Read `length` bytes from `start`; short or empty past the end of the object."""
         if start < 0 or length < 0:
             raise ValueError("range start and length must be non-negative")
         name = self.full_name(key)
@@ -730,12 +750,14 @@ class GCSStore:
         return self.call(what, fetch)
 
     def head(self, key: str) -> ObjectInfo | None:
+        """The object's size and time, or None when it does not exist."""
         blob = self._get_blob(key)
         if blob is None:
             return None
         return ObjectInfo(key, int(blob.size or 0), blob.updated)
 
     def exists(self, key: str) -> bool:
+        """Whether the object exists."""
         return self.head(key) is not None
 
     def _list_page(
@@ -755,6 +777,7 @@ class GCSStore:
         return items, blobs.next_page_token
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix`, in key order, page after page."""
         full_prefix = self._full_prefix(prefix)
         token: str | None = None
         while True:
@@ -766,6 +789,7 @@ class GCSStore:
                 return
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        """Delete the objects in parallel; missing ones are ignored."""
         names = [(key, self.full_name(key)) for key in keys]
 
         def delete(key: str, name: str) -> None:
@@ -792,6 +816,7 @@ class GCSStore:
         return []
 
     def close(self) -> None:
+        """Wait for running uploads, then release the thread pool and connections."""
         self.pool.shutdown(wait=True)
         self.client.close()
 

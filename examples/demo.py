@@ -1,0 +1,210 @@
+"""`make demo`: a spot market in one command.
+
+Starts an embedded S3 server (moto, on loopback) unless ``SPOTCKPT_URI`` names a bucket, trains
+`examples/train.py` as a child process, evicts it with SIGTERM at random steps several times the
+way a spot market would, restarts it after each eviction, runs the same training uninterrupted for
+reference, and prints what happened: steps lost per eviction, emergency-save and restore times,
+and whether the final parameters are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+PREEMPTED = 75
+EMERGENCY = re.compile(r"emergency save of step (\d+) committed in ([\d.]+) s")
+RESTORED = re.compile(r"restored step (\d+) in ([\d.]+) s")
+
+
+@dataclass
+class Eviction:
+    """What one eviction cost."""
+
+    at_step: int
+    committed: int
+    save_s: float
+    restore_s: float | None = None
+
+    @property
+    def steps_lost(self) -> int:
+        return self.at_step - self.committed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def embedded_s3() -> Iterator[str]:
+    """A moto S3 server on loopback with a fresh bucket; yields the checkpoint URI."""
+    import boto3
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("the embedded S3 server did not start") from None
+                time.sleep(0.1)
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        bucket = f"demo-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        print(f"embedded S3 server at {endpoint}, bucket {bucket}")
+        yield f"s3://{bucket}/runs/tiny"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def offline_environment() -> None:
+    """Credentials for the loopback server only, and no cloud metadata lookups off a cloud."""
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def train_command(args: argparse.Namespace, work: Path, name: str) -> list[str]:
+    extra = ["--async-save"] if args.async_save else []
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *extra,
+        "--steps",
+        str(args.steps),
+        "--save-every",
+        str(args.save_every),
+        "--step-delay",
+        str(args.step_delay),
+        "--loss-log",
+        str(work / f"{name}.losses"),
+        "--digest-file",
+        str(work / f"{name}.digest"),
+    ]
+
+
+def last_step(loss_log: Path) -> int:
+    if not loss_log.exists():
+        return 0
+    lines = loss_log.read_text().splitlines()
+    return int(lines[-1].split('"step": ')[1].split(",")[0]) if lines else 0
+
+
+def run(command: list[str], uri: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SPOTCKPT_URI": uri, "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def evict_at(process: subprocess.Popen[bytes], loss_log: Path, step: int) -> int:
+    """Wait until training reached `step`, send SIGTERM, return the exit status."""
+    while last_step(loss_log) < step:
+        if process.poll() is not None:
+            raise RuntimeError(f"training exited early with status {process.returncode}")
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    return process.wait(timeout=120)
+
+
+def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
+    rng = random.Random(args.seed)
+    log, losses = work / "spot.log", work / "spot.losses"
+    evictions: list[Eviction] = []
+    command = train_command(args, work, "spot")
+    for number in range(args.evictions):
+        target = last_step(losses) + rng.randint(3, max(4, args.steps // (args.evictions + 2)))
+        before = log.read_text() if log.exists() else ""
+        status = evict_at(run(command, uri, log), losses, target)
+        text = log.read_text()[len(before) :]
+        if status != PREEMPTED:
+            raise RuntimeError(f"eviction {number + 1}: exit status {status}, expected {PREEMPTED}")
+        saved = EMERGENCY.findall(text)
+        if evictions and (restored := RESTORED.findall(text)):
+            evictions[-1].restore_s = float(restored[-1][1])
+        evictions.append(Eviction(last_step(losses), int(saved[-1][0]), float(saved[-1][1])))
+        print(f"eviction {number + 1}: SIGTERM at step {evictions[-1].at_step}, exit status {status}")
+    before = log.read_text()
+    final = run(command, uri, log)
+    if final.wait() != 0:
+        raise RuntimeError(f"final run failed; see {log}")
+    if restored := RESTORED.findall(log.read_text()[len(before) :]):
+        evictions[-1].restore_s = float(restored[-1][1])
+    return evictions
+
+
+def report(evictions: list[Eviction], identical: bool) -> None:
+    print()
+    print("| eviction | SIGTERM at step | committed step | steps lost | emergency save | restore |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for i, e in enumerate(evictions, 1):
+        restore = "-" if e.restore_s is None else f"{e.restore_s:.2f} s"
+        print(f"| {i} | {e.at_step} | {e.committed} | {e.steps_lost} | {e.save_s:.2f} s | {restore} |")
+    print()
+    print(f"evictions: {len(evictions)}, steps lost in total: {sum(e.steps_lost for e in evictions)}")
+    print(f"final parameters identical to the uninterrupted run: {'yes' if identical else 'NO'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--evictions", type=int, default=3)
+    parser.add_argument("--step-delay", type=float, default=0.02)
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--async-save", action="store_true", help="upload in the background")
+    args = parser.parse_args(argv)
+    offline_environment()
+    with tempfile.TemporaryDirectory(prefix="spotckpt-demo-") as folder:
+        work = Path(folder)
+        with _checkpoint_root() as base:
+            print(f"spot run: {args.steps} steps, {args.evictions} evictions (seed {args.seed})")
+            evictions = spot_run(args, f"{base}/spot", work)
+            print("reference run: the same training, uninterrupted")
+            reference = run(train_command(args, work, "ref"), f"{base}/reference", work / "ref.log")
+            if reference.wait() != 0:
+                raise RuntimeError(f"reference run failed; see {work / 'ref.log'}")
+        identical = (work / "spot.digest").read_text() == (work / "ref.digest").read_text()
+        report(evictions, identical)
+    return 0 if identical and not any(e.steps_lost for e in evictions) else 1
+
+
+@contextmanager
+def _checkpoint_root() -> Iterator[str]:
+    configured = os.environ.get("SPOTCKPT_URI")
+    if configured:
+        print(f"using SPOTCKPT_URI={configured}")
+        yield configured.rstrip("/") + f"/demo-{uuid.uuid4().hex[:8]}"
+        return
+    with embedded_s3() as uri:
+        yield uri
+
+
+if __name__ == "__main__":
+    sys.exit(main())

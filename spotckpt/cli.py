@@ -1,0 +1,753 @@
+"""The ``spotckpt`` command line: ls, inspect, verify, gc, export-hf.
+
+The checkpoint URI argument may be left out when ``SPOTCKPT_URI`` or ``uri`` in ``spotckpt.toml``
+(see `spotckpt.config.Config`) gives it. Storage options come from the config's
+``storage_options``, overridden one by one with ``--storage-option key=value``.
+
+Exit status: 0 success; 1 a checkpoint failed verification (``verify`` found problems, or another
+command met corrupt data or an invalid manifest); 2 anything else that stops a command (bad
+usage or URI, missing step, unreadable config, storage errors), with a one-line message on stderr.
+Progress bars appear on stderr only when it is a terminal. ``--json`` prints machine-readable
+output on stdout. Credentials given as options are never printed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+import click
+from tqdm import tqdm
+
+from spotckpt.config import Config, ConfigError
+from spotckpt.errors import CorruptCheckpointError, NoCheckpointError
+from spotckpt.export import export_hf
+from spotckpt.format.dtypes import BY_NAME
+from spotckpt.format.manifest import Manifest, ManifestError, TensorRecord, manifest_key
+from spotckpt.gc import StepFolder, attempt_folders, collect_garbage, scan_root
+from spotckpt.storage.base import (
+    ObjectNotFoundError,
+    ObjectStore,
+    StorageError,
+    UploadInfo,
+    open_store,
+    uri_scheme,
+)
+from spotckpt.verify import verify_checkpoint
+from spotckpt.version import __version__
+
+EXIT_OK, EXIT_FAILED_VERIFICATION, EXIT_USAGE = 0, 1, 2
+_SECRET_WORDS = ("secret", "token", "password", "credential", "key_id", "access_key", "private")
+_secrets: set[str] = set()
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_FLOAT_DTYPES = sorted(n for n, d in BY_NAME.items() if d.torch_dtype.is_floating_point)
+log = logging.getLogger("spotckpt")
+
+
+class _CommandFailed(Exception):
+    """A command ran but its result is a failure (exit status 1)."""
+
+
+# Helpers: options, opening the store, formatting ------------------------------------------------
+
+
+def _remember_secrets(options: dict[str, Any]) -> None:
+    for key, value in options.items():
+        if any(word in key.lower() for word in _SECRET_WORDS) and str(value):
+            _secrets.add(str(value))
+
+
+def _redact(text: str) -> str:
+    for secret in sorted(_secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _resolve(uri: str | None, pairs: Sequence[tuple[str, str]]) -> tuple[str, dict[str, Any]]:
+    """The checkpoint URI and storage options from the arguments over the config."""
+    cli_options = dict(pairs)
+    _remember_secrets(cli_options)
+    config = Config.load(uri=uri)
+    _remember_secrets(config.storage_options)
+    return config.uri, {**config.storage_options, **cli_options}
+
+
+@contextmanager
+def _opened(uri: str | None, pairs: Sequence[tuple[str, str]]) -> Iterator[ObjectStore]:
+    resolved, options = _resolve(uri, pairs)
+    with _closing_store(resolved, options) as store:
+        yield store
+
+
+@contextmanager
+def _closing_store(uri: str, options: dict[str, Any]) -> Iterator[ObjectStore]:
+    store = open_store(uri, **options)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _human_size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} PiB"  # pragma: no cover - the loop always returns
+
+
+def _human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "age unknown"
+    if seconds < 120:
+        return f"{seconds:.0f} s old"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min old"
+    return f"{seconds / 3600:.1f} h old"
+
+
+def _when(text_or_time: str | datetime | None) -> str:
+    if text_or_time is None:
+        return "-"
+    moment = datetime.fromisoformat(text_or_time) if isinstance(text_or_time, str) else text_or_time
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows, strict=False)]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _emit_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=2, default=str))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90``, ``90s``, ``30m``, ``1h``, ``2d``; ValueError otherwise."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 1h or 2d")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``5GB`` (decimal), ``2GiB`` (binary), ``500MB``, ``1000000``; ValueError
+    otherwise."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
+    unit = match.group(2).lower().rstrip("b")
+    base = 1024 if unit.endswith("i") else 1000
+    power = " kmgt".index(unit[:1]) if unit else 0
+    size = int(float(match.group(1)) * base**power)
+    if size < 1:
+        raise ValueError(f"{text!r} is less than 1 byte")
+    return size
+
+
+class _Parsed(click.ParamType):
+    """A click parameter type from a parse function that raises ValueError."""
+
+    def __init__(self, name: str, parse: Callable[[str], Any]) -> None:
+        self.name = name
+        self.parse = parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return self.parse(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+def _storage_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"expected KEY=VALUE, got {key.strip()!r} without '='")
+    return key.strip(), value
+
+
+@contextmanager
+def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A callback ``(done, total)`` that drives a tqdm bar on stderr when it is a terminal."""
+    bar = tqdm(
+        desc=description,
+        total=0,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
+
+    def update(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def _resolve_step(store: ObjectStore, step: int | None) -> int:
+    if step is not None:
+        if not store.exists(manifest_key(step)):
+            raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}")
+        return step
+    steps, _uploads = scan_root(store)
+    committed = [s for s, folder in steps.items() if folder.has_manifest]
+    if not committed:
+        raise NoCheckpointError(f"no committed checkpoint at {store.uri}")
+    return max(committed)
+
+
+def _read_manifest(store: ObjectStore, step: int) -> Manifest:
+    try:
+        data = store.get(manifest_key(step))
+    except ObjectNotFoundError:
+        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}") from None
+    return Manifest.from_json(data, expected_step=step)
+
+
+# Shared options -----------------------------------------------------------------------------------
+
+_uri_argument = click.argument("uri", required=False, metavar="[URI]")
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+_storage_option = click.option(
+    "--storage-option",
+    "-o",
+    "storage_options",
+    multiple=True,
+    type=_Parsed("KEY=VALUE", _storage_pair),
+    metavar="KEY=VALUE",
+    help="Storage back-end option (repeatable), over the config's storage_options.",
+)
+_step_option = click.option(
+    "--step", type=click.IntRange(min=0), default=None, help="Step (default: the latest)."
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="spotckpt")
+@click.option("-v", "--verbose", is_flag=True, help="Log what is done on stderr.")
+def cli(verbose: bool) -> None:
+    """Inspect, verify, clean up and export spotckpt checkpoints.
+
+    URI is s3://bucket/prefix, gs://bucket/prefix, file:///path or a path; without it,
+    SPOTCKPT_URI or uri in ./spotckpt.toml is used.
+    """
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="spotckpt: %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# ls -----------------------------------------------------------------------------------------------
+
+
+@cli.command("ls")
+@_uri_argument
+@click.option("--all", "show_all", is_flag=True, help="Also uncommitted attempts and uploads.")
+@_storage_option
+@_json_option
+def ls_command(
+    uri: str | None, show_all: bool, storage_options: tuple[tuple[str, str], ...], as_json: bool
+) -> None:
+    """List committed checkpoints (with --all, also unfinished attempts and uploads)."""
+    with _opened(uri, storage_options) as store:
+        steps, uploads = scan_root(store)
+        rows = _committed_rows(store, steps)
+        if show_all:
+            rows += _uncommitted_rows(store, steps)
+            rows += [_upload_row(u) for u in uploads]
+        rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["status"]))
+        if as_json:
+            _emit_json({"uri": store.uri, "checkpoints": rows})
+            return
+        if not rows:
+            click.echo(f"no committed checkpoints at {store.uri}")
+            return
+        click.echo(_table(_LS_HEADERS, [_ls_cells(r) for r in rows]))
+
+
+_LS_HEADERS = ("STEP", "STATUS", "CREATED (UTC)", "SIZE", "WORLD", "OBJECTS", "ATTEMPT")
+
+
+def _committed_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[dict[str, Any]]:
+    rows = []
+    for step, folder in sorted(steps.items()):
+        if not folder.has_manifest:
+            continue
+        try:
+            manifest = _read_manifest(store, step)
+        except ManifestError as error:
+            rows.append(_row(step, "invalid", None, None, None, None, None, str(error)))
+            continue
+        rows.append(
+            _row(
+                step,
+                "committed",
+                manifest.created_at,
+                manifest.total_bytes,
+                manifest.world_size,
+                len(manifest.objects),
+                manifest.attempt,
+            )
+        )
+    return rows
+
+
+def _uncommitted_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[dict[str, Any]]:
+    rows = []
+    for step, folder in sorted(steps.items()):
+        referenced: set[str] = set()
+        if folder.has_manifest:
+            try:
+                referenced = attempt_folders(_read_manifest(store, step))
+            except (ManifestError, NoCheckpointError):
+                continue
+        for name, group in sorted(folder.attempts.items()):
+            if name in referenced:
+                continue
+            newest = group.newest()
+            rows.append(
+                _row(
+                    step,
+                    "uncommitted",
+                    _iso(newest),
+                    sum(o.size for o in group.objects),
+                    None,
+                    len(group.objects),
+                    name.removeprefix("a-"),
+                )
+            )
+    return rows
+
+
+def _upload_row(upload: UploadInfo) -> dict[str, Any]:
+    step_text = upload.key.partition("/")[0].removeprefix("step-")
+    step = int(step_text) if step_text.isdigit() else None
+    row = _row(step, "upload", _iso(upload.initiated), None, None, None, None)
+    row["key"] = upload.key
+    return row
+
+
+def _row(
+    step: int | None,
+    status: str,
+    created: str | None,
+    size: int | None,
+    world: int | None,
+    objects: int | None,
+    attempt: str | None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "step": step,
+        "status": status,
+        "created_at": created,
+        "bytes": size,
+        "world_size": world,
+        "objects": objects,
+        "attempt": attempt,
+    }
+    if error is not None:
+        row["error"] = error
+    return row
+
+
+def _ls_cells(row: dict[str, Any]) -> list[str]:
+    def text(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    attempt = row["attempt"] if row["status"] != "upload" else row["key"]
+    if row["status"] == "invalid":
+        attempt = row["error"]
+    return [
+        text(row["step"]),
+        row["status"],
+        _when(row["created_at"]),
+        "-" if row["bytes"] is None else _human_size(row["bytes"]),
+        text(row["world_size"]),
+        text(row["objects"]),
+        text(attempt),
+    ]
+
+
+# inspect ------------------------------------------------------------------------------------------
+
+
+@cli.command("inspect")
+@_uri_argument
+@_step_option
+@click.option("--filter", "name_filter", default="", help="Only tensors whose name starts so.")
+@_storage_option
+@_json_option
+def inspect_command(
+    uri: str | None,
+    step: int | None,
+    name_filter: str,
+    storage_options: tuple[tuple[str, str], ...],
+    as_json: bool,
+) -> None:
+    """Summarise a checkpoint's manifest: tensors, sharding, metadata."""
+    with _opened(uri, storage_options) as store:
+        manifest = _read_manifest(store, _resolve_step(store, step))
+        tensors = {n: t for n, t in manifest.tensors.items() if n.startswith(name_filter)}
+        if as_json:
+            _emit_json(_inspect_json(store, manifest, tensors))
+            return
+        click.echo(_inspect_text(store, manifest, tensors, name_filter))
+
+
+def describe_sharding(tensor: TensorRecord) -> str:
+    """``whole`` for one chunk, else how many chunks split which dimensions."""
+    if len(tensor.chunks) == 1:
+        return "whole"
+    dims = sorted(
+        {
+            d
+            for c in tensor.chunks
+            for d, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True))
+            if o != 0 or s != tensor.shape[d]
+        }
+    )
+    where = "dim" if len(dims) == 1 else "dims"
+    return f"{len(tensor.chunks)} chunks on {where} {','.join(map(str, dims))}"
+
+
+def _tensor_bytes(tensor: TensorRecord) -> int:
+    return sum(c.location.length for c in tensor.chunks)
+
+
+def _inspect_json(
+    store: ObjectStore, manifest: Manifest, tensors: dict[str, TensorRecord]
+) -> dict[str, Any]:
+    return {
+        "uri": store.uri,
+        "step": manifest.step,
+        "attempt": manifest.attempt,
+        "created_at": manifest.created_at,
+        "world_size": manifest.world_size,
+        "bytes": manifest.total_bytes,
+        "versions": manifest.versions,
+        "user_metadata": manifest.user_metadata,
+        "objects": [
+            {"key": o.key, "rank": o.rank, "bytes": o.size, "crc32c": f"{o.crc32c:08x}"}
+            for o in manifest.objects.values()
+        ],
+        "tensors": {
+            name: {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "bytes": _tensor_bytes(t),
+                "sharding": describe_sharding(t),
+                "chunks": [
+                    {"offsets": list(c.offsets), "sizes": list(c.sizes), "object": c.location.key}
+                    for c in t.chunks
+                ],
+            }
+            for name, t in tensors.items()
+        },
+        "values": sorted(manifest.values),
+    }
+
+
+def _inspect_text(
+    store: ObjectStore, manifest: Manifest, tensors: dict[str, TensorRecord], name_filter: str
+) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(manifest.versions.items())) or "-"
+    objects = len(manifest.objects)
+    shown = f"{len(tensors)} of {len(manifest.tensors)}" if name_filter else str(len(tensors))
+    lines = [
+        f"checkpoint step {manifest.step} at {store.uri}",
+        f"  attempt        {manifest.attempt}",
+        f"  created        {_when(manifest.created_at)} UTC",
+        f"  world size     {manifest.world_size}",
+        f"  size           {_human_size(manifest.total_bytes)} in {objects} "
+        + ("object" if objects == 1 else "objects"),
+        f"  versions       {versions}",
+        f"  user metadata  {json.dumps(manifest.user_metadata, sort_keys=True)}",
+        "",
+        _table(
+            ("RANK", "SIZE", "CRC32C", "OBJECT"),
+            [
+                (str(o.rank), _human_size(o.size), f"{o.crc32c:08x}", o.key)
+                for o in manifest.objects.values()
+            ],
+        ),
+        "",
+        f"tensors: {shown}, {_human_size(sum(map(_tensor_bytes, tensors.values())))}",
+        _table(
+            ("NAME", "DTYPE", "SHAPE", "SHARDING"),
+            [
+                (name, t.dtype, "x".join(map(str, t.shape)) or "scalar", describe_sharding(t))
+                for name, t in tensors.items()
+            ],
+        ),
+        "",
+        _values_text(list(manifest.values), name_filter),
+    ]
+    return "\n".join(lines)
+
+
+def _values_text(names: list[str], name_filter: str) -> str:
+    """Non-tensor values: their names under a filter, else counts per top-level key."""
+    if name_filter:
+        matching = [n for n in names if n.startswith(name_filter)]
+        return "\n".join(
+            [f"values: {len(matching)} of {len(names)}", *(f"  {n}" for n in matching)]
+        )
+    counts: dict[str, int] = {}
+    for name in names:
+        top = name.split(".")[0]
+        counts[top] = counts.get(top, 0) + 1
+    groups = ", ".join(f"{top} {count}" for top, count in counts.items())
+    return f"values: {len(names)} ({groups or 'none'}; --filter PREFIX lists them)"
+
+
+# verify -------------------------------------------------------------------------------------------
+
+
+@cli.command("verify")
+@_uri_argument
+@_step_option
+@_storage_option
+@_json_option
+def verify_command(
+    uri: str | None, step: int | None, storage_options: tuple[tuple[str, str], ...], as_json: bool
+) -> None:
+    """Check every object of a checkpoint: presence, size, CRC32C. Exit 1 on problems."""
+    with _opened(uri, storage_options) as store:
+        chosen = _resolve_step(store, step)
+        with _progress_bar(f"verify step {chosen}") as progress:
+            report = verify_checkpoint(store, chosen, progress=progress)
+    if as_json:
+        _emit_json(report.to_dict())
+    elif report.ok:
+        objects = "object" if report.objects_checked == 1 else "objects"
+        click.echo(
+            f"step {chosen}: OK ({report.objects_checked} {objects}, "
+            f"{_human_size(report.bytes_checked)} checked)"
+        )
+    else:
+        click.echo(f"step {chosen}: {len(report.problems)} problem(s)")
+        for problem in report.problems:
+            click.echo(f"  {problem.kind}: {problem.message}")
+            if problem.tensors and problem.kind in ("missing", "size"):
+                click.echo(f"    holds: {_some(problem.tensors)}")
+    if not report.ok:
+        raise _CommandFailed(
+            f"step {chosen} failed verification: {len(report.problems)} problem(s)"
+        )
+
+
+def _some(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# gc -----------------------------------------------------------------------------------------------
+
+
+@cli.command("gc")
+@_uri_argument
+@click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
+@click.option(
+    "--keep-last",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also delete committed checkpoints but the newest N (default: keep all).",
+)
+@click.option(
+    "--safety-age",
+    type=_Parsed("DURATION", parse_duration),
+    default="1h",
+    show_default=True,
+    help="Leave anything younger than this alone (90s, 30m, 1h, 2d).",
+)
+@_storage_option
+@_json_option
+def gc_command(
+    uri: str | None,
+    dry_run: bool,
+    keep_last: int | None,
+    safety_age: float,
+    storage_options: tuple[tuple[str, str], ...],
+    as_json: bool,
+) -> None:
+    """Delete unreferenced attempts, uncommitted steps and stale uploads; apply retention."""
+    with _opened(uri, storage_options) as store:
+        report = collect_garbage(
+            store, keep_last=keep_last, safety_age_s=safety_age, dry_run=dry_run
+        )
+    if as_json:
+        _emit_json(report.to_dict())
+        return
+    for action in report.actions:
+        verb = _gc_verb(action.kind, dry_run)
+        details = (
+            f"{action.objects} objects, {_human_size(action.bytes)}"
+            if action.kind != "upload"
+            else _human_age(action.age_s)
+        )
+        if action.kind in ("attempt", "uncommitted"):
+            details += f", {_human_age(action.age_s)}"
+        click.echo(f"{verb} {action.kind} {action.target} ({details})")
+    for kept in report.kept:
+        click.echo(f"kept {kept}")
+    total = f"{report.objects_deleted} objects, {_human_size(report.bytes_freed)}"
+    click.echo(
+        f"{'would free' if dry_run else 'freed'} {total}" + (" (dry run)" if dry_run else "")
+    )
+
+
+def _gc_verb(kind: str, dry_run: bool) -> str:
+    if kind == "upload":
+        return "would abort" if dry_run else "aborted"
+    return "would delete" if dry_run else "deleted"
+
+
+# export-hf ----------------------------------------------------------------------------------------
+
+
+@cli.command("export-hf")
+@click.argument("locations", nargs=-1, metavar="[URI] OUT")
+@_step_option
+@click.option(
+    "--max-shard-size",
+    type=_Parsed("SIZE", parse_size),
+    default="5GB",
+    show_default=True,
+    help="Largest output file (5GB, 500MB, 2GiB, bytes).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(_FLOAT_DTYPES),
+    default=None,
+    help="Cast floating-point tensors to this dtype.",
+)
+@click.option("--prefix", default="model.", show_default=True, help="Export tensors under this.")
+@click.option("--keep-prefix", is_flag=True, help="Keep the prefix in the output names.")
+@click.option("--overwrite", is_flag=True, help="Replace an export already in OUT.")
+@_storage_option
+@_json_option
+def export_command(
+    locations: tuple[str, ...],
+    step: int | None,
+    max_shard_size: int,
+    dtype: str | None,
+    prefix: str,
+    keep_prefix: bool,
+    overwrite: bool,
+    storage_options: tuple[tuple[str, str], ...],
+    as_json: bool,
+) -> None:
+    """Write a checkpoint's model weights as Hugging Face safetensors into OUT.
+
+    OUT is a folder or a bucket URI. Storage options apply to OUT too when it is of the same
+    kind (scheme) as URI.
+    """
+    if not 1 <= len(locations) <= 2:
+        raise click.UsageError("export-hf takes [URI] OUT: one or two locations")
+    uri, out = (None, locations[0]) if len(locations) == 1 else locations
+    cast = BY_NAME[dtype].torch_dtype if dtype is not None else None
+    resolved, options = _resolve(uri, storage_options)
+    out_options = options if uri_scheme(out) == uri_scheme(resolved) else {}
+    with _closing_store(resolved, options) as store:
+        chosen = _resolve_step(store, step)
+        with (
+            _closing_store(out, out_options) as out_store,
+            _progress_bar(f"export step {chosen}") as progress,
+        ):
+            report = export_hf(
+                store,
+                chosen,
+                out_store,
+                max_shard_size=max_shard_size,
+                dtype=cast,
+                prefix=prefix,
+                strip_prefix=not keep_prefix,
+                overwrite=overwrite,
+                progress=progress,
+            )
+    if as_json:
+        _emit_json(report.to_dict())
+        return
+    for name in report.files:
+        click.echo(f"wrote {report.out_uri}/{name}")
+    if report.index is not None:
+        click.echo(f"wrote {report.out_uri}/{report.index}")
+    click.echo(
+        f"step {chosen}: {report.tensors} tensors, {_human_size(report.total_size)} in "
+        f"{len(report.files)} file(s)"
+    )
+
+
+# Entry point --------------------------------------------------------------------------------------
+
+_USAGE_ERRORS = (
+    ConfigError,
+    NoCheckpointError,
+    StorageError,
+    ValueError,
+    OSError,
+    LookupError,
+)
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    text = " ".join(_redact(message).split())
+    click.echo(f"spotckpt: error: {text}", err=True)
+    sys.exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point; exits with 0, 1 or 2 (see the module docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = cli.main(args=args, prog_name="spotckpt", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as error:
+        click.echo(error.ctx.get_help() if error.ctx is not None else str(error), err=True)
+        sys.exit(EXIT_USAGE)
+    except click.UsageError as error:
+        _fail(EXIT_USAGE, error.format_message())
+    except click.Abort:
+        _fail(130, "interrupted")
+    except _CommandFailed as error:
+        _fail(EXIT_FAILED_VERIFICATION, str(error))
+    except (CorruptCheckpointError, ManifestError) as error:
+        _fail(EXIT_FAILED_VERIFICATION, str(error))
+    except _USAGE_ERRORS as error:
+        _fail(EXIT_USAGE, str(error) or type(error).__name__)
+    except KeyboardInterrupt:
+        _fail(130, "interrupted")
+    except Exception as error:  # one line, never a traceback: this is the CLI's outermost frame
+        _fail(EXIT_USAGE, f"unexpected {type(error).__name__}: {error}")
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+__all__ = ["cli", "main", "parse_duration", "parse_size"]
