@@ -13,7 +13,7 @@
 #
 # Timing chain (every link must be longer than the one before it):
 #   SPOTCKPT_SAVE_BUDGET_S                    seconds the trainer's emergency save may take
-#   + SPOTCKPT_EXIT_MARGIN_S                  seconds for a worker to exit after its save
+#   + LAUNCH_EXIT_MARGIN_S                    seconds for a worker to exit after its save
 #   = torchrun --shutdown-timeout             torchrun SIGKILLs workers this long after forwarding
 #   + a few seconds for the launcher to exit
 #   <= the caller's stop timeout              Kubernetes terminationGracePeriodSeconds,
@@ -21,16 +21,18 @@
 # torchrun's own default shutdown timeout is 30 s whatever the save needs; it is set here.
 #
 # Arguments are passed to the training script (e.g. --steps 1000 --save-every 100).
-# Environment (all optional):
-#   SPOTCKPT_URI                 checkpoint root, read by the trainer (s3://, gs://, file://, path)
-#   SPOTCKPT_SAVE_BUDGET_S       emergency save budget in seconds (default 25, as the trainer's)
-#   SPOTCKPT_EXIT_MARGIN_S       see above (default 5)
-#   SPOTCKPT_NPROC_PER_NODE      worker processes (default: one per visible GPU, else 1)
-#   SPOTCKPT_TORCHRUN_ARGS       rendezvous arguments for torchrun (default: --standalone)
-#   SPOTCKPT_TRAIN_SCRIPT        the training script (default: train.py beside this file, else
-#                                ../examples/train.py, as laid out in the repository)
-#   SPOTCKPT_PYTHON              the interpreter (default: python3)
-#   SPOTCKPT_DRY_RUN=1           print the command, one argument per line, and exit 0
+# Environment (all optional). The entry point's own variables are LAUNCH_*, not SPOTCKPT_*:
+# spotckpt's Config rejects SPOTCKPT_* names it does not know, and the workers inherit this
+# environment.
+#   SPOTCKPT_URI             checkpoint root, read by the trainer (s3://, gs://, file://, path)
+#   SPOTCKPT_SAVE_BUDGET_S   emergency save budget in seconds (default 25, as the trainer's)
+#   LAUNCH_EXIT_MARGIN_S     see above (default 5)
+#   LAUNCH_NPROC_PER_NODE    worker processes (default: one per visible GPU, else 1)
+#   LAUNCH_TORCHRUN_ARGS     rendezvous arguments for torchrun (default: --standalone)
+#   LAUNCH_TRAIN_SCRIPT      the training script (default: train.py beside this file, else
+#                            ../examples/train.py, as laid out in the repository)
+#   LAUNCH_PYTHON            the interpreter (default: python3)
+#   LAUNCH_DRY_RUN=1         print the command, one argument per line, and exit 0
 set -euo pipefail
 
 die() {
@@ -53,14 +55,14 @@ ceil_seconds() {
 
 export SPOTCKPT_SAVE_BUDGET_S="${SPOTCKPT_SAVE_BUDGET_S:-25}"
 budget="$(ceil_seconds SPOTCKPT_SAVE_BUDGET_S "$SPOTCKPT_SAVE_BUDGET_S")"
-margin="$(ceil_seconds SPOTCKPT_EXIT_MARGIN_S "${SPOTCKPT_EXIT_MARGIN_S:-5}")"
+margin="$(ceil_seconds LAUNCH_EXIT_MARGIN_S "${LAUNCH_EXIT_MARGIN_S:-5}")"
 shutdown_timeout=$((budget + margin))
 
 # Signals torchrun catches and forwards to the workers. SIGUSR1 is what SLURM and some
 # schedulers send ahead of a stop; torchrun does not handle it unless told.
 signals="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
-nproc="${SPOTCKPT_NPROC_PER_NODE:-}"
+nproc="${LAUNCH_NPROC_PER_NODE:-}"
 if [[ -z $nproc ]]; then
 	nproc=0
 	if command -v nvidia-smi >/dev/null 2>&1; then
@@ -68,9 +70,9 @@ if [[ -z $nproc ]]; then
 	fi
 	[[ $nproc -gt 0 ]] || nproc=1
 fi
-[[ $nproc =~ ^[1-9][0-9]*$ ]] || die "SPOTCKPT_NPROC_PER_NODE must be a positive integer, got '$nproc'"
+[[ $nproc =~ ^[1-9][0-9]*$ ]] || die "LAUNCH_NPROC_PER_NODE must be a positive integer, got '$nproc'"
 
-script="${SPOTCKPT_TRAIN_SCRIPT:-}"
+script="${LAUNCH_TRAIN_SCRIPT:-}"
 if [[ -z $script ]]; then
 	if [[ -f $here/train.py ]]; then
 		script="$here/train.py"
@@ -82,10 +84,10 @@ fi
 
 # Word splitting is intended: the variable holds several torchrun options.
 # shellcheck disable=SC2206
-rdzv=(${SPOTCKPT_TORCHRUN_ARGS:---standalone})
+rdzv=(${LAUNCH_TORCHRUN_ARGS:---standalone})
 
 cmd=(
-	"${SPOTCKPT_PYTHON:-python3}" "$here/launch.py"
+	"${LAUNCH_PYTHON:-python3}" "$here/launch.py"
 	"${rdzv[@]}"
 	--nproc-per-node="$nproc"
 	--max-restarts=0
@@ -94,7 +96,7 @@ cmd=(
 	"$script" "$@"
 )
 
-if [[ ${SPOTCKPT_DRY_RUN:-0} == 1 ]]; then
+if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
 	printf '%s\n' "${cmd[@]}"
 	exit 0
 fi

@@ -71,9 +71,8 @@ class Config:
         return cls(**merged)
 
     def manager_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for CheckpointManager (everything but the URI and save budget)."""
-        skip = {"uri", "save_budget_s"}
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        """Keyword arguments for CheckpointManager (everything but the URI)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "uri"}
 
 
 _TYPES: dict[str, tuple[type, ...]] = {

@@ -103,7 +103,8 @@ class CheckpointManager:
     See README.md for the full tour. Key arguments: `keep_last` (retention, committed
     checkpoints only), `interval_steps` (cadence of `maybe_save`), `async_save` (stage to CPU and
     upload in the background), `preemption` (True: create and start a `PreemptionWatcher`; or
-    pass one), `storage_options` (back-end settings such as ``endpoint_url``).
+    pass one), `save_budget_s` (time an emergency save may take after a signal),
+    `storage_options` (back-end settings such as ``endpoint_url``).
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class CheckpointManager:
         prefix_spread: bool = False,
         collective_timeout_s: float = 300.0,
         agree_every: int = 1,
+        save_budget_s: float = 25.0,
         store: ObjectStore | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -140,7 +142,7 @@ class CheckpointManager:
             if _distributed()
             else None
         )
-        self.watcher = self._make_watcher(preemption)
+        self.watcher = self._make_watcher(preemption, save_budget_s)
         self._pending: Future[Any] | None = None
         self._pending_step: int | None = None
         self._stager: DefaultStager | None = None
@@ -155,14 +157,14 @@ class CheckpointManager:
         config = config if config is not None else Config.load(**overrides)
         return cls(config.uri, **config.manager_kwargs())
 
-    def _make_watcher(self, preemption: bool | PreemptionWatcher) -> PreemptionWatcher | None:
+    def _make_watcher(
+        self, preemption: bool | PreemptionWatcher, save_budget_s: float
+    ) -> PreemptionWatcher | None:
         if isinstance(preemption, PreemptionWatcher):
             return preemption
         if not preemption:
             return None
-        watcher = PreemptionWatcher()
-        watcher.start()
-        return watcher
+        return PreemptionWatcher(signal_budget_s=save_budget_s).start()
 
     @property
     def is_coordinator(self) -> bool:

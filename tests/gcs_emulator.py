@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 from google.auth.credentials import AnonymousCredentials
-from google.cloud import storage
+from google.cloud.storage.client import Client
 
 # gcsfs (if anything imports it) would first try a gRPC bucket-type lookup that hangs for 60 s
 # per call against the emulator.
@@ -93,11 +93,11 @@ def stop_emulator(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=10)
 
 
-def admin_client(endpoint: str) -> storage.Client:
+def admin_client(endpoint: str) -> Client:
     """A plain google-cloud-storage client on the emulator, for looking behind the store's back."""
-    return storage.Client(
+    return Client(
         project="test",
-        credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
+        credentials=AnonymousCredentials(),
         client_options={"api_endpoint": endpoint},
     )
 

@@ -16,7 +16,7 @@ def _open_s3(uri: str, options: dict[str, Any]) -> ObjectStore:
 
 
 def _open_gcs(uri: str, options: dict[str, Any]) -> ObjectStore:
-    from spotckpt.storage.gcs import open_gcs_store  # gcsfs loads only when GCS is used
+    from spotckpt.storage.gcs import open_gcs_store  # google-cloud-storage loads only for GCS
 
     return open_gcs_store(uri, options)
 

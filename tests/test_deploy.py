@@ -1,0 +1,528 @@
+"""The deployment kit under deploy/: image, entry point, Kubernetes Jobs, SkyPilot task.
+
+Static checks read the files; the entry-point tests run deploy/entrypoint.sh for real (torchrun
+with one worker on the CPU, no Docker): a stop signal sent to the entry point must reach the
+training process, which saves and exits 75, and the entry point must exit 75 too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deploy_helpers import (
+    DEPLOY,
+    DOCKERFILE,
+    ENTRYPOINT,
+    K8S_MANIFESTS,
+    LAUNCHER_EXIT_S,
+    REPO,
+    SKYPILOT_TASK,
+    clean_env,
+    credential_findings,
+    dockerfile_instructions,
+    effective_env,
+    entrypoint_dry_run,
+    k8s_object,
+    option,
+    pod_spec,
+    shutdown_timeout,
+    trainer_container,
+    yaml_docs,
+)
+
+import spotckpt
+from spotckpt.config import Config
+
+PREEMPTED = 75
+TRAINER = REPO / "examples" / "train.py"
+
+
+def test_preempted_exit_code_is_the_documented_one() -> None:
+    sys.path.insert(0, str(DEPLOY))
+    try:
+        import launch
+    finally:
+        sys.path.remove(str(DEPLOY))
+    assert spotckpt.PREEMPTED_EXIT_CODE == PREEMPTED
+    assert launch.PREEMPTED_EXIT_CODE == PREEMPTED
+
+
+# ---- YAML ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [*K8S_MANIFESTS.values(), SKYPILOT_TASK], ids=lambda p: p.name)
+def test_yaml_parses(path: Path) -> None:
+    docs = yaml_docs(path)
+    assert docs and all(isinstance(d, dict) for d in docs)
+
+
+def _kinds(cloud: str) -> list[str]:
+    return [d["kind"] for d in yaml_docs(K8S_MANIFESTS[cloud])]
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_manifest_has_configmap_serviceaccount_and_job(cloud: str) -> None:
+    kinds = _kinds(cloud)
+    for kind in ("ConfigMap", "ServiceAccount", "Job", "NetworkPolicy"):
+        assert kinds.count(kind) == 1, f"{cloud}: {kind}"
+    assert "Secret" not in kinds
+
+
+# ---- Kubernetes: restart on preemption -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_job_restarts_on_preemption_without_spending_retries(cloud: str) -> None:
+    docs = yaml_docs(K8S_MANIFESTS[cloud])
+    job = k8s_object(docs, "Job")["spec"]
+    # podFailurePolicy needs restartPolicy Never; the Job controller makes the new pod.
+    assert pod_spec(docs)["restartPolicy"] == "Never"
+    assert isinstance(job["backoffLimit"], int) and job["backoffLimit"] >= 1
+    rules = job["podFailurePolicy"]["rules"]
+    disrupted = [
+        r
+        for r in rules
+        if any(c["type"] == "DisruptionTarget" for c in r.get("onPodConditions", []))
+    ]
+    assert [r["action"] for r in disrupted] == ["Ignore"]
+    by_code = [r for r in rules if "onExitCodes" in r]
+    assert len(by_code) == 1
+    codes = by_code[0]["onExitCodes"]
+    assert by_code[0]["action"] == "Ignore"
+    assert codes["operator"] == "In" and codes["values"] == [spotckpt.PREEMPTED_EXIT_CODE]
+    assert codes["containerName"] == trainer_container(docs)["name"]
+    # The exit-code rule must come before any rule that fails or counts the same pod.
+    assert rules.index(by_code[0]) == min(
+        i for i, r in enumerate(rules) if "onExitCodes" in r or r["action"] != "Ignore"
+    )
+
+
+SPOT_SELECTORS = {
+    "eks": ("eks.amazonaws.com/capacityType", "SPOT"),
+    "gke": ("cloud.google.com/gke-spot", "true"),
+}
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_job_lands_on_spot_nodes_and_tolerates_their_taint(cloud: str) -> None:
+    spec = pod_spec(yaml_docs(K8S_MANIFESTS[cloud]))
+    key, value = SPOT_SELECTORS[cloud]
+    assert spec["nodeSelector"][key] == value
+    tolerations = {(t["key"], t.get("value"), t["effect"]) for t in spec["tolerations"]}
+    assert (key, value, "NoSchedule") in tolerations
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_bucket_uri_comes_from_the_configmap(cloud: str) -> None:
+    docs = yaml_docs(K8S_MANIFESTS[cloud])
+    uri = k8s_object(docs, "ConfigMap")["data"]["SPOTCKPT_URI"]
+    assert uri.startswith({"eks": "s3://", "gke": "gs://"}[cloud])
+    container = trainer_container(docs)
+    literal = [e for e in container.get("env", []) if e["name"] == "SPOTCKPT_URI" and "value" in e]
+    assert not literal, "the URI belongs in the ConfigMap"
+    assert effective_env(docs)["SPOTCKPT_URI"] == uri
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_settings_are_ones_spotckpt_accepts(
+    cloud: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spotckpt's Config rejects unknown SPOTCKPT_* variables: the trainer would not start."""
+    for name in list(os.environ):
+        if name.startswith("SPOTCKPT_"):
+            monkeypatch.delenv(name)
+    env = effective_env(yaml_docs(K8S_MANIFESTS[cloud]))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = Config.load(cwd=tmp_path)
+    assert config.uri == env["SPOTCKPT_URI"]
+    assert config.save_budget_s == float(env["SPOTCKPT_SAVE_BUDGET_S"])
+
+
+IDENTITY_ANNOTATIONS = {
+    "eks": "eks.amazonaws.com/role-arn",
+    "gke": "iam.gke.io/gcp-service-account",
+}
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_cloud_identity_without_static_keys(cloud: str) -> None:
+    docs = yaml_docs(K8S_MANIFESTS[cloud])
+    account = k8s_object(docs, "ServiceAccount")
+    annotation = account["metadata"]["annotations"][IDENTITY_ANNOTATIONS[cloud]]
+    if cloud == "eks":
+        assert re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", annotation)
+    else:
+        assert re.fullmatch(r"[a-z][a-z0-9-]+@[a-z0-9-]+\.iam\.gserviceaccount\.com", annotation)
+    spec = pod_spec(docs)
+    assert spec["serviceAccountName"] == account["metadata"]["name"]
+    container = trainer_container(docs)
+    for source in container.get("envFrom", []):
+        assert "secretRef" not in source
+    for item in container.get("env", []):
+        assert "secretKeyRef" not in item.get("valueFrom", {})
+    assert not [v for v in spec.get("volumes", []) if "secret" in v]
+    env = effective_env(docs)
+    assert not {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+    } & set(env)
+
+
+# ---- Kubernetes: time to save, and the signal's path ---------------------------------------------
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_grace_period_covers_the_save_budget(cloud: str) -> None:
+    """save budget <= torchrun shutdown timeout; + launcher exit <= grace period."""
+    docs = yaml_docs(K8S_MANIFESTS[cloud])
+    env = effective_env(docs)
+    budget = float(env["SPOTCKPT_SAVE_BUDGET_S"])
+    timeout = shutdown_timeout(env)  # what the entry point passes to torchrun with this env
+    grace = pod_spec(docs)["terminationGracePeriodSeconds"]
+    assert timeout >= budget + 1, "the workers need time to exit after the save"
+    assert grace >= timeout + LAUNCHER_EXIT_S
+    assert grace >= budget
+    if cloud == "eks":
+        assert grace < 120, "AWS reclaims a spot instance 2 minutes after the notice"
+    else:
+        # GKE's graceful node shutdown gives regular pods the first 15 s of the 30 s notice.
+        assert timeout <= 15
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_stop_signal_goes_to_the_image_entry_point(cloud: str) -> None:
+    docs = yaml_docs(K8S_MANIFESTS[cloud])
+    container = trainer_container(docs)
+    # No command: the image's ENTRYPOINT (tini -> entrypoint.sh -> torchrun) is PID 1 and gets
+    # the kubelet's SIGTERM. A `sh -c` command would swallow it.
+    assert "command" not in container
+    assert all(isinstance(a, str) for a in container.get("args", []))
+    # A preStop hook runs before SIGTERM and eats into the grace period.
+    assert "preStop" not in container.get("lifecycle", {})
+    assert not pod_spec(docs).get("shareProcessNamespace", False)
+
+
+@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+def test_k8s_runs_as_the_image_user(cloud: str) -> None:
+    docs = yaml_docs(K8S_MANIFESTS[cloud])
+    security = pod_spec(docs)["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] == _dockerfile_uid()
+    container = trainer_container(docs)
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+# ---- SkyPilot ------------------------------------------------------------------------------------
+
+
+def test_skypilot_task_uses_spot_recovers_and_sets_the_uri() -> None:
+    (task,) = yaml_docs(SKYPILOT_TASK)
+    resources = task["resources"]
+    assert resources["use_spot"] is True
+    recovery = resources["job_recovery"]
+    assert recovery["strategy"] in ("FAILOVER", "EAGER_NEXT_REGION")
+    assert spotckpt.PREEMPTED_EXIT_CODE in recovery["recover_on_exit_codes"]
+    assert isinstance(recovery["max_restarts_on_errors"], int)
+    envs = {k: str(v) for k, v in task["envs"].items()}
+    assert re.match(r"(s3|gs)://[^/]+/.+", envs["SPOTCKPT_URI"])
+    # The same entry point as the image, so the same timing and exit statuses.
+    assert "deploy/entrypoint.sh" in task["run"]
+    assert re.search(r"pip install .*\s\.\s*$", task["setup"], re.M), "installs the package"
+    # The shortest notice among the clouds SkyPilot may pick is 30 s (GCE, Azure).
+    assert shutdown_timeout(envs) + LAUNCHER_EXIT_S <= 30
+
+
+def test_skypilot_settings_are_ones_spotckpt_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("SPOTCKPT_"):
+            monkeypatch.delenv(name)
+    (task,) = yaml_docs(SKYPILOT_TASK)
+    for name, value in task["envs"].items():
+        monkeypatch.setenv(name, str(value))
+    assert Config.load(cwd=tmp_path).uri == task["envs"]["SPOTCKPT_URI"]
+
+
+# ---- Dockerfile ----------------------------------------------------------------------------------
+
+
+def _instructions() -> list[tuple[str, str]]:
+    return list(dockerfile_instructions(DOCKERFILE))
+
+
+def _dockerfile_uid() -> int:
+    users = [args for word, args in _instructions() if word == "USER"]
+    assert users, "no USER"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit(), "USER by number, so that runAsNonRoot can verify it"
+    return int(uid)
+
+
+def test_dockerfile_has_cpu_and_cuda_bases_by_build_argument() -> None:
+    instructions = _instructions()
+    froms = [args for word, args in instructions if word == "FROM"]
+    assert any(f.endswith("AS base-cpu") for f in froms)
+    assert any(f.endswith("AS base-cuda") and "nvidia/cuda:" in f for f in froms)
+    assert froms[-1] == "base-${VARIANT}"
+    assert ("ARG", "VARIANT=cpu") in instructions
+    for f in froms[:-1]:
+        image = f.split()[0]
+        assert ":" in image and not image.endswith(":latest"), f"pin a tag: {f}"
+
+
+def test_dockerfile_runs_as_non_root_and_installs_the_package() -> None:
+    assert _dockerfile_uid() != 0
+    runs = " ".join(args for word, args in _instructions() if word == "RUN")
+    assert re.search(r"pip install [^&]*\"torch==\$\{TORCH_VERSION\}\"", runs)
+    assert re.search(r"pip install -c /src/constraints.txt /src\b", runs)
+    # Every COPY source exists in the repository (the build context is the repository root).
+    for word, args in _instructions():
+        if word == "COPY" and not args.startswith("--from"):
+            for source in args.split()[:-1]:
+                assert (REPO / source).exists(), f"COPY source {source} missing"
+
+
+def test_dockerfile_stop_signal_reaches_the_trainer() -> None:
+    instructions = dict(_instructions())
+    entrypoint = json.loads(instructions["ENTRYPOINT"])  # exec form: no shell in between
+    assert entrypoint[0].endswith("/tini") and entrypoint[1] == "--"
+    assert "-g" not in entrypoint, "torchrun forwards to the workers; tini -g would double it"
+    assert entrypoint[-1] == "/opt/spotckpt/entrypoint.sh"
+    stop_signal = instructions.get("STOPSIGNAL", "SIGTERM")
+    handled = option(entrypoint_dry_run({}), "--signals-to-handle").split(",")
+    assert stop_signal in handled
+    assert {"SIGTERM", "SIGUSR1"} <= set(handled)
+    # The entry point replaces itself with the launcher rather than running it as a child.
+    code = [
+        line.strip()
+        for line in ENTRYPOINT.read_text().splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    assert code[-1] == 'exec "${cmd[@]}"'
+
+
+# ---- the entry point: dry runs -------------------------------------------------------------------
+
+
+def test_entrypoint_derives_torchrun_shutdown_timeout_from_the_save_budget() -> None:
+    assert shutdown_timeout({}) == 25 + 5  # the trainer's default budget + the default margin
+    assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "60"}) == 65
+    assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "12.5", "LAUNCH_EXIT_MARGIN_S": "2"}) == 15
+    assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "10.0", "LAUNCH_EXIT_MARGIN_S": "0"}) == 10
+
+
+def test_entrypoint_command_runs_the_trainer_under_torchrun() -> None:
+    script = str(TRAINER if TRAINER.exists() else DEPLOY / "launch.py")
+    cmd = entrypoint_dry_run(
+        {"LAUNCH_TRAIN_SCRIPT": script, "LAUNCH_NPROC_PER_NODE": "4", "LAUNCH_PYTHON": "py"},
+        "--steps",
+        "7",
+        "--save-every",
+        "a b",
+    )
+    assert cmd[:2] == ["py", str(DEPLOY / "launch.py")]
+    assert "--standalone" in cmd and "--max-restarts=0" in cmd
+    assert option(cmd, "--nproc-per-node") == "4"
+    assert cmd[cmd.index(script) :] == [script, "--steps", "7", "--save-every", "a b"]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SPOTCKPT_SAVE_BUDGET_S": "soon"},
+        {"SPOTCKPT_SAVE_BUDGET_S": "-5"},
+        {"LAUNCH_EXIT_MARGIN_S": "1e3"},
+        {"LAUNCH_NPROC_PER_NODE": "0"},
+        {"LAUNCH_TRAIN_SCRIPT": "/nonexistent/train.py"},
+    ],
+)
+def test_entrypoint_rejects_bad_settings(env: dict[str, str]) -> None:
+    full = clean_env(LAUNCH_DRY_RUN="1", LAUNCH_NPROC_PER_NODE="1")
+    full.update(env)
+    result = subprocess.run(
+        ["bash", str(ENTRYPOINT)], env=full, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "entrypoint:" in result.stderr
+
+
+# ---- the entry point: real runs under torchrun ---------------------------------------------------
+
+FAKE_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+
+out = Path(os.environ["FAKE_WORKER_DIR"])
+
+
+def stop(signum, frame):
+    (out / "signal").write_text(signal.Signals(signum).name)
+    sys.exit(75)
+
+
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGUSR1, stop)
+(out / "ready").write_text(str(os.getpid()))
+if sys.argv[1] == "exit":
+    sys.exit(int(sys.argv[2]))
+time.sleep(120)
+sys.exit(0)
+"""
+
+
+def _start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["bash", str(ENTRYPOINT), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for(predicate: Any, timeout: float, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"entry point exited {proc.returncode} early:\n{out[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s")
+        time.sleep(0.1)
+
+
+def _kill_tree(proc: subprocess.Popen[str], pid_files: list[Path]) -> None:
+    """Clean-up after a failure: the launcher's group, then each worker's own session."""
+    for group in [proc.pid] + [int(p.read_text()) for p in pid_files if p.exists()]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def fake_worker(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    script = tmp_path / "worker.py"
+    script.write_text(FAKE_WORKER)
+    env = clean_env(
+        LAUNCH_PYTHON=sys.executable,
+        LAUNCH_TRAIN_SCRIPT=str(script),
+        LAUNCH_NPROC_PER_NODE="1",
+        SPOTCKPT_SAVE_BUDGET_S="5",
+        FAKE_WORKER_DIR=str(tmp_path),
+    )
+    yield tmp_path, env
+
+
+@pytest.mark.parametrize(("worker_status", "expected"), [(0, 0), (PREEMPTED, PREEMPTED), (3, 1)])
+def test_entrypoint_exit_status_follows_the_worker(
+    fake_worker: tuple[Path, dict[str, str]], worker_status: int, expected: int
+) -> None:
+    """torchrun alone exits 1 for any worker failure; the launcher keeps 75 apart."""
+    folder, env = fake_worker
+    proc = _start(env, "exit", str(worker_status))
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_tree(proc, [folder / "ready"])
+    assert proc.returncode == expected, out[-4000:]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_stop_signal_to_the_entrypoint_reaches_the_worker(
+    fake_worker: tuple[Path, dict[str, str]], signum: signal.Signals
+) -> None:
+    folder, env = fake_worker
+    proc = _start(env, "sleep")
+    try:
+        _wait_for((folder / "ready").exists, 90, proc)
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        _kill_tree(proc, [folder / "ready"])
+    assert (folder / "signal").read_text() == signum.name, out[-4000:]
+    assert proc.returncode == PREEMPTED, out[-4000:]
+
+
+# The real trainer runs inside this wrapper so that the test can see its own exit status (the
+# launcher reports 75 for any stop by signal). The trainer stays in the wrapper's process group,
+# which is the one torchrun signals, so it gets the signal exactly as it would without the wrapper.
+STATUS_WRAPPER = """
+import os, signal, subprocess, sys
+from pathlib import Path
+
+out = Path(os.environ["TRAINER_STATUS_DIR"])
+for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    signal.signal(signum, lambda *_: None)  # the trainer acts on it; this only waits
+(out / "wrapper.pid").write_text(str(os.getpid()))
+status = subprocess.call([sys.executable, {trainer!r}, *sys.argv[1:]])
+(out / "trainer.status").write_text(str(status))
+sys.exit(status if status >= 0 else 128 - status)
+"""
+
+
+def _manifest_steps(root: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/manifest.json"))
+
+
+@pytest.mark.parametrize("loader_workers", [0, 2], ids=lambda n: f"{n}-loader-workers")
+def test_sigterm_to_the_entrypoint_makes_the_trainer_save_and_exit_75(
+    tmp_path: Path, loader_workers: int
+) -> None:
+    if not TRAINER.exists():
+        message = f"{TRAINER.relative_to(REPO)} is missing"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message + " (the trainer this test runs)")
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(STATUS_WRAPPER.format(trainer=str(TRAINER)))
+    budget = 20
+    env = clean_env(
+        SPOTCKPT_URI=checkpoints.as_uri(),
+        SPOTCKPT_SAVE_BUDGET_S=str(budget),
+        LAUNCH_PYTHON=sys.executable,
+        LAUNCH_TRAIN_SCRIPT=str(wrapper),
+        LAUNCH_NPROC_PER_NODE="1",
+        TRAINER_STATUS_DIR=str(tmp_path),
+    )
+    args = ["--steps", "100000", "--save-every", "5", "--step-delay", "0.05"]
+    proc = _start(env, *args, "--workers", str(loader_workers))
+    try:
+        _wait_for(lambda: bool(_manifest_steps(checkpoints)), 180, proc)
+        before = _manifest_steps(checkpoints)
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        out, _ = proc.communicate(timeout=budget + 60)
+        took = time.monotonic() - started
+    finally:
+        _kill_tree(proc, [tmp_path / "wrapper.pid"])
+    after = _manifest_steps(checkpoints)
+    status_file = tmp_path / "trainer.status"
+    trainer_status = int(status_file.read_text()) if status_file.exists() else None
+    assert trainer_status == PREEMPTED, f"trainer exited {trainer_status}:\n{out[-6000:]}"
+    assert proc.returncode == PREEMPTED, out[-6000:]
+    assert after[-1] > before[-1], f"no newer checkpoint: {before} -> {after}\n{out[-6000:]}"
+    assert took < shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": str(budget)}) + LAUNCHER_EXIT_S
+
+
+# ---- credentials ---------------------------------------------------------------------------------
+
+
+def test_no_credentials_in_deploy() -> None:
+    assert credential_findings(DEPLOY) == []
