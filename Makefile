@@ -8,6 +8,9 @@ else
 PY := .venv/bin/python
 endif
 STAMP := $(dir $(PY)).spotckpt-installed
+# checkov pins versions that clash with the project's, so it lives in a venv of its own.
+CHECKOV_VENV := .venv-checkov
+CHECKOV := $(CHECKOV_VENV)/bin/checkov
 PYTEST_ARGS ?= -m "not slow"
 
 .PHONY: help setup demo test test-all lint bench bench-smoke
@@ -30,11 +33,15 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 
 setup: $(STAMP)
 
+$(CHECKOV):
+	python3 -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q checkov==3.3.30
+
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: setup $(CHECKOV)
+	CHECKOV=$(CURDIR)/$(CHECKOV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: PYTEST_ARGS :=
 test-all: test

@@ -118,6 +118,7 @@ class ObjectStoreWriter(StorageWriter):
         user_metadata: dict[str, Any] | None = None,
         versions: dict[str, str] | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
+        on_written: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self.store = store
@@ -127,6 +128,7 @@ class ObjectStoreWriter(StorageWriter):
         self.user_metadata = dict(user_metadata or {})
         self.versions = dict(versions or {})
         self.fault_hook = fault_hook
+        self.on_written = on_written
         self.is_coordinator = False
         self.rank = 0
         self.attempt: str | None = None
@@ -166,10 +168,10 @@ class ObjectStoreWriter(StorageWriter):
         if not isinstance(assignment, RankAssignment):
             raise TypeError("ObjectStoreWriter.write_data needs a plan from prepare_global_plan")
         self.attempt = assignment.attempt
-        if not plan.items:
-            future.set_result([])
-            return future
-        future.set_result(self._write_object(plan.items, planner, assignment.key))
+        results = self._write_object(plan.items, planner, assignment.key) if plan.items else []
+        if self.on_written is not None:
+            self.on_written()
+        future.set_result(results)
         return future
 
     def _write_object(

@@ -97,6 +97,57 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+class RankProgress:
+    """Per-save markers in the process group's key-value store, to name a dead or hung rank.
+
+    Each rank marks ``written`` when its objects are stored, or ``failed`` when it sees the save
+    fail. After a collective error the survivors wait a little for every rank to leave a marker;
+    the ranks that leave none within `grace_s` died or hung, and the error names them.
+    """
+
+    def __init__(self, prefix: str, world_size: int, grace_s: float = 10.0) -> None:
+        self.prefix = prefix
+        self.world_size = world_size
+        self.grace_s = grace_s
+
+    def _mark(self, what: str) -> None:
+        kv = _kv_store()
+        if kv is not None:
+            kv.set(f"{self.prefix}/{dist.get_rank()}/{what}", "1")
+
+    def mark_written(self) -> None:
+        """Record that this rank's objects are written."""
+        self._mark("written")
+
+    def silent_ranks(self) -> list[int]:
+        """Mark this rank as failed, then return the ranks that left no marker in time."""
+        kv = _kv_store()
+        if kv is None:
+            return []
+        try:
+            self._mark("failed")
+            deadline = time.monotonic() + self.grace_s
+            while True:
+                silent = [r for r in range(self.world_size) if not self._marked(kv, r)]
+                if not silent or time.monotonic() > deadline:
+                    return silent
+                time.sleep(0.1)
+        except (RuntimeError, TimeoutError):
+            return []
+
+    def _marked(self, kv: Any, rank: int) -> bool:
+        return any(kv.check([f"{self.prefix}/{rank}/{w}"]) for w in ("written", "failed"))
+
+
+def _kv_store() -> Any:
+    if not _distributed():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None
+
+
 class CheckpointManager:
     """Saves and restores training state under one checkpoint root URI.
 
@@ -145,9 +196,13 @@ class CheckpointManager:
         self.watcher = self._make_watcher(preemption, save_budget_s)
         self._pending: Future[Any] | None = None
         self._pending_step: int | None = None
+        self._pending_writer: ObjectStoreWriter | None = None
+        self._pending_started = 0.0
+        self._progress = RankProgress("spotckpt/none", self.world_size)
         self._stager: DefaultStager | None = None
         self._stop = False
         self._closed = False
+        self._saves = 0
         self.last_save_seconds: float | None = None
         self.last_read_stats: ReadStats | None = None
 
@@ -189,13 +244,17 @@ class CheckpointManager:
         self._check_open()
         blocking = not self.async_save if blocking is None else blocking
         self.wait()
+        self._saves += 1
+        progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
         writer = ObjectStoreWriter(
             self.store,
             step,
             prefix_spread=self.prefix_spread,
             user_metadata=dict(user_metadata or {}),
             versions={"spotckpt": __version__, "torch": torch.__version__},
+            on_written=progress.mark_written if self.group is not None else None,
         )
+        self._progress = progress
         state_dict = as_dcp_state(state, step)
         started = time.monotonic()
         if blocking:
@@ -238,6 +297,17 @@ class CheckpointManager:
         except CheckpointException as error:
             self._discard_attempt(step, writer)
             raise _save_error(step, error) from None
+        except (RuntimeError, TimeoutError) as error:
+            if self.group is None:
+                self._discard_attempt(step, writer)
+                raise
+            silent = self._progress.silent_ranks()
+            self._discard_attempt(step, writer)
+            raise SaveFailedError(
+                f"save of step {step} failed: rank(s) {silent or 'unknown'} did not finish "
+                f"writing (process died or hung); nothing was committed. Cause: "
+                f"{type(error).__name__}: {str(error)[:300]}"
+            ) from error
         except BaseException:
             self._discard_attempt(step, writer)
             raise
@@ -246,11 +316,11 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until an asynchronous save has committed; raise its error if it failed."""
-        pending, step = self._pending, self._pending_step
-        if pending is None or step is None:
+        pending, step, writer = self._pending, self._pending_step, self._pending_writer
+        if pending is None or step is None or writer is None:
             return
-        self._pending = self._pending_step = None
-        self._run_save(step, self._pending_writer, pending.result)
+        self._pending = self._pending_step = self._pending_writer = None
+        self._run_save(step, writer, pending.result)
         self.last_save_seconds = time.monotonic() - self._pending_started
         log.info("checkpoint step %d committed in %.2f s (async)", step, self.last_save_seconds)
 

@@ -27,7 +27,7 @@ from spotckpt.format.dtypes import BY_CODE, DType, dtype_of
 from spotckpt.storage.base import ObjectStore, ObjectWriter
 
 MAX_HEADER_BYTES = 100 << 20
-DEFAULT_BLOCK_SIZE = 256 << 10
+DEFAULT_BLOCK_SIZE = 64 << 10
 _WRITE_SLICE = 8 << 20
 
 

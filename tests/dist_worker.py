@@ -1,0 +1,262 @@
+"""Worker functions for multi-rank tests: each runs in its own process in a gloo group.
+
+Spawned by `run_ranks`; results come back as files in the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from spotckpt import CheckpointManager, SaveFailedError, TrainState
+from spotckpt.storage import open_store
+from tests_support import FailingStore
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch_ranks(
+    world: int, scenario: str, args: dict[str, Any], timeout: float = 240
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run `scenario` on `world` rank processes (like torchrun would); returns each result."""
+    port = str(free_port())
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, scenario, str(rank), str(world), port, json.dumps(args)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, output))
+    return results
+
+
+def run_ranks(world: int, scenario: str, args: dict[str, Any]) -> None:
+    """Run `scenario` on `world` ranks; raises with the output if any rank failed."""
+    for rank, result in enumerate(launch_ranks(world, scenario, args)):
+        if result.returncode != 0:
+            raise AssertionError(f"rank {rank} exited {result.returncode}:\n{result.stdout[-4000:]}")
+
+
+def main() -> None:
+    scenario, rank, world, port, raw = sys.argv[1:6]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=int(rank), world_size=int(world), timeout=timedelta(seconds=60)
+    )
+    SCENARIOS[scenario](int(rank), int(world), json.loads(raw))
+    dist.destroy_process_group()
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 384), nn.ReLU(), nn.Linear(384, 8))
+
+
+def fsdp(model: nn.Module) -> nn.Module:
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, rank: int) -> None:
+    for i in range(steps):
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(100 * i + rank))
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "model": get_model_state_dict(model, options=FULL),
+        "optim": get_optimizer_state_dict(model, optimizer, options=FULL),
+    }
+
+
+def _manager(args: dict[str, Any], **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(
+        args["uri"], preemption=False, storage_options=args.get("options", {}), **kwargs
+    )
+
+
+def fsdp_save(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Train FSDP2 model + AdamW, save, then restore on the same ranks and keep training."""
+    out = Path(args["out"])
+    model = fsdp(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, 2, rank)
+    mgr = _manager(args, prefix_spread=args.get("prefix_spread", False))
+    mgr.save(2, TrainState(model=model, optimizer=optimizer, rng=False))
+    saved = full_state(model, optimizer)  # CPU tensors may alias live state: write at once
+    if rank == 0:
+        torch.save(saved, out / "saved.pt")
+    train(model, optimizer, 2, rank)
+    continued = full_state(model, optimizer)
+    if rank == 0:
+        torch.save(continued, out / "continued.pt")
+    # restore into fresh, differently initialised shards and continue identically
+    fresh = fsdp(_perturbed())
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert mgr.restore(TrainState(model=fresh, optimizer=fresh_optimizer, rng=False)) == 2
+    train(fresh, fresh_optimizer, 2, rank)
+    again = full_state(fresh, fresh_optimizer)
+    if rank == 0:
+        torch.save(again, out / "resumed-continued.pt")
+    mgr.close()
+
+
+def _perturbed() -> nn.Module:
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return model
+
+
+def fsdp_restore(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Restore an FSDP2 checkpoint on `world` ranks; write the gathered full state and stats."""
+    out = Path(args["out"])
+    model = fsdp(_perturbed())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = _manager(args)
+    assert mgr.restore(TrainState(model=model, optimizer=optimizer, rng=False)) == 2
+    stats = mgr.last_read_stats
+    assert stats is not None
+    (out / f"stats-{world}-{rank}.json").write_text(
+        json.dumps({"read": stats.bytes_read, "needed": stats.bytes_needed, "requests": stats.requests})
+    )
+    gathered = full_state(model, optimizer)
+    if rank == 0:
+        torch.save(gathered, out / f"restored-{world}.pt")
+    mgr.close()
+
+
+def ddp_save(rank: int, world: int, args: dict[str, Any]) -> None:
+    """DDP replicas: the checkpoint must hold one copy of each parameter."""
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, 1, rank)
+    mgr = _manager(args)
+    mgr.save(1, TrainState(model=model, optimizer=optimizer, rng=False))
+    fresh = DistributedDataParallel(_perturbed())
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert mgr.restore(TrainState(model=fresh, optimizer=fresh_optimizer, rng=False)) == 1
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    mgr.close()
+
+
+def failing_rank(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Rank 1's store fails mid-upload: every rank gets an error naming rank 1; the retry works."""
+    out = Path(args["out"])
+    inner = open_store(args["uri"], **args.get("options", {}))
+    store = FailingStore(inner, fail_after_bytes=6 << 20 if rank == 1 else 1 << 62)
+    mgr = CheckpointManager(args["uri"], preemption=False, store=store)
+    state = {f"w{rank}": torch.full((4 << 20,), float(rank))}  # 16 MiB per rank: multipart
+    try:
+        mgr.save(5, state)
+    except SaveFailedError as error:
+        (out / f"error-{rank}.txt").write_text(str(error))
+    store.budget = 1 << 62
+    mgr.save(6, state)
+    mgr.close()
+
+
+def killed_rank(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Rank 2 is SIGKILLed mid-upload; the survivors must fail within the bound, naming it."""
+    out = Path(args["out"])
+    inner = open_store(args["uri"], **args.get("options", {}))
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    store = KillingStore(inner, 6 << 20, die) if rank == 2 else inner
+    mgr = CheckpointManager(
+        args["uri"], preemption=False, store=store, collective_timeout_s=args["timeout"]
+    )
+    state = {f"w{rank}": torch.full((4 << 20,), float(rank))}
+    started = time.monotonic()
+    try:
+        mgr.save(5, state)
+    except SaveFailedError as error:
+        (out / f"error-{rank}.txt").write_text(
+            json.dumps({"error": str(error), "seconds": time.monotonic() - started})
+        )
+        os._exit(0)  # the group is broken; leave without collective teardown
+    os._exit(1)
+
+
+class KillingStore(FailingStore):
+    """Calls `action` (which kills the process) once the byte budget is spent."""
+
+    def __init__(self, inner: Any, fail_after_bytes: int, action: Callable[[], None]) -> None:
+        super().__init__(inner, fail_after_bytes)
+        self.action = action
+
+    def open_writer(self, key: str, *, create_only: bool = False) -> Any:
+        writer = super().open_writer(key, create_only=create_only)
+        original = writer.write
+
+        def write(data: Any) -> None:
+            if self.budget - memoryview(data).nbytes < 0:
+                self.action()
+            original(data)
+
+        writer.write = write  # type: ignore[method-assign]
+        return writer
+
+
+SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
+    "fsdp_save": fsdp_save,
+    "fsdp_restore": fsdp_restore,
+    "ddp_save": ddp_save,
+    "failing_rank": failing_rank,
+    "killed_rank": killed_rank,
+}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Several ranks (gloo process groups on the CPU, one process each) against a moto S3 server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_worker import launch_ranks, make_model, run_ranks
+from spotckpt.format.manifest import Manifest, manifest_key
+from spotckpt.storage import open_store
+
+MIB = 1 << 20
+OPTIONS = {"part_size": 5 * MIB}
+
+
+def _equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """A checkpoint of an FSDP2 model and AdamW saved by 4 ranks (prefix spreading on)."""
+    import uuid
+
+    import boto3
+
+    endpoint = request.getfixturevalue("moto_endpoint")
+    bucket = f"fsdp-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    out = tmp_path_factory.mktemp("fsdp")
+    uri = f"s3://{bucket}/run"
+    import os
+
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    run_ranks(4, "fsdp_save", {"uri": uri, "out": str(out), "options": OPTIONS, "prefix_spread": True})
+    return uri, out
+
+
+def test_fsdp2_save_on_4_and_continue_identically(fsdp_checkpoint: tuple[str, Path]) -> None:
+    uri, out = fsdp_checkpoint
+    _equal(_load(out / "continued.pt"), _load(out / "resumed-continued.pt"))
+    manifest = Manifest.from_json(open_store(uri).get(manifest_key(2)))
+    assert manifest.world_size == 4
+    assert sorted(o.rank for o in manifest.objects.values()) == [0, 1, 2, 3]
+    # prefix spreading: every rank's object sits under its own hashed prefix, kept in the manifest
+    prefixes = {key.split("/")[1] for key in manifest.objects}
+    assert len(prefixes) == 4 and all(len(p) == 3 for p in prefixes)
+    weight = manifest.tensors["model.0.weight"]
+    assert len(weight.chunks) == 4 and weight.shape == (1024, 512)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp2_restores_on_any_world_size(fsdp_checkpoint: tuple[str, Path], world: int) -> None:
+    uri, out = fsdp_checkpoint
+    run_ranks(world, "fsdp_restore", {"uri": uri, "out": str(out), "options": OPTIONS})
+    _equal(_load(out / "saved.pt"), _load(out / f"restored-{world}.pt"))
+    stats = [json.loads((out / f"stats-{world}-{r}.json").read_text()) for r in range(world)]
+    read, needed = sum(s["read"] for s in stats), sum(s["needed"] for s in stats)
+    print(f"reshard 4 -> {world}: read {read} bytes for {needed} needed, ratio {read / needed:.3f}")
+    assert read <= 1.1 * needed
+
+
+def test_ddp_writes_each_parameter_once(s3_uri: str, tmp_path: Path) -> None:
+    run_ranks(3, "ddp_save", {"uri": s3_uri, "out": str(tmp_path), "options": OPTIONS})
+    manifest = Manifest.from_json(open_store(s3_uri).get(manifest_key(1)))
+    model_bytes = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    stored = sum(
+        chunk.location.length
+        for fqn, tensor in manifest.tensors.items()
+        if fqn.startswith("model.")
+        for chunk in tensor.chunks
+    )
+    assert stored == model_bytes
+    assert all(len(t.chunks) == 1 for t in manifest.tensors.values())
+    assert manifest.world_size == 3
+
+
+def test_failing_rank_is_named_and_next_save_works(s3_uri: str, s3_client: Any, tmp_path: Path) -> None:
+    run_ranks(3, "failing_rank", {"uri": s3_uri, "out": str(tmp_path), "options": OPTIONS})
+    for rank in range(3):
+        assert "rank(s) [1]" in (tmp_path / f"error-{rank}.txt").read_text()
+    store = open_store(s3_uri)
+    assert not store.exists(manifest_key(5))
+    assert store.exists(manifest_key(6))
+    assert [i.key for i in store.list("step-000000005/")] == []
+    assert "Uploads" not in s3_client.list_multipart_uploads(Bucket=s3_uri.split("/")[2])
+
+
+def test_killed_rank_fails_the_others_within_the_bound(
+    s3_uri: str, s3_client: Any, tmp_path: Path
+) -> None:
+    bound = 20
+    args = {"uri": s3_uri, "out": str(tmp_path), "options": OPTIONS, "timeout": bound}
+    results = launch_ranks(3, "killed_rank", args)
+    assert results[2].returncode == -9
+    for rank in (0, 1):
+        assert results[rank].returncode == 0, results[rank].stdout[-3000:]
+        report = json.loads((tmp_path / f"error-{rank}.txt").read_text())
+        assert "rank(s) [2] did not finish writing" in report["error"]
+        assert report["seconds"] < bound + 10
+    store = open_store(s3_uri)
+    assert not store.exists(manifest_key(5))
+    assert "Uploads" not in s3_client.list_multipart_uploads(Bucket=s3_uri.split("/")[2])
