@@ -47,9 +47,8 @@ _SECRET_WORDS = ("secret", "token", "password", "credential", "key_id", "access_
 _secrets: set[str] = set()
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
 _FLOAT_DTYPES = sorted(n for n, d in BY_NAME.items() if d.torch_dtype.is_floating_point)
-log = logging.getLogger("spotckpt")
 
 
 class _CommandFailed(Exception):
@@ -61,7 +60,7 @@ class _CommandFailed(Exception):
 
 def _remember_secrets(options: dict[str, Any]) -> None:
     for key, value in options.items():
-        if any(word in key.lower() for word in _SECRET_WORDS) and str(value):
+        if any(word in key.lower() for word in _SECRET_WORDS) and len(str(value)) >= 4:
             _secrets.add(str(value))
 
 
@@ -97,11 +96,12 @@ def _closing_store(uri: str, options: dict[str, Any]) -> Iterator[ObjectStore]:
 
 
 def _human_size(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    index = 0
+    while abs(size) >= 1024 and index < len(units) - 1:
         size /= 1024
-    return f"{size:.1f} PiB"  # pragma: no cover - the loop always returns
+        index += 1
+    return f"{size:.0f} B" if index == 0 else f"{size:.1f} {units[index]}"
 
 
 def _human_age(seconds: float | None) -> str:
@@ -115,12 +115,23 @@ def _human_age(seconds: float | None) -> str:
 
 
 def _when(text_or_time: str | datetime | None) -> str:
+    """A UTC time to the second; a manifest's text that is not ISO 8601 is shown as it is."""
     if text_or_time is None:
         return "-"
-    moment = datetime.fromisoformat(text_or_time) if isinstance(text_or_time, str) else text_or_time
+    if isinstance(text_or_time, str):
+        try:
+            moment = datetime.fromisoformat(text_or_time)
+        except ValueError:
+            return text_or_time
+    else:
+        moment = text_or_time
     if moment.tzinfo is not None:
         moment = moment.astimezone(timezone.utc)
     return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -154,10 +165,9 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(text)
     if match is None:
         raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
-    unit = match.group(2).lower().rstrip("b")
-    base = 1024 if unit.endswith("i") else 1000
-    power = " kmgt".index(unit[:1]) if unit else 0
-    size = int(float(match.group(1)) * base**power)
+    prefix, binary = (match.group(2) or "").lower(), bool(match.group(3))
+    power = " kmgt".index(prefix) if prefix else 0
+    size = int(float(match.group(1)) * (1024 if binary else 1000) ** power)
     if size < 1:
         raise ValueError(f"{text!r} is less than 1 byte")
     return size
@@ -216,7 +226,7 @@ def _resolve_step(store: ObjectStore, step: int | None) -> int:
         if not store.exists(manifest_key(step)):
             raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}")
         return step
-    steps, _uploads = scan_root(store)
+    steps, _uploads = scan_root(store, with_uploads=False)
     committed = [s for s, folder in steps.items() if folder.has_manifest]
     if not committed:
         raise NoCheckpointError(f"no committed checkpoint at {store.uri}")
@@ -278,7 +288,7 @@ def ls_command(
 ) -> None:
     """List committed checkpoints (with --all, also unfinished attempts and uploads)."""
     with _opened(uri, storage_options) as store:
-        steps, uploads = scan_root(store)
+        steps, uploads = scan_root(store, with_uploads=show_all)
         rows = _committed_rows(store, steps)
         if show_all:
             rows += _uncommitted_rows(store, steps)
@@ -487,8 +497,7 @@ def _inspect_text(
         f"  attempt        {manifest.attempt}",
         f"  created        {_when(manifest.created_at)} UTC",
         f"  world size     {manifest.world_size}",
-        f"  size           {_human_size(manifest.total_bytes)} in {objects} "
-        + ("object" if objects == 1 else "objects"),
+        f"  size           {_human_size(manifest.total_bytes)} in {_plural(objects, 'object')}",
         f"  versions       {versions}",
         f"  user metadata  {json.dumps(manifest.user_metadata, sort_keys=True)}",
         "",
@@ -548,21 +557,19 @@ def verify_command(
     if as_json:
         _emit_json(report.to_dict())
     elif report.ok:
-        objects = "object" if report.objects_checked == 1 else "objects"
         click.echo(
-            f"step {chosen}: OK ({report.objects_checked} {objects}, "
+            f"step {chosen}: OK ({_plural(report.objects_checked, 'object')}, "
             f"{_human_size(report.bytes_checked)} checked)"
         )
     else:
-        click.echo(f"step {chosen}: {len(report.problems)} problem(s)")
+        click.echo(f"step {chosen}: {_plural(len(report.problems), 'problem')}")
         for problem in report.problems:
             click.echo(f"  {problem.kind}: {problem.message}")
             if problem.tensors and problem.kind in ("missing", "size"):
                 click.echo(f"    holds: {_some(problem.tensors)}")
     if not report.ok:
-        raise _CommandFailed(
-            f"step {chosen} failed verification: {len(report.problems)} problem(s)"
-        )
+        problems = _plural(len(report.problems), "problem")
+        raise _CommandFailed(f"step {chosen} failed verification: {problems}")
 
 
 def _some(names: Sequence[str], limit: int = 6) -> str:
@@ -610,7 +617,7 @@ def gc_command(
     for action in report.actions:
         verb = _gc_verb(action.kind, dry_run)
         details = (
-            f"{action.objects} objects, {_human_size(action.bytes)}"
+            f"{_plural(action.objects, 'object')}, {_human_size(action.bytes)}"
             if action.kind != "upload"
             else _human_age(action.age_s)
         )
@@ -619,7 +626,7 @@ def gc_command(
         click.echo(f"{verb} {action.kind} {action.target} ({details})")
     for kept in report.kept:
         click.echo(f"kept {kept}")
-    total = f"{report.objects_deleted} objects, {_human_size(report.bytes_freed)}"
+    total = f"{_plural(report.objects_deleted, 'object')}, {_human_size(report.bytes_freed)}"
     click.echo(
         f"{'would free' if dry_run else 'freed'} {total}" + (" (dry run)" if dry_run else "")
     )
@@ -703,7 +710,7 @@ def export_command(
         click.echo(f"wrote {report.out_uri}/{report.index}")
     click.echo(
         f"step {chosen}: {report.tensors} tensors, {_human_size(report.total_size)} in "
-        f"{len(report.files)} file(s)"
+        f"{_plural(len(report.files), 'file')}"
     )
 
 
@@ -746,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         _fail(130, "interrupted")
     except Exception as error:  # one line, never a traceback: this is the CLI's outermost frame
-        _fail(EXIT_USAGE, f"unexpected {type(error).__name__}: {error}")
+        _fail(EXIT_USAGE, f"{type(error).__name__}: {error}")
     sys.exit(code if isinstance(code, int) else EXIT_OK)
 
 

@@ -229,10 +229,11 @@ class ObjectStoreWriter(StorageWriter):
         try:
             self.store.put(manifest_key(self.step), manifest.to_json(), create_only=True)
         except AlreadyExistsError:
-            raise CheckpointAlreadyCommittedError(
-                f"step {self.step} was committed by another writer while this one was saving; "
-                f"this attempt ({manifest.attempt}) is discarded"
-            ) from None
+            if not self._committed_by_us(manifest.attempt):
+                raise CheckpointAlreadyCommittedError(
+                    f"step {self.step} was committed by another writer while this one was "
+                    f"saving; this attempt ({manifest.attempt}) is discarded"
+                ) from None
         self.manifest = manifest
         self._update_latest_hint()
 
@@ -277,6 +278,14 @@ class ObjectStoreWriter(StorageWriter):
             user_metadata=self.user_metadata,
             planner_data=planner_data,
         )
+
+    def _committed_by_us(self, attempt: str) -> bool:
+        """After a 412: was the existing manifest ours (a retried put whose answer was lost)?"""
+        try:
+            existing = json.loads(self.store.get(manifest_key(self.step)))
+        except (ObjectNotFoundError, ValueError):
+            return False
+        return isinstance(existing, dict) and existing.get("attempt") == attempt
 
     def _update_latest_hint(self) -> None:
         try:

@@ -141,9 +141,12 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
-def scan_root(store: ObjectStore) -> tuple[dict[int, StepFolder], list[UploadInfo]]:
-    """Step folders by step (from one listing), and every unfinished upload under the root."""
-    uploads = store.list_uploads("")
+def scan_root(
+    store: ObjectStore, *, with_uploads: bool = True
+) -> tuple[dict[int, StepFolder], list[UploadInfo]]:
+    """Step folders by step (from one listing), and the unfinished uploads under the root
+    (not asked for, and empty, unless `with_uploads`)."""
+    uploads = store.list_uploads("") if with_uploads else []
     return _group(store.list("step-"), uploads), uploads
 
 
@@ -254,7 +257,11 @@ def _collect_uncommitted(
 
 
 def _keep(report: GcReport, prefix: str, age: float | None, safety_age_s: float) -> None:
-    why = "age unknown" if age is None else f"newest object {age:.0f} s old < {safety_age_s:.0f} s"
+    why = (
+        "time of last write unknown"
+        if age is None
+        else f"last write {age:.0f} s ago, within the {safety_age_s:.0f} s safety age"
+    )
     report.kept.append(f"{prefix} ({why}; may still be writing)")
     log.info("gc: keeping %s: %s", prefix, why)
 

@@ -365,6 +365,8 @@ class CheckpointManager:
         steps so that all ranks save the same step. Returns True when a save was started.
         """
         self._check_open()
+        if self._pending is not None and self._pending.done():
+            self.wait()  # commits it, or raises its upload error here and now
         if self._preemption_agreed(step):
             self._emergency_save(step, state, user_metadata)
             return True
@@ -379,9 +381,7 @@ class CheckpointManager:
             return local
         if step % self.agree_every != 0:
             return False
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return self._reduce_flag(local, dist.ReduceOp.MAX)
 
     def _emergency_save(
         self,
@@ -400,12 +400,38 @@ class CheckpointManager:
             "unknown" if self.last_save_seconds is None else f"{self.last_save_seconds:.1f} s",
         )
         started = time.monotonic()
-        if self._pending_step == step:
-            self.wait()
-        else:
+        pending = self._pending_step
+        self.wait()  # an in-flight upload is closest to done: let it commit first
+        if pending != step and self._all_agree(self._time_for_another_save(deadline)):
             self.save(step, state, blocking=True, user_metadata=user_metadata)
-        log.warning("emergency save of step %d committed in %.2f s", step, time.monotonic() - started)
+            committed = step
+        else:
+            committed = pending if pending is not None else step
+            if pending != step:
+                log.warning(
+                    "no time left for a save of step %d; resuming will start after step %s",
+                    step,
+                    pending,
+                )
+        log.warning(
+            "emergency save of step %d committed in %.2f s", committed, time.monotonic() - started
+        )
         self._stop = True
+
+    def _all_agree(self, local: bool) -> bool:
+        """True only if `local` is true on every rank (so all ranks take the same branch)."""
+        return local if self.group is None else self._reduce_flag(local, dist.ReduceOp.MIN)
+
+    def _reduce_flag(self, local: bool, op: Any) -> bool:
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=op, group=self.group)
+        return bool(flag.item())
+
+    def _time_for_another_save(self, deadline: float | None) -> bool:
+        """Whether the predicted save time (the last one's, plus 20 %) fits before `deadline`."""
+        if deadline is None or self.last_save_seconds is None:
+            return True
+        return time.monotonic() + 1.2 * self.last_save_seconds < deadline
 
     def should_stop(self) -> bool:
         """True on every rank once a preemption save has committed: leave the training loop."""

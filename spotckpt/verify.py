@@ -199,7 +199,9 @@ def _locations(manifest: Manifest) -> Iterator[tuple[str, ChunkLocation]]:
 
 
 def _names(blocks: list[_Block]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(b.name for b in blocks))
+    """Distinct names in `blocks`, tensors before values."""
+    names = dict.fromkeys(b.name for b in blocks)
+    return tuple(sorted(names, key=lambda n: n.startswith("value ")))
 
 
 def _check_object(

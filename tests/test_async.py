@@ -1,0 +1,72 @@
+"""Asynchronous saves: the loop stalls only for staging; errors surface, never swallowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spotckpt import CheckpointManager, SaveFailedError
+from spotckpt.storage import open_store
+from tests_support import FailingStore
+
+MIB = 1 << 20
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return str(tmp_path / "ck") if request.param == "local" else request.getfixturevalue("s3_uri")
+
+
+def _options(uri: str) -> dict[str, Any]:
+    return {"part_size": 5 * MIB} if uri.startswith("s3://") else {}
+
+
+def test_async_save_snapshots_state_and_commits_on_wait(uri: str) -> None:
+    state = {"w": torch.randn(2 * MIB), "step": 1}
+    expected = state["w"].clone()
+    with CheckpointManager(uri, async_save=True, preemption=False, storage_options=_options(uri)) as mgr:
+        mgr.save(1, state)
+        state["w"].add_(1.0)  # training goes on while the upload runs
+        mgr.wait()
+        assert mgr.steps() == [1]
+        target = {"w": torch.empty(2 * MIB), "step": 0}
+        assert mgr.restore(target) == 1
+        assert torch.equal(target["w"], expected)
+
+
+def test_a_new_save_waits_for_the_previous(uri: str) -> None:
+    with CheckpointManager(uri, async_save=True, preemption=False, storage_options=_options(uri)) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, {"w": torch.full((MIB,), float(step))})
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 3]
+
+
+def test_upload_error_is_raised_on_next_call_and_at_close(uri: str) -> None:
+    store = FailingStore(open_store(uri, **_options(uri)), fail_after_bytes=MIB)
+    mgr = CheckpointManager(uri, async_save=True, preemption=False, store=store, interval_steps=100)
+    mgr.save(1, {"w": torch.randn(2 * MIB)})
+    if mgr._pending is not None:
+        mgr._pending.exception()  # let the background upload fail before the next call
+    with pytest.raises(SaveFailedError, match="injected"):
+        mgr.maybe_save(2, {"w": torch.randn(2 * MIB)})
+    assert mgr.steps() == []
+    mgr.save(3, {"w": torch.randn(2 * MIB)})
+    with pytest.raises(SaveFailedError, match="injected"):
+        mgr.close()
+
+
+def test_lost_answer_to_our_own_manifest_put_is_not_a_conflict(tmp_path: Path) -> None:
+    """A retried create-only put that finds our own manifest means the commit succeeded."""
+    from spotckpt.dcp import ObjectStoreWriter
+    from spotckpt.format.manifest import manifest_key
+
+    store = open_store(str(tmp_path))
+    writer = ObjectStoreWriter(store, 3)
+    writer.attempt = "abc"
+    store.put(manifest_key(3), b'{"attempt": "abc"}')
+    assert writer._committed_by_us("abc")
+    assert not writer._committed_by_us("other")
