@@ -149,7 +149,9 @@ def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
         if evictions and (restored := RESTORED.findall(text)):
             evictions[-1].restore_s = float(restored[-1][1])
         evictions.append(Eviction(last_step(losses), int(saved[-1][0]), float(saved[-1][1])))
-        print(f"eviction {number + 1}: SIGTERM at step {evictions[-1].at_step}, exit status {status}")
+        print(
+            f"eviction {number + 1}: SIGTERM at step {evictions[-1].at_step}, exit status {status}"
+        )
     before = log.read_text()
     final = run(command, uri, log)
     if final.wait() != 0:
@@ -165,9 +167,13 @@ def report(evictions: list[Eviction], identical: bool) -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for i, e in enumerate(evictions, 1):
         restore = "-" if e.restore_s is None else f"{e.restore_s:.2f} s"
-        print(f"| {i} | {e.at_step} | {e.committed} | {e.steps_lost} | {e.save_s:.2f} s | {restore} |")
+        print(
+            f"| {i} | {e.at_step} | {e.committed} | {e.steps_lost} | {e.save_s:.2f} s | {restore} |"
+        )
     print()
-    print(f"evictions: {len(evictions)}, steps lost in total: {sum(e.steps_lost for e in evictions)}")
+    print(
+        f"evictions: {len(evictions)}, steps lost in total: {sum(e.steps_lost for e in evictions)}"
+    )
     print(f"final parameters identical to the uninterrupted run: {'yes' if identical else 'NO'}")
 
 

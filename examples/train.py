@@ -44,10 +44,40 @@ log = logging.getLogger("train")
 
 # Data: a small synthetic corpus, generated deterministically so nothing is downloaded. ----------
 
-WORDS = (
-    "spot machines are cheap because the cloud may take them back at any moment so a job "
-    "must save its state often and resume where it stopped without losing a single step"
-).split()
+WORDS = [
+    "spot",
+    "machines",
+    "are",
+    "cheap",
+    "because",
+    "the",
+    "cloud",
+    "may",
+    "take",
+    "them",
+    "back",
+    "at",
+    "any",
+    "moment",
+    "so",
+    "a",
+    "job",
+    "must",
+    "save",
+    "its",
+    "state",
+    "often",
+    "and",
+    "resume",
+    "where",
+    "it",
+    "stopped",
+    "without",
+    "losing",
+    "a",
+    "single",
+    "step",
+]
 
 
 def make_corpus(characters: int = 60_000, seed: int = 1234) -> str:
@@ -56,7 +86,7 @@ def make_corpus(characters: int = 60_000, seed: int = 1234) -> str:
     words: list[str] = []
     while sum(len(w) + 1 for w in words) < characters:
         sentence = rng.choices(WORDS, k=rng.randint(4, 12))
-        words.extend(sentence[:-1] + [sentence[-1] + "."])
+        words.extend([*sentence[:-1], sentence[-1] + "."])
     return " ".join(words)[:characters]
 
 

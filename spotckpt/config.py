@@ -135,8 +135,10 @@ def _from_env(environ: os._Environ[str] | dict[str, str]) -> dict[str, Any]:
         key = name[len(ENV_PREFIX) :].lower()
         kinds = _TYPES.get(key)
         if kinds is None:
-            raise ConfigError(f"unknown environment variable {name}; known: "
-                              + ", ".join(ENV_PREFIX + k.upper() for k in sorted(_TYPES)))
+            raise ConfigError(
+                f"unknown environment variable {name}; known: "
+                + ", ".join(ENV_PREFIX + k.upper() for k in sorted(_TYPES))
+            )
         values[key] = _parse_env(name, raw, kinds)
     return values
 

@@ -27,8 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.futures import Future
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -40,6 +44,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from spotckpt.checksum import crc32c
 from spotckpt.errors import CheckpointAlreadyCommittedError, CorruptCheckpointError
@@ -189,7 +194,7 @@ class ObjectStoreWriter(StorageWriter):
         ranges = []
         with writer:
             stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
-            for item, spec in zip(ordered, specs):
+            for item, spec in zip(ordered, specs, strict=True):
                 if self.fault_hook is not None:
                     self.fault_hook(spec.name, self.rank)
                 data = values.get(item.index)
@@ -212,7 +217,7 @@ class ObjectStoreWriter(StorageWriter):
                     record,
                 ),
             )
-            for item, stored in zip(ordered, ranges)
+            for item, stored in zip(ordered, ranges, strict=True)
         ]
 
     def _spec(self, item: WriteItem, values: dict[MetadataIndex, memoryview]) -> TensorSpec:
@@ -249,7 +254,7 @@ class ObjectStoreWriter(StorageWriter):
         tensors: dict[str, TensorRecord] = {}
         values: dict[str, ChunkLocation] = {}
         for fqn, entry in metadata.state_dict_metadata.items():
-            if not hasattr(entry, "chunks"):
+            if not isinstance(entry, TensorStorageMetadata):
                 values[fqn] = written[MetadataIndex(fqn)].location
                 continue
             chunks = tuple(
@@ -263,9 +268,7 @@ class ObjectStoreWriter(StorageWriter):
             tensors[fqn] = TensorRecord(
                 dtype=dtype_of(entry.properties.dtype).name, shape=tuple(entry.size), chunks=chunks
             )
-        planner_data = {
-            fqn: list(path) for fqn, path in (metadata.planner_data or {}).items()
-        }
+        planner_data = {fqn: list(path) for fqn, path in (metadata.planner_data or {}).items()}
         return Manifest(
             step=self.step,
             attempt=self.attempt or "unknown",
@@ -389,7 +392,9 @@ class ObjectStoreReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
+    ) -> None:
         return None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -404,7 +409,9 @@ class ObjectStoreReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fetches = self._plan_fetches([self._need(item) for item in plan.items])
-        with ThreadPoolExecutor(self.max_parallel_reads, thread_name_prefix="spotckpt-read") as pool:
+        with ThreadPoolExecutor(
+            self.max_parallel_reads, thread_name_prefix="spotckpt-read"
+        ) as pool:
             pending = {pool.submit(self._fetch, fetch): fetch for fetch in fetches}
             try:
                 for done in as_completed(pending):
@@ -416,15 +423,16 @@ class ObjectStoreReader(StorageReader):
                 for future in pending:
                     future.cancel()
                 raise
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        done_future: Future[None] = Future()
+        done_future.set_result(None)
+        return done_future
 
     def _need(self, item: ReadItem) -> _Need:
         location = self.locations.get(item.storage_index)
         if location is None:
             raise CorruptCheckpointError(
-                f"checkpoint step {self.manifest.step} has no stored item {item.storage_index.fqn!r}"
+                f"checkpoint step {self.manifest.step} has no stored item "
+                f"{item.storage_index.fqn!r}"
             )
         if item.type == LoadItemType.BYTE_IO:
             wanted_start, wanted_end = 0, location.length
@@ -478,7 +486,9 @@ class ObjectStoreReader(StorageReader):
         self.stats.requests += 1
         return bytearray(data)
 
-    def _deliver(self, need: _Need, buffer: bytearray, buffer_start: int, planner: LoadPlanner) -> None:
+    def _deliver(
+        self, need: _Need, buffer: bytearray, buffer_start: int, planner: LoadPlanner
+    ) -> None:
         base = need.location.offset + need.start - buffer_start
         view = memoryview(buffer)[base : base + need.end - need.start]
         _verify_blocks(view, need, self.manifest.block_size, self.folder)
@@ -511,8 +521,8 @@ def _element_span(
     if math.prod(lengths) == 0:
         return 0, 0
     strides = _row_major_strides(sizes)
-    first = sum(o * s for o, s in zip(offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
     return first * itemsize, (last + 1) * itemsize
 
 

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from spotckpt.config import Config
@@ -40,9 +41,11 @@ from spotckpt.format.manifest import (
     parse_step_folder,
     step_folder,
 )
+from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.preemption import PreemptionWatcher
-from spotckpt.state import RNG_KEY, TrainState, as_dcp_state
+from spotckpt.state import RNG_KEY, TrainState, as_dcp_state, write_back
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, open_store
+from spotckpt.verify import VerifyReport, verify_checkpoint
 from spotckpt.version import __version__
 
 log = logging.getLogger("spotckpt")
@@ -62,7 +65,7 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         super().__init__(allow_partial_load=allow_missing)
         self.allow_unexpected = allow_unexpected
 
-    def create_local_plan(self):  # type: ignore[no-untyped-def]
+    def create_local_plan(self) -> LoadPlan:
         stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
         wanted = set(self.state_dict)
         missing = sorted(wanted - stored)
@@ -85,7 +88,7 @@ def _some(keys: list[str], limit: int = 8) -> str:
 
 
 @contextlib.contextmanager
-def _single_process_quiet(single: bool):  # type: ignore[no-untyped-def]
+def _single_process_quiet(single: bool) -> Iterator[None]:
     """DCP warns on every call without a process group; that is the normal case here."""
     with warnings.catch_warnings():
         if single:
@@ -459,7 +462,9 @@ class CheckpointManager:
         try:
             data = self.store.get(manifest_key(step))
         except ObjectNotFoundError:
-            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}") from None
+            raise NoCheckpointError(
+                f"step {step} has no committed checkpoint at {self.uri}"
+            ) from None
         return Manifest.from_json(data, expected_step=step)
 
     def restore(
@@ -478,7 +483,9 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        candidates = self._broadcast(self._restore_candidates(step) if self.is_coordinator else None)
+        candidates = self._broadcast(
+            self._restore_candidates(step) if self.is_coordinator else None
+        )
         for index, candidate in enumerate(candidates):
             try:
                 self._restore_step(state, candidate, strict)
@@ -512,10 +519,11 @@ class CheckpointManager:
             )
         reader = ObjectStoreReader(self.store, manifest)
         started = time.monotonic()
+        loaded = as_dcp_state(state)
         try:
             with _single_process_quiet(self.group is None):
                 dcp.load(
-                    as_dcp_state(state),
+                    loaded,
                     storage_reader=reader,
                     planner=CheckedLoadPlanner(
                         allow_missing=not strict, allow_unexpected=not strict
@@ -528,6 +536,7 @@ class CheckpointManager:
         finally:
             if isinstance(state, TrainState) and state.rng is not None:
                 state.rng.source_rank = None
+        write_back(state, loaded)
         if isinstance(state, TrainState):
             state.values.step = step
         self.last_read_stats = reader.stats
@@ -545,6 +554,32 @@ class CheckpointManager:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    # Maintenance --------------------------------------------------------------------------
+
+    def verify(self, step: int | None = None, *, progress: Any = None) -> VerifyReport:
+        """Check every byte of a committed checkpoint (default: the latest) against its manifest."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise NoCheckpointError(f"no committed checkpoint at {self.uri}")
+        return verify_checkpoint(self.store, step, progress=progress)
+
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        safety_age_s: float = 3600.0,
+        dry_run: bool = False,
+    ) -> GcReport:
+        """Delete what failed saves left (older than `safety_age_s`) and apply `keep_last`.
+
+        Runs on the coordinator only; other ranks get an empty report.
+        """
+        if not self.is_coordinator:
+            return GcReport(dry_run=dry_run)
+        return collect_garbage(
+            self.store, keep_last=keep_last, safety_age_s=safety_age_s, dry_run=dry_run
+        )
 
     # Lifecycle ----------------------------------------------------------------------------
 

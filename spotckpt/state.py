@@ -18,7 +18,7 @@ import logging
 import random
 import signal
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,8 @@ class RNGState:
         """A snapshot of every generator, as tensors and plain values."""
         version, mt_state, gauss = random.getstate()
         np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+        if not isinstance(np_keys, np.ndarray):
+            raise TypeError("numpy's legacy RNG state has an unexpected layout")
         state: dict[str, Any] = {
             "python": {
                 "version": int(version),
@@ -193,7 +195,7 @@ def find_resumable_sampler(loader: DataLoader) -> ResumableSampler | None:
 
 
 def track_batches(loader: DataLoader) -> Iterator[Any]:
-    """Iterate one epoch of a DataLoader driven by a ResumableSampler, counting what was consumed."""
+    """Iterate one epoch of a ResumableSampler-driven DataLoader, counting what was consumed."""
     sampler = find_resumable_sampler(loader)
     if sampler is None:
         raise TypeError("track_batches needs a DataLoader whose sampler is a ResumableSampler")
@@ -419,3 +421,16 @@ def as_dcp_state(state: TrainState | Mapping[str, Any], step: int | None = None)
         else:
             converted[key] = value
     return converted
+
+
+def write_back(state: TrainState | Mapping[str, Any], loaded: dict[str, Any]) -> None:
+    """Copy loaded top-level plain values (ints, strings, ...) into the caller's dict.
+
+    DCP loads tensors in place but replaces non-tensor values in the dict it was given, which
+    for a user dict is the converted copy made by `as_dcp_state`.
+    """
+    if isinstance(state, TrainState) or not isinstance(state, MutableMapping):
+        return
+    for key, value in loaded.items():
+        if not isinstance(value, (ModelState, OptimizerState)) and state.get(key) is not value:
+            state[key] = value

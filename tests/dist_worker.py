@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from spotckpt import CheckpointManager, SaveFailedError, TrainState
 from spotckpt.storage import open_store
+
 from tests_support import FailingStore
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -74,7 +75,9 @@ def run_ranks(world: int, scenario: str, args: dict[str, Any]) -> None:
     """Run `scenario` on `world` ranks; raises with the output if any rank failed."""
     for rank, result in enumerate(launch_ranks(world, scenario, args)):
         if result.returncode != 0:
-            raise AssertionError(f"rank {rank} exited {result.returncode}:\n{result.stdout[-4000:]}")
+            raise AssertionError(
+                f"rank {rank} exited {result.returncode}:\n{result.stdout[-4000:]}"
+            )
 
 
 def main() -> None:
@@ -90,7 +93,9 @@ def main() -> None:
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 384), nn.ReLU(), nn.Linear(384, 8))
+    return nn.Sequential(
+        nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 384), nn.ReLU(), nn.Linear(384, 8)
+    )
 
 
 def fsdp(model: nn.Module) -> nn.Module:
@@ -166,7 +171,9 @@ def fsdp_restore(rank: int, world: int, args: dict[str, Any]) -> None:
     stats = mgr.last_read_stats
     assert stats is not None
     (out / f"stats-{world}-{rank}.json").write_text(
-        json.dumps({"read": stats.bytes_read, "needed": stats.bytes_needed, "requests": stats.requests})
+        json.dumps(
+            {"read": stats.bytes_read, "needed": stats.bytes_needed, "requests": stats.requests}
+        )
     )
     gathered = full_state(model, optimizer)
     if rank == 0:
@@ -184,7 +191,7 @@ def ddp_save(rank: int, world: int, args: dict[str, Any]) -> None:
     fresh = DistributedDataParallel(_perturbed())
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     assert mgr.restore(TrainState(model=fresh, optimizer=fresh_optimizer, rng=False)) == 1
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
     mgr.close()
 

@@ -10,6 +10,7 @@ import torch
 
 from spotckpt import CheckpointManager, SaveFailedError
 from spotckpt.storage import open_store
+
 from tests_support import FailingStore
 
 MIB = 1 << 20
@@ -27,7 +28,9 @@ def _options(uri: str) -> dict[str, Any]:
 def test_async_save_snapshots_state_and_commits_on_wait(uri: str) -> None:
     state = {"w": torch.randn(2 * MIB), "step": 1}
     expected = state["w"].clone()
-    with CheckpointManager(uri, async_save=True, preemption=False, storage_options=_options(uri)) as mgr:
+    with CheckpointManager(
+        uri, async_save=True, preemption=False, storage_options=_options(uri)
+    ) as mgr:
         mgr.save(1, state)
         state["w"].add_(1.0)  # training goes on while the upload runs
         mgr.wait()
@@ -38,7 +41,9 @@ def test_async_save_snapshots_state_and_commits_on_wait(uri: str) -> None:
 
 
 def test_a_new_save_waits_for_the_previous(uri: str) -> None:
-    with CheckpointManager(uri, async_save=True, preemption=False, storage_options=_options(uri)) as mgr:
+    with CheckpointManager(
+        uri, async_save=True, preemption=False, storage_options=_options(uri)
+    ) as mgr:
         for step in range(1, 4):
             mgr.save(step, {"w": torch.full((MIB,), float(step))})
         mgr.wait()

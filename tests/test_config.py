@@ -25,7 +25,7 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     )
     (tmp_path / "spotckpt.toml").write_text(
         'uri = "memory://from-file"\nkeep_last = 5\ninterval_steps = 50\n'
-        '[storage_options]\npart_size = 8388608\n'
+        "[storage_options]\npart_size = 8388608\n"
     )
     monkeypatch.setenv("SPOTCKPT_KEEP_LAST", "4")
     monkeypatch.setenv("SPOTCKPT_ASYNC_SAVE", "true")

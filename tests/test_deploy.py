@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import spotckpt
+from spotckpt.config import Config
+
 from deploy_helpers import (
     DEPLOY,
     DOCKERFILE,
@@ -40,9 +44,6 @@ from deploy_helpers import (
     trainer_container,
     yaml_docs,
 )
-
-import spotckpt
-from spotckpt.config import Config
 
 PREEMPTED = 75
 TRAINER = REPO / "examples" / "train.py"

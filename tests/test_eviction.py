@@ -48,13 +48,17 @@ def test_random_sigterms_lose_nothing(
         steps=24, save_every=save_every, evictions=2, step_delay=0.02, seed=7, async_save=async_save
     )
     evictions = demo.spot_run(args, f"{base}/spot", tmp_path)
-    reference = demo.run(demo.train_command(args, tmp_path, "ref"), f"{base}/ref", tmp_path / "ref.log")
+    reference = demo.run(
+        demo.train_command(args, tmp_path, "ref"), f"{base}/ref", tmp_path / "ref.log"
+    )
     assert reference.wait(timeout=300) == 0
     assert len(evictions) == 2
     assert [e.steps_lost for e in evictions] == [0, 0]
     assert all(e.save_s > 0 for e in evictions)
     assert (tmp_path / "spot.digest").read_text() == (tmp_path / "ref.digest").read_text()
-    steps = [json.loads(line)["step"] for line in (tmp_path / "spot.losses").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "spot.losses").read_text().splitlines()
+    ]
     assert sorted(set(steps)) == list(range(1, 25))
 
 

@@ -22,7 +22,6 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import pytest
-from gcs_emulator import admin_client, create_bucket, gcs_endpoint  # noqa: F401
 
 from spotckpt.storage import (
     AlreadyExistsError,
@@ -33,6 +32,8 @@ from spotckpt.storage import (
     open_store,
 )
 from spotckpt.storage.gcs import GCSOptions, GCSStore, _ChunkStream, is_transient
+
+from gcs_emulator import admin_client, create_bucket, gcs_endpoint  # noqa: F401
 
 KIB = 1 << 10
 MIB = 1 << 20

@@ -140,7 +140,9 @@ def test_pickle_payload_in_values_is_never_executed(
     data = bytearray(mgr.store.get(key))
     evil = payload.getvalue()
     # splice the payload in place of the value and fix up the manifest so only the pickle is bad
-    new_data = bytes(data[: location.offset]) + evil + bytes(data[location.offset + location.length :])
+    new_data = (
+        bytes(data[: location.offset]) + evil + bytes(data[location.offset + location.length :])
+    )
     from spotckpt.checksum import crc32c
     from spotckpt.format.safetensors_io import block_crcs
 

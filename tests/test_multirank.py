@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from dist_worker import launch_ranks, make_model, run_ranks
 from spotckpt.format.manifest import Manifest, manifest_key
 from spotckpt.storage import open_store
+
+from dist_worker import launch_ranks, make_model, run_ranks
 
 MIB = 1 << 20
 OPTIONS = {"part_size": 5 * MIB}
@@ -36,7 +37,9 @@ def _load(path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def fsdp_checkpoint(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[str, Path]:
+def fsdp_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[str, Path]:
     """A checkpoint of an FSDP2 model and AdamW saved by 4 ranks (prefix spreading on)."""
     import uuid
 
@@ -50,7 +53,9 @@ def fsdp_checkpoint(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fi
     import os
 
     os.environ["AWS_ENDPOINT_URL"] = endpoint
-    run_ranks(4, "fsdp_save", {"uri": uri, "out": str(out), "options": OPTIONS, "prefix_spread": True})
+    run_ranks(
+        4, "fsdp_save", {"uri": uri, "out": str(out), "options": OPTIONS, "prefix_spread": True}
+    )
     return uri, out
 
 
@@ -93,7 +98,9 @@ def test_ddp_writes_each_parameter_once(s3_uri: str, tmp_path: Path) -> None:
     assert manifest.world_size == 3
 
 
-def test_failing_rank_is_named_and_next_save_works(s3_uri: str, s3_client: Any, tmp_path: Path) -> None:
+def test_failing_rank_is_named_and_next_save_works(
+    s3_uri: str, s3_client: Any, tmp_path: Path
+) -> None:
     run_ranks(3, "failing_rank", {"uri": s3_uri, "out": str(tmp_path), "options": OPTIONS})
     for rank in range(3):
         assert "rank(s) [1]" in (tmp_path / f"error-{rank}.txt").read_text()

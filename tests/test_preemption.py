@@ -21,7 +21,9 @@ from spotckpt import PreemptionWatcher
 class FakeMetadata:
     """A loopback HTTP server whose answers a test scripts per path."""
 
-    def __init__(self, respond: Callable[[BaseHTTPRequestHandler], tuple[int, dict[str, str], bytes]]):
+    def __init__(
+        self, respond: Callable[[BaseHTTPRequestHandler], tuple[int, dict[str, str], bytes]]
+    ):
         self.requests: list[tuple[str, str, Any]] = []
         fake = self
 
@@ -116,7 +118,9 @@ def test_gce_notice_by_wait_for_change(
     def respond(request: BaseHTTPRequestHandler) -> tuple[int, dict[str, str], bytes]:
         if request.headers.get("Metadata-Flavor") != "Google":
             return 403, {}, b"missing Metadata-Flavor"
-        if not request.path.startswith("/computeMetadata/v1/instance/preempted?wait_for_change=true"):
+        if not request.path.startswith(
+            "/computeMetadata/v1/instance/preempted?wait_for_change=true"
+        ):
             return 404, {}, b""
         if "last_etag=etag-1" in request.path:
             time.sleep(0.2)  # the long poll returns when the value changes
@@ -137,7 +141,9 @@ def test_gce_notice_by_wait_for_change(
 
 
 def test_no_metadata_service_is_quiet(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, watchers: list[PreemptionWatcher]
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    watchers: list[PreemptionWatcher],
 ) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
@@ -168,7 +174,9 @@ def test_signals_are_recorded_and_chained(watchers: list[PreemptionWatcher]) -> 
     seen: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     try:
-        watcher = PreemptionWatcher(signals=(signal.SIGUSR1,), aws=False, gce=False, signal_budget_s=20)
+        watcher = PreemptionWatcher(
+            signals=(signal.SIGUSR1,), aws=False, gce=False, signal_budget_s=20
+        )
         watchers.append(watcher.start())
         os.kill(os.getpid(), signal.SIGUSR1)
         assert _wait_for(lambda: watcher.preempted, 2)

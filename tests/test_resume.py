@@ -42,7 +42,9 @@ def run_train(
         *SMALL,
         *extra,
     ]
-    result = subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        command, env=env, cwd=workdir, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == expect, result.stderr[-3000:]
     return result
 

@@ -21,6 +21,7 @@ from spotckpt import (
 )
 from spotckpt.format.manifest import Manifest, manifest_key
 from spotckpt.storage import ObjectStore, open_store
+
 from tests_support import FailingStore
 
 MIB = 1 << 20
@@ -74,7 +75,7 @@ def _assert_same(a: Any, b: Any) -> None:
             _assert_same(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             _assert_same(x, y)
     else:
         assert a == b and type(a) is type(b)
@@ -111,6 +112,9 @@ def _all_kinds() -> dict[str, Any]:
         "scalar": torch.tensor(3.25),
         "empty": torch.empty(0, 4),
         "noncontig": base.t(),
+        "count": 17,
+        "ratio": 0.5,
+        "name": "top-level",
         "nested": {"ints": 42, "float": 0.125, "text": "héllo", "deep": {"list": [1, 2, 3]}},
     }
 
@@ -150,7 +154,9 @@ def test_same_step_is_never_overwritten(manager: CheckpointManager) -> None:
 
 
 def test_retention_keeps_newest(uri: str) -> None:
-    with CheckpointManager(uri, keep_last=2, preemption=False, storage_options=_options(uri)) as mgr:
+    with CheckpointManager(
+        uri, keep_last=2, preemption=False, storage_options=_options(uri)
+    ) as mgr:
         for step in (10, 20, 30, 40):
             mgr.save(step, {"x": torch.full((2,), float(step))})
         assert mgr.steps() == [30, 40]

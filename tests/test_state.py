@@ -11,7 +11,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spotckpt import CheckpointManager, KeyMismatchError, ResumableSampler, TrainState, track_batches
+from spotckpt import (
+    CheckpointManager,
+    KeyMismatchError,
+    ResumableSampler,
+    TrainState,
+    track_batches,
+)
 
 
 @pytest.fixture
@@ -102,7 +108,9 @@ def test_scheduler_scaler_extras_and_step(manager: CheckpointManager) -> None:
         optimizer.step()
         scheduler.step()
     extra = {"tokens_seen": 1234, "name": "run-a", "history": [0.5, 0.25]}
-    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
+    state = TrainState(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra
+    )
     manager.save(5, state)
 
     model2 = nn.Linear(3, 3)
@@ -118,19 +126,24 @@ def test_scheduler_scaler_extras_and_step(manager: CheckpointManager) -> None:
     assert scheduler2.state_dict() == scheduler.state_dict()
     assert scaler2.get_scale() == 1024.0
     assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
-    for a, b in zip(model.parameters(), model2.parameters()):
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
 def test_extras_must_be_plain_values(manager: CheckpointManager) -> None:
-    with pytest.raises(TypeError, match="extra.bad is a object"):
+    with pytest.raises(TypeError, match=r"extra\.bad is a object"):
         manager.save(1, TrainState(extra={"bad": object()}))
 
 
 def test_state_mismatch_names_the_part(manager: CheckpointManager) -> None:
     manager.save(1, TrainState(model=nn.Linear(2, 2), rng=False))
-    with pytest.raises(KeyMismatchError, match=r"missing from the checkpoint: .*model\.1\.weight.*not in the state: model\.bias"):
-        manager.restore(TrainState(model=nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), rng=False))
+    with pytest.raises(
+        KeyMismatchError,
+        match=r"missing from the checkpoint: .*model\.1\.weight.*not in the state: model\.bias",
+    ):
+        manager.restore(
+            TrainState(model=nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), rng=False)
+        )
 
 
 def test_dataloader_workers_survive_sigterm() -> None:

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gcs_emulator import EMULATOR_IGNORES_PRECONDITIONS, gcs_endpoint, gcs_uri  # noqa: F401
 
 from spotckpt.storage import (
     AlreadyExistsError,
@@ -21,6 +20,8 @@ from spotckpt.storage import (
     ObjectStore,
     open_store,
 )
+
+from gcs_emulator import EMULATOR_IGNORES_PRECONDITIONS, gcs_endpoint, gcs_uri  # noqa: F401
 
 MIB = 1 << 20
 PART = 5 * MIB

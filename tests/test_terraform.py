@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import spotckpt
+
 from deploy_helpers import (
     CHECKOV_VERSION,
     DEPLOY,
@@ -39,8 +42,6 @@ from deploy_helpers import (
     template_names,
     templatefile_arguments,
 )
-
-import spotckpt
 
 AWS = TERRAFORM / "aws"
 GCP = TERRAFORM / "gcp"

@@ -294,7 +294,10 @@ def _parse_objects(entries: list[Any]) -> dict[str, ObjectRecord]:
         if crc >= 1 << 32:
             raise _fail(f"{where}: crc32c is not a 32-bit value")
         objects[key] = ObjectRecord(
-            key=key, size=_count(entry, "size", where), crc32c=crc, rank=_count(entry, "rank", where)
+            key=key,
+            size=_count(entry, "size", where),
+            crc32c=crc,
+            rank=_count(entry, "rank", where),
         )
     return objects
 
@@ -339,7 +342,7 @@ def _parse_tensor(
         sizes = _ints(_get(chunk, "sizes", list, where), where)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise _fail(f"{where}: chunk rank differs from the tensor's {len(shape)} dimensions")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
             raise _fail(f"{where}: chunk at {list(offsets)} reaches outside shape {list(shape)}")
         location = _parse_location(chunk, objects, block_size, where)
         elements = math.prod(sizes)
@@ -350,5 +353,7 @@ def _parse_tensor(
         stored_elements += elements
         chunks.append(TensorChunk(offsets=offsets, sizes=sizes, location=location))
     if stored_elements != math.prod(shape):
-        raise _fail(f"{where}: chunks hold {stored_elements} elements, shape needs {math.prod(shape)}")
+        raise _fail(
+            f"{where}: chunks hold {stored_elements} elements, shape needs {math.prod(shape)}"
+        )
     return TensorRecord(dtype=dtype.name, shape=shape, chunks=tuple(chunks))

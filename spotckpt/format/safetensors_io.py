@@ -63,7 +63,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def block_crcs(data: memoryview | bytes, block_size: int) -> tuple[int, ...]:
@@ -188,6 +188,8 @@ def _parse_entry(name: str, value: Any, data_start: int) -> HeaderEntry:
     if dtype is None:
         raise SafetensorsFormatError(f"tensor {name!r} has unknown dtype {value.get('dtype')!r}")
     shape, offsets = value.get("shape"), value.get("data_offsets")
+    if not isinstance(shape, list) or not isinstance(offsets, list):
+        raise SafetensorsFormatError(f"tensor {name!r} has a malformed shape or data_offsets")
     if not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2:
         raise SafetensorsFormatError(f"tensor {name!r} has a malformed shape or data_offsets")
     begin, end = offsets

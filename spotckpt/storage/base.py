@@ -13,6 +13,8 @@ This layer knows nothing of torch, DCP or manifests.
 
 from __future__ import annotations
 
+import abc
+import builtins
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
+
+from typing_extensions import Self
 
 
 class StorageError(Exception):
@@ -77,7 +81,7 @@ class ObjectWriter(Protocol):
     def abort(self) -> None:
         """Discard everything written; safe to call more than once and after a failed commit."""
 
-    def __enter__(self) -> ObjectWriter: ...
+    def __enter__(self) -> Self: ...
 
     def __exit__(
         self,
@@ -119,7 +123,7 @@ class ObjectStore(Protocol):
     def delete_many(self, keys: Iterable[str]) -> None:
         """Delete the given objects; missing ones are ignored."""
 
-    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         """Unfinished uploads under `prefix` (empty for stores without multipart uploads)."""
 
     def abort_upload(self, upload: UploadInfo) -> None:
@@ -129,16 +133,27 @@ class ObjectStore(Protocol):
         """Release thread pools and connections."""
 
 
-class WriterBase:
+class WriterBase(abc.ABC):
     """Context-manager behaviour shared by the writers: commit on success, abort on error."""
 
-    def commit(self) -> ObjectInfo:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @property
+    @abc.abstractmethod
+    def bytes_written(self) -> int:
+        """Bytes accepted by `write` so far."""
 
-    def abort(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes."""
 
-    def __enter__(self) -> WriterBase:
+    @abc.abstractmethod
+    def commit(self) -> ObjectInfo:
+        """Publish the object."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard the object."""
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

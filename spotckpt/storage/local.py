@@ -7,6 +7,7 @@ and the folder is fsynced, so a crash leaves either the whole object or nothing.
 
 from __future__ import annotations
 
+import builtins
 import os
 import uuid
 from collections.abc import Iterable, Iterator
@@ -143,7 +144,7 @@ class LocalStore:
         return self.head(key) is not None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        found: list[ObjectInfo] = []
+        found: builtins.list[ObjectInfo] = []
         for folder, _dirs, files in os.walk(self._root):
             for name in files:
                 if name.startswith(TEMP_MARKER):
@@ -170,7 +171,7 @@ class LocalStore:
                 return
             folder = folder.parent
 
-    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         """Temporary files left by crashed writers, reported as unfinished uploads."""
         uploads = []
         for folder, _dirs, files in os.walk(self._root):
@@ -196,7 +197,9 @@ def open_local_store(uri: str, options: dict[str, Any]) -> LocalStore:
     path = unquote(parts.path) if parts.scheme == "file" else uri
     if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
         raise ValueError(f"file:// URI {uri!r} names a host; use file:///absolute/path")
-    fsync = bool(options.pop("fsync", True))
+    fsync = options.pop("fsync", True)
+    if isinstance(fsync, str):
+        fsync = fsync.strip().lower() not in ("0", "false", "no", "off")
     if options:
         raise ValueError(f"local store takes no options {sorted(options)}")
-    return LocalStore(Path(path).expanduser(), fsync=fsync)
+    return LocalStore(Path(path).expanduser(), fsync=bool(fsync))

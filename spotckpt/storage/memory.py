@@ -6,6 +6,7 @@ opens the same URI see the same bytes. `fault` lets tests fail chosen operations
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
@@ -133,7 +134,7 @@ class MemoryStore:
             for key in keys:
                 self._objects.pop(key, None)
 
-    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         return []
 
     def abort_upload(self, upload: UploadInfo) -> None:

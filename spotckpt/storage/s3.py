@@ -16,6 +16,8 @@ Design choices:
 
 from __future__ import annotations
 
+import builtins
+import functools
 import logging
 import os
 import threading
@@ -134,6 +136,8 @@ class S3Options:
             raise ValueError("max_concurrency must be between 1 and 256")
         if not 1 <= self.list_page_size <= 1000:
             raise ValueError("list_page_size must be between 1 and 1000")
+        if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
+            raise ValueError("aws_access_key_id and aws_secret_access_key go together")
         if self.addressing_style not in ("auto", "path", "virtual"):
             raise ValueError("addressing_style must be 'auto', 'path' or 'virtual'")
 
@@ -307,6 +311,10 @@ class S3Store:
             return self.options.retry.call(fn, is_transient, what)
         except botocore.exceptions.ClientError as error:
             raise translate_error(error, what) from None
+        except _TRANSIENT_ERRORS as error:
+            raise StorageError(
+                f"{what}: still failing after retries: {type(error).__name__}: {error}"
+            ) from error
 
     # Writes ---------------------------------------------------------------------------------
 
@@ -434,7 +442,7 @@ class S3Store:
             if token:
                 args["ContinuationToken"] = token
             page = self._call(
-                f"list {self.uri}/{prefix}", lambda a=args: self.client.list_objects_v2(**a)
+                f"list {self.uri}/{prefix}", functools.partial(self.client.list_objects_v2, **args)
             )
             for item in page.get("Contents", []):
                 yield ObjectInfo(
@@ -450,8 +458,10 @@ class S3Store:
             batch = [{"Key": k} for k in full[start : start + DELETE_BATCH]]
             response = self._call(
                 f"delete {len(batch)} objects under {self.uri}",
-                lambda b=batch: self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}
+                functools.partial(
+                    self.client.delete_objects,
+                    Bucket=self.bucket,
+                    Delete={"Objects": batch, "Quiet": True},
                 ),
             )
             errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
@@ -462,15 +472,15 @@ class S3Store:
                     f"{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
                 )
 
-    def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         full_prefix = self._full_prefix(prefix)
-        uploads: list[UploadInfo] = []
+        uploads: builtins.list[UploadInfo] = []
         markers: dict[str, str] = {}
         while True:
             args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix, **markers}
             page = self._call(
                 f"list uploads {self.uri}/{prefix}",
-                lambda a=args: self.client.list_multipart_uploads(**a),
+                functools.partial(self.client.list_multipart_uploads, **args),
             )
             for item in page.get("Uploads", []):
                 uploads.append(

@@ -1,0 +1,338 @@
+"""The installed ``spotckpt`` console script, run as a child process on local folders and moto S3.
+
+Each child imports torch (seconds on a small machine), so independent commands of one test run
+concurrently and assertions share invocations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_export import STEP, assert_same, fsdp_checkpoint, full_weights
+from torch import nn
+
+from spotckpt import CheckpointManager, TrainState
+from spotckpt.cli import parse_duration, parse_size
+from spotckpt.format.manifest import Manifest, manifest_key, step_folder
+from spotckpt.storage import open_store
+
+SCRIPT = Path(sys.executable).with_name("spotckpt")
+MIB = 1 << 20
+
+
+def _script() -> str:
+    if SCRIPT.exists():
+        return str(SCRIPT)
+    found = shutil.which("spotckpt")
+    if found is None:
+        pytest.fail("the spotckpt console script is not installed: pip install --no-deps -e .")
+    return found
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
+    env.update(extra or {})
+    return env
+
+
+def run_all(
+    commands: Sequence[Sequence[str]],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    envs: Sequence[dict[str, str]] | None = None,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``spotckpt <args>`` for each command at once (`envs`: extra variables for each);
+    wait for all."""
+    extras = envs if envs is not None else [{}] * len(commands)
+    children = [
+        subprocess.Popen(
+            [_script(), *args],
+            cwd=cwd,
+            env=_env({**(env or {}), **extra}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, extra in zip(commands, extras, strict=True)
+    ]
+    results = []
+    for args, child in zip(commands, children, strict=True):
+        out, err = child.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess([_script(), *args], child.returncode, out, err))
+    return results
+
+
+def run(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run one ``spotckpt`` command."""
+    return run_all([args], cwd, env)[0]
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], code: int) -> str:
+    """Assert the exit status and a single-line error on stderr; return that line."""
+    assert result.returncode == code, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("spotckpt: error: ")
+    return lines[0]
+
+
+def _save(uri: str, steps: Sequence[int], **options: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with CheckpointManager(uri, preemption=False, storage_options=options) as manager:
+        for step in steps:
+            manager.save(step, TrainState(model=model, rng=False), user_metadata={"loss": 0.5})
+
+
+@pytest.fixture
+def fsdp_copy(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(fsdp_checkpoint(), tmp_path / "ckpt"))
+
+
+def _upload_tree(root: Path, client: Any, bucket: str, prefix: str) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            key = f"{prefix}/{path.relative_to(root).as_posix()}"
+            client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+
+
+def test_ls_inspect_verify_on_local_folder(fsdp_copy: Path, tmp_path: Path) -> None:
+    ls, inspect, verify = run_all(
+        [
+            ["ls", str(fsdp_copy)],
+            ["inspect", str(fsdp_copy), "--json"],
+            ["verify", str(fsdp_copy)],
+        ],
+        cwd=tmp_path,
+    )
+    assert ls.returncode == 0, ls.stderr
+    header, row = ls.stdout.splitlines()
+    columns = ["STEP", "STATUS", "CREATED", "(UTC)", "SIZE", "WORLD", "OBJECTS", "ATTEMPT"]
+    assert header.split() == columns
+    manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
+    cells = row.split()
+    assert cells[:2] == [str(STEP), "committed"]
+    assert cells[-3:] == ["4", "4", manifest.attempt]  # world size, objects, attempt
+
+    assert inspect.returncode == 0, inspect.stderr
+    summary = json.loads(inspect.stdout)
+    weight = summary["tensors"]["model.0.weight"]
+    assert weight["dtype"] == "float32" and weight["shape"] == [30, 16]
+    assert weight["sharding"] == "4 chunks on dim 0" and len(weight["chunks"]) == 4
+    assert summary["tensors"]["model.counts"]["sharding"] == "whole"
+    assert summary["world_size"] == 4 and summary["step"] == STEP
+
+    assert verify.returncode == 0, verify.stderr
+    assert verify.stdout.startswith(f"step {STEP}: OK (4 objects,")
+    assert verify.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+def test_verify_names_each_damaged_object_and_exits_1(fsdp_copy: Path, tmp_path: Path) -> None:
+    manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
+    folder = fsdp_copy / step_folder(STEP)
+    keys = sorted(manifest.objects)
+    chunk = next(c for c in manifest.tensors["model.0.weight"].chunks if c.location.key == keys[0])
+    data = bytearray((folder / keys[0]).read_bytes())
+    data[chunk.location.offset] ^= 0x01
+    (folder / keys[0]).write_bytes(bytes(data))
+    (folder / keys[1]).unlink()
+    text, as_json = run_all(
+        [["verify", str(fsdp_copy)], ["verify", str(fsdp_copy), "--step", str(STEP), "--json"]],
+        cwd=tmp_path,
+    )
+    line = one_line_error(text, 1)
+    assert "failed verification: 2 problems" in line
+    assert f"{step_folder(STEP)}/{keys[0]}" in text.stdout and "model.0.weight" in text.stdout
+    assert f"{step_folder(STEP)}/{keys[1]}" in text.stdout and "missing" in text.stdout
+    assert as_json.returncode == 1
+    report = json.loads(as_json.stdout)
+    assert report["ok"] is False
+    assert {(p["kind"], p["key"]) for p in report["problems"]} == {
+        ("crc32c", f"{step_folder(STEP)}/{keys[0]}"),
+        ("missing", f"{step_folder(STEP)}/{keys[1]}"),
+    }
+
+
+def test_s3_verify_ls_all_and_storage_options(
+    s3_uri: str, s3_client: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    _save(s3_uri, [1, 2], part_size=5 * MIB)
+    store = open_store(s3_uri, part_size=5 * MIB)
+    manifest = Manifest.from_json(store.get(manifest_key(2)))
+    key = f"runs/exp1/{step_folder(2)}/{next(iter(manifest.objects))}"
+    body = bytearray(s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x10
+    s3_client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
+    s3_client.put_object(
+        Bucket=s3_bucket, Key="runs/exp1/step-000000003/a-partial/r00000-000.safetensors", Body=b"x"
+    )
+    s3_client.create_multipart_upload(
+        Bucket=s3_bucket, Key="runs/exp1/step-000000003/a-partial/r00001-000.safetensors"
+    )
+    # Config: spotckpt.toml gives the URI and a part size that S3 refuses; -o overrides it.
+    (tmp_path / "spotckpt.toml").write_text(
+        f'uri = "{s3_uri}"\n[storage_options]\npart_size = 1024\n'
+    )
+    verify, ls_all, ls_plain, refused = run_all(
+        [
+            ["verify", "-o", f"part_size={5 * MIB}"],
+            ["ls", s3_uri, "--all", "--json", "-o", f"part_size={5 * MIB}"],
+            ["ls", "-o", f"part_size={5 * MIB}"],
+            ["ls"],
+        ],
+        cwd=tmp_path,
+    )
+    one_line_error(verify, 1)
+    assert f"{step_folder(2)}/{next(iter(manifest.objects))}" in verify.stdout
+    assert "crc32c" in verify.stdout
+    rows = json.loads(ls_all.stdout)["checkpoints"]
+    assert [(r["step"], r["status"]) for r in rows] == [
+        (1, "committed"),
+        (2, "committed"),
+        (3, "uncommitted"),
+        (3, "upload"),
+    ]
+    assert rows[3]["key"] == "step-000000003/a-partial/r00001-000.safetensors"
+    assert [line.split()[1] for line in ls_plain.stdout.splitlines()[1:]] == ["committed"] * 2
+    assert "part_size" in one_line_error(refused, 2)
+
+
+def test_gc_dry_run_then_real(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _save(str(root), [1, 2, 3])
+    old = time.time() - 3 * 3600
+    for path in root.rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+    stale = root / "step-000000004/a-crashed/r00000-000.safetensors"
+    fresh = root / "step-000000005/a-writing/r00000-000.safetensors"
+    for path in (stale, fresh):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"partial")
+    os.utime(stale, (old, old))
+    before = sorted(p for p in root.rglob("*") if p.is_file())
+
+    dry = run("gc", str(root), "--dry-run", "--keep-last", "2", "--json", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert sorted(p for p in root.rglob("*") if p.is_file()) == before
+    planned = json.loads(dry.stdout)
+    assert planned["dry_run"] is True
+    assert {(a["kind"], a["target"]) for a in planned["actions"]} == {
+        ("retention", "step-000000001/"),
+        ("uncommitted", "step-000000004/"),
+    }
+
+    real = run("gc", str(root), "--keep-last", "2", "--safety-age", "2h", cwd=tmp_path)
+    assert real.returncode == 0, real.stderr
+    assert "deleted retention step-000000001/" in real.stdout
+    assert "deleted uncommitted step-000000004/" in real.stdout
+    assert "kept step-000000005/" in real.stdout
+    assert not (root / "step-000000001").exists() and not stale.exists()
+    assert (
+        fresh.exists() and (root / manifest_key(3)).exists() and (root / manifest_key(2)).exists()
+    )
+
+
+def test_export_hf_from_s3_and_local(
+    fsdp_copy: Path, s3_uri: str, s3_client: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    _upload_tree(fsdp_copy, s3_client, s3_bucket, "runs/exp1")
+    sharded, single = run_all(
+        [
+            [
+                "export-hf",
+                s3_uri,
+                "--step",
+                str(STEP),
+                str(tmp_path / "sharded"),
+                "--max-shard-size",
+                "1KB",
+                "--json",
+            ],
+            ["export-hf", str(fsdp_copy), str(tmp_path / "single"), "--dtype", "bfloat16"],
+        ],
+        cwd=tmp_path,
+    )
+    assert sharded.returncode == 0, sharded.stderr
+    report = json.loads(sharded.stdout)
+    assert len(report["files"]) >= 3 and report["index"] == "model.safetensors.index.json"
+    index = json.loads((tmp_path / "sharded" / report["index"]).read_text())
+    loaded: dict[str, torch.Tensor] = {}
+    for name in report["files"]:
+        loaded.update(load_file(tmp_path / "sharded" / name))
+    want = full_weights()
+    assert_same(loaded, want)
+    assert index["metadata"]["total_size"] == report["total_size"]
+    assert set(index["weight_map"].values()) == set(report["files"])
+
+    assert single.returncode == 0, single.stderr
+    assert "model.safetensors" in single.stdout
+    cast = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in want.items()}
+    assert_same(load_file(tmp_path / "single" / "model.safetensors"), cast)
+
+
+def test_usage_errors_are_one_line_with_exit_2(tmp_path: Path, moto_endpoint: str) -> None:
+    root = tmp_path / "ckpt"
+    _save(str(root), [1])
+    bad_config = tmp_path / "broken.toml"
+    bad_config.write_text("uri = [unclosed\n")
+    secret = "S3CR3T-do-not-print-me"
+    commands = [
+        ["ls", "ftp://host/path"],
+        ["verify", str(root), "--step", "9"],
+        ["inspect"],
+        ["gc", str(root), "--safety-age", "soon"],
+        [
+            "ls",
+            "s3://no-such-bucket-here",
+            "-o",
+            "aws_access_key_id=AKIDEXAMPLE",
+            "-o",
+            f"aws_secret_access_key={secret}",
+        ],
+        ["ls"],
+        ["ls"],
+    ]
+    envs: list[dict[str, str]] = [{}] * 5
+    envs += [{"SPOTCKPT_CONFIG": str(bad_config)}, {"SPOTCKPT_URI": str(root)}]
+    results = run_all(commands, tmp_path, env={"AWS_ENDPOINT_URL": moto_endpoint}, envs=envs)
+    errors = [one_line_error(r, 2) for r in results[:6]]
+    scheme, step, no_uri, duration, bucket, config = errors
+    assert "unsupported storage URI scheme 'ftp'" in scheme
+    assert "step 9 has no committed checkpoint" in step
+    assert "SPOTCKPT_URI" in no_uri
+    assert "--safety-age" in duration
+    assert "no-such-bucket-here" in bucket
+    assert "cannot read config file" in config
+    assert all(secret not in r.stdout + r.stderr for r in results)
+    from_env = results[6]
+    assert from_env.returncode == 0, from_env.stderr
+    assert from_env.stdout.splitlines()[1].split()[:2] == ["1", "committed"]
+
+
+def test_size_and_duration_parsing() -> None:
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("1.5kb") == 1500
+    assert parse_size("4096") == 4096
+    assert parse_duration("1h") == 3600 and parse_duration("90") == 90
+    assert parse_duration("2.5m") == 150 and parse_duration("2d") == 172800
+    for bad in ("5i", "GB", "0", "-1MB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    with pytest.raises(ValueError):
+        parse_duration("soon")
