@@ -236,8 +236,8 @@ class ObjectStoreWriter(StorageWriter):
         except AlreadyExistsError:
             if not self._committed_by_us(manifest.attempt):
                 raise CheckpointAlreadyCommittedError(
-                    f"step {self.step} was committed by another writer while this one was "
-                    f"saving; this attempt ({manifest.attempt}) is discarded"
+                    f"step {self.step} was already committed by another writer while this one "
+                    f"was saving; this attempt ({manifest.attempt}) is discarded"
                 ) from None
         self.manifest = manifest
         self._update_latest_hint()
