@@ -8,6 +8,7 @@ commits and applies retention, and shares its decisions with the other ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -59,7 +60,12 @@ class KeyMismatchError(CheckpointError, KeyError):
 
 
 class CheckedLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, plus a clear error naming missing and unexpected keys."""
+    """DCP's default load planner, plus clear errors naming missing and unexpected keys.
+
+    Missing keys are checked on each rank; unexpected ones on the coordinator against the union
+    of what all ranks asked for (ranks may legitimately own different keys). Per-rank RNG keys
+    are never unexpected: a restore on fewer ranks leaves some unread.
+    """
 
     def __init__(self, allow_missing: bool, allow_unexpected: bool) -> None:
         super().__init__(allow_partial_load=allow_missing)
@@ -67,19 +73,25 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
-        wanted = set(self.state_dict)
-        missing = sorted(wanted - stored)
-        unexpected = sorted(k for k in stored - wanted if not k.startswith(f"{RNG_KEY}."))
-        problems = []
+        missing = sorted(set(self.state_dict) - stored)
         if missing and not self.allow_partial_load:
-            problems.append(f"missing from the checkpoint: {_some(missing)}")
-        if unexpected and not self.allow_unexpected:
-            problems.append(f"in the checkpoint but not in the state: {_some(unexpected)}")
-        if problems:
             raise KeyMismatchError(
-                "; ".join(problems) + " (pass strict=False to restore() to allow this)"
+                f"missing from the checkpoint: {_some(missing)} (pass strict=False to restore() "
+                "to allow this)"
             )
-        return super().create_local_plan()
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, planner_data=sorted(self.state_dict))
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        wanted = {key for plan in global_plan for key in (plan.planner_data or ())}
+        stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
+        unexpected = sorted(k for k in stored - wanted if not k.startswith(f"{RNG_KEY}."))
+        if unexpected and not self.allow_unexpected:
+            raise KeyMismatchError(
+                f"in the checkpoint but not in the state: {_some(unexpected)} (pass "
+                "strict=False to restore() to allow this)"
+            )
+        return super().create_global_plan(global_plan)
 
 
 def _some(keys: list[str], limit: int = 8) -> str:
