@@ -29,10 +29,15 @@ from spotckpt.config import Config, ConfigError
 from spotckpt.errors import CorruptCheckpointError, NoCheckpointError
 from spotckpt.export import export_hf
 from spotckpt.format.dtypes import BY_NAME
-from spotckpt.format.manifest import Manifest, ManifestError, TensorRecord, manifest_key
+from spotckpt.format.manifest import (
+    Manifest,
+    ManifestError,
+    TensorRecord,
+    manifest_key,
+    read_manifest,
+)
 from spotckpt.gc import StepFolder, attempt_folders, collect_garbage, scan_root
 from spotckpt.storage.base import (
-    ObjectNotFoundError,
     ObjectStore,
     StorageError,
     UploadInfo,
@@ -233,14 +238,6 @@ def _resolve_step(store: ObjectStore, step: int | None) -> int:
     return max(committed)
 
 
-def _read_manifest(store: ObjectStore, step: int) -> Manifest:
-    try:
-        data = store.get(manifest_key(step))
-    except ObjectNotFoundError:
-        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}") from None
-    return Manifest.from_json(data, expected_step=step)
-
-
 # Shared options -----------------------------------------------------------------------------------
 
 _uri_argument = click.argument("uri", required=False, metavar="[URI]")
@@ -312,7 +309,7 @@ def _committed_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[di
         if not folder.has_manifest:
             continue
         try:
-            manifest = _read_manifest(store, step)
+            manifest = read_manifest(store, step)
         except ManifestError as error:
             rows.append(_row(step, "invalid", None, None, None, None, None, str(error)))
             continue
@@ -336,7 +333,7 @@ def _uncommitted_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[
         referenced: set[str] = set()
         if folder.has_manifest:
             try:
-                referenced = attempt_folders(_read_manifest(store, step))
+                referenced = attempt_folders(read_manifest(store, step))
             except (ManifestError, NoCheckpointError):
                 continue
         for name, group in sorted(folder.attempts.items()):
@@ -425,7 +422,7 @@ def inspect_command(
 ) -> None:
     """Summarise a checkpoint's manifest: tensors, sharding, metadata."""
     with _opened(uri, storage_options) as store:
-        manifest = _read_manifest(store, _resolve_step(store, step))
+        manifest = read_manifest(store, _resolve_step(store, step))
         tensors = {n: t for n, t in manifest.tensors.items() if n.startswith(name_filter)}
         if as_json:
             _emit_json(_inspect_json(store, manifest, tensors))

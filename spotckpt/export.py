@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from spotckpt.errors import CorruptCheckpointError, NoCheckpointError
+from spotckpt.errors import CorruptCheckpointError
 from spotckpt.format.dtypes import BY_NAME, DType, dtype_of
 from spotckpt.format.manifest import (
     ChunkLocation,
     Manifest,
     TensorChunk,
     TensorRecord,
-    manifest_key,
+    read_manifest,
     step_folder,
 )
 from spotckpt.format.safetensors_io import (
@@ -112,7 +112,7 @@ def export_hf(
         raise ValueError("max_shard_size must be positive")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"export dtype must be a floating-point type, got {dtype}")
-    manifest = _read_manifest(store, step)
+    manifest = read_manifest(store, step)
     items = select_tensors(manifest, prefix, strip_prefix, dtype)
     shards = plan_shards([i.spec for i in items], max_shard_size)
     out_store = open_store(out) if isinstance(out, str) else out
@@ -138,14 +138,6 @@ def export_hf(
         if isinstance(out, str):
             out_store.close()
     return report
-
-
-def _read_manifest(store: ObjectStore, step: int) -> Manifest:
-    try:
-        data = store.get(manifest_key(step))
-    except ObjectNotFoundError:
-        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}") from None
-    return Manifest.from_json(data, expected_step=step)
 
 
 def select_tensors(

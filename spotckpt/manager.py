@@ -40,12 +40,13 @@ from spotckpt.format.manifest import (
     ManifestError,
     manifest_key,
     parse_step_folder,
+    read_manifest,
     step_folder,
 )
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.state import RNG_KEY, TrainState, as_dcp_state, write_back
-from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, open_store
+from spotckpt.storage.base import ObjectStore, StorageError, open_store
 from spotckpt.verify import VerifyReport, verify_checkpoint
 from spotckpt.version import __version__
 
@@ -471,13 +472,7 @@ class CheckpointManager:
 
     def read_manifest(self, step: int) -> Manifest:
         """Fetch and validate the manifest of a committed step."""
-        try:
-            data = self.store.get(manifest_key(step))
-        except ObjectNotFoundError:
-            raise NoCheckpointError(
-                f"step {step} has no committed checkpoint at {self.uri}"
-            ) from None
-        return Manifest.from_json(data, expected_step=step)
+        return read_manifest(self.store, step)
 
     def restore(
         self,

@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from spotckpt.errors import NoCheckpointError
 from spotckpt.format.dtypes import BY_NAME
-from spotckpt.storage.base import InvalidKeyError, check_key
+from spotckpt.storage.base import InvalidKeyError, ObjectNotFoundError, ObjectStore, check_key
 
 FORMAT_VERSION = "spotckpt/1"
 MANIFEST_NAME = "manifest.json"
@@ -59,6 +60,15 @@ def parse_step_folder(name: str) -> int | None:
 def manifest_key(step: int) -> str:
     """Key of a step's manifest, relative to the checkpoint root."""
     return f"{step_folder(step)}/{MANIFEST_NAME}"
+
+
+def read_manifest(store: ObjectStore, step: int) -> Manifest:
+    """Fetch and validate the manifest of a committed step; NoCheckpointError if there is none."""
+    try:
+        data = store.get(manifest_key(step))
+    except ObjectNotFoundError:
+        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}") from None
+    return Manifest.from_json(data, expected_step=step)
 
 
 @dataclass(frozen=True, kw_only=True)

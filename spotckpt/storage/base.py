@@ -168,6 +168,50 @@ class WriterBase(abc.ABC):
             self.abort()
 
 
+class ChunkedWriter(WriterBase):
+    """A writer that cuts the byte stream into fixed-size chunks (S3 parts, GCS chunks).
+
+    Subclasses set ``_buffer``, ``_chunk_limit``, ``_closed`` and ``_size`` in ``__init__`` and
+    implement `_chunk_full` (hand the full ``_buffer`` off) and may override `_observe` (see every
+    byte once, e.g. for a running checksum). Any error while writing aborts the object.
+    """
+
+    _buffer: bytearray
+    _chunk_limit: int
+    _closed: bool
+    _size: int
+    _key: str
+
+    @property
+    def bytes_written(self) -> int:
+        return self._size
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise StorageError(f"write to {self._key!r} after commit or abort")
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        try:
+            self._observe(view)
+            while view.nbytes:
+                room = self._chunk_limit - len(self._buffer)
+                self._buffer += view[:room]
+                view = view[room:]
+                if len(self._buffer) == self._chunk_limit:
+                    self._chunk_full()
+        except BaseException:
+            self.abort()
+            raise
+        self._size += size
+
+    def _observe(self, view: memoryview) -> None:
+        """See each written piece once, before it is buffered."""
+
+    @abc.abstractmethod
+    def _chunk_full(self) -> None:
+        """Hand off ``_buffer``, which holds exactly one chunk."""
+
+
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 MAX_KEY_LENGTH = 1024
 

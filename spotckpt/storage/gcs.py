@@ -73,12 +73,12 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from spotckpt.checksum import crc32c, crc32c_b64
 from spotckpt.storage.base import (
     AlreadyExistsError,
+    ChunkedWriter,
     ObjectInfo,
     ObjectNotFoundError,
     PermissionDeniedError,
     StorageError,
     UploadInfo,
-    WriterBase,
     check_key,
 )
 from spotckpt.storage.retry import RetryPolicy
@@ -354,7 +354,7 @@ class _ChunkStream:
             self._size -= cut
 
 
-class GCSWriter(WriterBase):
+class GCSWriter(ChunkedWriter):
     """One streamed object: a single request when small, else a resumable upload session."""
 
     def __init__(self, store: GCSStore, key: str, create_only: bool) -> None:
@@ -362,7 +362,7 @@ class GCSWriter(WriterBase):
         self._key = key
         self._create_only = create_only
         self._token = uuid.uuid4().hex if create_only else None
-        self._chunk_size = store.options.chunk_size
+        self._chunk_size = self._chunk_limit = store.options.chunk_size
         self._buffer = bytearray()
         self._stream = _ChunkStream()
         self._upload: ResumableUpload | None = None
@@ -373,29 +373,11 @@ class GCSWriter(WriterBase):
         self._crc = 0
         self._closed = False
 
-    @property
-    def bytes_written(self) -> int:
-        """Bytes accepted by `write` so far."""
-        return self._size
+    def _observe(self, view: memoryview) -> None:
+        self._crc = crc32c(view, self._crc)
 
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append bytes; blocks while the previous chunk is still uploading."""
-        if self._closed:
-            raise StorageError(f"write to {self._key!r} after commit or abort")
-        view = memoryview(data).cast("B")
-        size = view.nbytes
-        try:
-            self._crc = crc32c(view, self._crc)
-            while view.nbytes:
-                room = self._chunk_size - len(self._buffer)
-                self._buffer += view[:room]
-                view = view[room:]
-                if len(self._buffer) == self._chunk_size:
-                    self._hand_off()
-        except BaseException:
-            self.abort()
-            raise
-        self._size += size
+    def _chunk_full(self) -> None:
+        self._hand_off()
 
     def _hand_off(self) -> None:
         """Queue the full buffer for upload once the previous chunk is acknowledged."""

@@ -35,12 +35,12 @@ import urllib3.exceptions
 from spotckpt.checksum import crc32c_b64
 from spotckpt.storage.base import (
     AlreadyExistsError,
+    ChunkedWriter,
     ObjectInfo,
     ObjectNotFoundError,
     PermissionDeniedError,
     StorageError,
     UploadInfo,
-    WriterBase,
     check_key,
 )
 from spotckpt.storage.retry import RetryPolicy
@@ -164,42 +164,23 @@ def _coerce(value: Any, annotation: Any) -> Any:
     return value
 
 
-class S3Writer(WriterBase):
+class S3Writer(ChunkedWriter):
     """One streamed object: a single PUT when small, else a parallel multipart upload."""
 
     def __init__(self, store: S3Store, key: str, create_only: bool) -> None:
         self._store = store
         self._key = key
         self._create_only = create_only
-        self._part_size = store.options.part_size
+        self._chunk_limit = store.options.part_size
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
         self._slots = threading.BoundedSemaphore(store.options.max_concurrency)
         self._size = 0
-        self._crc = 0
         self._closed = False
 
-    @property
-    def bytes_written(self) -> int:
-        return self._size
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self._closed:
-            raise StorageError(f"write to {self._key!r} after commit or abort")
-        view = memoryview(data).cast("B")
-        size = view.nbytes
-        try:
-            while view.nbytes:
-                room = self._part_size - len(self._buffer)
-                self._buffer += view[:room]
-                view = view[room:]
-                if len(self._buffer) == self._part_size:
-                    self._send_part()
-        except BaseException:
-            self.abort()
-            raise
-        self._size += size
+    def _chunk_full(self) -> None:
+        self._send_part()
 
     def _send_part(self) -> None:
         self._raise_failed_part()
