@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -368,7 +369,7 @@ class ObjectStoreReader(StorageReader):
         manifest: Manifest,
         *,
         max_parallel_reads: int = 8,
-        max_read_bytes: int = 64 << 20,
+        max_read_bytes: int = 16 << 20,
         coalesce_gap: int = 64 << 10,
     ) -> None:
         super().__init__()
@@ -467,7 +468,7 @@ class ObjectStoreReader(StorageReader):
                 fetches.append(_Fetch(need.location.key, start, end, [need]))
         return fetches
 
-    def _fetch(self, fetch: _Fetch) -> bytearray:
+    def _fetch(self, fetch: _Fetch) -> bytes:
         key = f"{self.folder}/{fetch.key}"
         length = fetch.end - fetch.start
         try:
@@ -484,11 +485,9 @@ class ObjectStoreReader(StorageReader):
             )
         self.stats.bytes_read += length
         self.stats.requests += 1
-        return bytearray(data)
+        return data
 
-    def _deliver(
-        self, need: _Need, buffer: bytearray, buffer_start: int, planner: LoadPlanner
-    ) -> None:
+    def _deliver(self, need: _Need, buffer: bytes, buffer_start: int, planner: LoadPlanner) -> None:
         base = need.location.offset + need.start - buffer_start
         view = memoryview(buffer)[base : base + need.end - need.start]
         _verify_blocks(view, need, self.manifest.block_size, self.folder)
@@ -543,7 +542,9 @@ def _strided_view(
     """The sub-block `lengths` of a row-major chunk, given the bytes from its first element."""
     if math.prod(lengths) == 0:
         return torch.empty(tuple(lengths), dtype=dtype)
-    raw = torch.frombuffer(data, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only source is fine: it is only copied from
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        raw = torch.frombuffer(data, dtype=torch.uint8)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if raw.data_ptr() % itemsize:
         raw = raw.clone()

@@ -21,7 +21,7 @@ class DType:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
 
 _ALL = [

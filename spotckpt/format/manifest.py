@@ -317,7 +317,7 @@ def _parse_location(
 ) -> ChunkLocation:
     if not isinstance(entry, dict):
         raise _fail(f"{where}: location must be a JSON object")
-    key = check_key(_get(entry, "key", str, where))
+    key = _get(entry, "key", str, where)  # safe once found: every object key was checked
     record = objects.get(key)
     if record is None:
         raise _fail(f"{where}: refers to object {key!r} that the manifest does not list")

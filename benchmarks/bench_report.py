@@ -1,0 +1,432 @@
+"""Tables and targets from the benchmark results (plain data in, text out; no torch here)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+MIB = 1 << 20
+GIB = 1 << 30
+# What a save may use beyond its parts and staging: the interpreter's and DCP's own allocations
+# (plans, metadata, the manifest), thread stacks, and the HTTP client's buffers.
+MEMORY_ALLOWANCE = 64 * MIB
+
+S3_ORDER = ("spotckpt", "dcp_fsspec", "torch_save_boto3", "s3torchconnector", "raw_boto3")
+LOCAL_ORDER = ("spotckpt", "dcp_fs", "torch_save_file", "raw_file")
+
+
+def _index(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {case["id"]: case for case in results["cases"]}
+
+
+def _ok(case: dict[str, Any] | None) -> bool:
+    return bool(case) and case.get("status") == "ok" and bool(case.get("reps"))  # type: ignore[union-attr]
+
+
+def _median(case: dict[str, Any] | None) -> float | None:
+    return float(case["median_s"]) if _ok(case) and case else None
+
+
+def _gib(case: dict[str, Any]) -> float:
+    return max(float(case.get("bytes", 0)), 1.0) / GIB
+
+
+def _cpu_per_gib(case: dict[str, Any] | None) -> float | None:
+    return float(case["cpu_s"]) / _gib(case) if _ok(case) and case else None
+
+
+def _labels(results: dict[str, Any], group: str) -> list[tuple[str, str]]:
+    """(server, state label) pairs of a group, in the order they ran."""
+    seen: list[tuple[str, str]] = []
+    for case in results["cases"]:
+        if case["group"] == group and (case["server"], case["state"]) not in seen:
+            seen.append((case["server"], case["state"]))
+    return seen
+
+
+def _target(
+    name: str,
+    where: str,
+    value: float | None,
+    threshold: float,
+    passes: Callable[[float], bool],
+    detail: str,
+) -> dict[str, Any]:
+    return {
+        "target": name,
+        "where": where,
+        "value": value,
+        "threshold": threshold,
+        "pass": None if value is None else bool(passes(value)),
+        "detail": detail,
+    }
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target's measured value and pass/miss (None: not measured in this run)."""
+    cases = _index(results)
+    out: list[dict[str, Any]] = []
+    for server, state in _labels(results, "s3"):
+        base = f"s3/{server}/{state}"
+        where = f"{server} {state}"
+
+        def med(method: str, op: str, base: str = base) -> float | None:
+            return _median(cases.get(f"{base}/{method}/{op}"))
+
+        def cpu(method: str, op: str, base: str = base) -> float | None:
+            return _cpu_per_gib(cases.get(f"{base}/{method}/{op}"))
+
+        spot_save, spot_restore = med("spotckpt", "save"), med("spotckpt", "restore")
+        out.append(
+            _target(
+                "save >= 0.9x raw multipart put",
+                where,
+                _ratio(med("raw_boto3", "save"), spot_save),
+                0.9,
+                lambda v: v >= 0.9,
+                "raw put time / spotckpt save time",
+            )
+        )
+        out.append(
+            _target(
+                "save faster than DCP fsspec writer",
+                where,
+                _ratio(med("dcp_fsspec", "save"), spot_save),
+                1.0,
+                lambda v: v > 1.0,
+                "DCP fsspec save time / spotckpt save time",
+            )
+        )
+        out.append(
+            _target(
+                "restore >= 0.8x raw get",
+                where,
+                _ratio(med("raw_boto3", "restore"), spot_restore),
+                0.8,
+                lambda v: v >= 0.8,
+                "raw get time / spotckpt restore time",
+            )
+        )
+        out.append(
+            _target(
+                "restore >= 10x DCP fsspec reader",
+                where,
+                _ratio(med("dcp_fsspec", "restore"), spot_restore),
+                10.0,
+                lambda v: v >= 10.0,
+                "DCP fsspec load time / spotckpt restore time",
+            )
+        )
+        out.append(
+            _target(
+                "CPU/GiB saved <= 1.2x raw put",
+                where,
+                _ratio(cpu("spotckpt", "save"), cpu("raw_boto3", "save")),
+                1.2,
+                lambda v: v <= 1.2,
+                "spotckpt save CPU s/GiB / raw put CPU s/GiB",
+            )
+        )
+    primary = results["meta"].get("primary_server")
+    for server, state in _labels(results, "stall"):
+        if server == "memory":
+            continue
+        stall = _median(cases.get(f"stall/{server}/{state}/spotckpt_async/stall"))
+        copy = _median(cases.get(f"stall/memory/{state}/memcpy/copy"))
+        blocking = _median(cases.get(f"s3/{server}/{state}/spotckpt/save"))
+        where = f"{server} {state}"
+        out.append(
+            _target(
+                "async stall <= 1.5x in-memory copy",
+                where,
+                _ratio(stall, copy),
+                1.5,
+                lambda v: v <= 1.5,
+                "async save() return time / copy into preallocated buffers",
+            )
+        )
+        out.append(
+            _target(
+                "async stall <= 0.1x blocking save",
+                where,
+                _ratio(stall, blocking),
+                0.1,
+                lambda v: v <= 0.1,
+                "async save() return time / blocking save time",
+            )
+        )
+    out.extend(_memory_targets(results, cases, primary))
+    return out
+
+
+def memory_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Peak extra memory of spotckpt saves on the primary server, one row per state size."""
+    cases = _index(results)
+    primary = results["meta"].get("primary_server")
+    settings = results["meta"]["settings"]
+    parts = (settings["concurrency"] + 1) * settings["part_size"]
+    rows = []
+    for size in settings["memory_sizes"]:
+        label = f"large-{size // GIB}GiB" if size % GIB == 0 else f"large-{size // MIB}MiB"
+        groups = ("s3", "stall") if size == settings["large_bytes"] else ("memory", "memory")
+        blocking = cases.get(f"{groups[0]}/{primary}/{label}/spotckpt/save")
+        asynchronous = cases.get(f"{groups[1]}/{primary}/{label}/spotckpt_async/stall")
+        rows.append(
+            {
+                "state": label,
+                "bytes": size,
+                "blocking_peak": blocking.get("peak_extra_bytes") if _ok(blocking) else None,
+                "async_peak": asynchronous.get("peak_extra_bytes") if _ok(asynchronous) else None,
+                "blocking_bound": parts + MEMORY_ALLOWANCE,
+                "async_bound": size + parts + MEMORY_ALLOWANCE,
+            }
+        )
+    return rows
+
+
+def _memory_targets(
+    results: dict[str, Any], cases: dict[str, dict[str, Any]], primary: str | None
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if primary is None:
+        return out
+    for row in memory_rows(results):
+        where = f"{primary} {row['state']}"
+        for kind in ("blocking", "async"):
+            peak, bound = row[f"{kind}_peak"], row[f"{kind}_bound"]
+            staging = "state + " if kind == "async" else ""
+            out.append(
+                _target(
+                    f"peak extra memory bounded ({kind} save)",
+                    where,
+                    None if peak is None else peak / MIB,
+                    bound / MIB,
+                    lambda v, b=bound: v <= b / MIB,
+                    f"MiB; bound = {staging}(concurrency + 1) x part size + "
+                    f"{MEMORY_ALLOWANCE // MIB} MiB",
+                )
+            )
+    return out
+
+
+# Rendering -------------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            h.ljust(w) if i == 0 else h.rjust(w)
+            for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        )
+    ]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    return "\n".join(lines)
+
+
+def _case_row(case: dict[str, Any] | None, label: str, ref: dict[str, Any] | None) -> list[str]:
+    if case is None:
+        return [label, "-", "-", "-", "-", "-", "-", "-", "-", ""]
+    if not _ok(case):
+        status = case.get("status", "?")
+        return [label, status, "", "", "", "", "", "", "", str(case.get("error", ""))[:80]]
+    median = float(case["median_s"])
+    ref_median = _median(ref)
+    cpu = _cpu_per_gib(case)
+    ref_cpu = _cpu_per_gib(ref)
+    spread = f"{case['min_s']:.2f}-{case['max_s']:.2f}" if len(case["reps"]) > 1 else ""
+    notes = []
+    info = case["reps"][-1].get("info", {}) if case["reps"] else {}
+    if "read_ratio" in info:
+        notes.append(f"read {info['read_ratio']:.2f}x needed, {info.get('requests', '?')} GETs")
+    return [
+        label,
+        str(len(case["reps"])),
+        f"{median:.2f}",
+        spread,
+        f"{_gib(case) / median:.3f}",
+        _fmt(_ratio(ref_median, median), 2, "x"),
+        _fmt(cpu, 2),
+        _fmt(_ratio(cpu, ref_cpu), 2, "x"),
+        f"{case['peak_extra_bytes'] / MIB:.0f}",
+        "; ".join(notes),
+    ]
+
+
+_HEADER = [
+    "case",
+    "n",
+    "median s",
+    "min-max",
+    "GiB/s",
+    "vs raw",
+    "CPU s/GiB",
+    "CPU vs raw",
+    "peak +MiB",
+    "notes",
+]
+
+
+def _group_tables(
+    results: dict[str, Any], group: str, order: tuple[str, ...], raw: str
+) -> list[str]:
+    cases = _index(results)
+    parts = []
+    for server, state in _labels(results, group):
+        base = f"{group}/{server}/{state}"
+        any_case = next((c for c in results["cases"] if c["id"].startswith(base + "/")), {})
+        size = any_case.get("bytes")
+        tensors = any_case.get("tensors")
+        title = f"{group.upper()} {server}, state {state}"
+        if size:
+            title += f" ({size / MIB:.1f} MiB in {tensors} tensors)"
+        rows = []
+        for op in ("save", "restore"):
+            ref = cases.get(f"{base}/{raw}/{op}")
+            for method in order:
+                case = cases.get(f"{base}/{method}/{op}")
+                if case is not None:
+                    rows.append(_case_row(case, f"{method} {op}", ref))
+        parts.append(title + "\n" + _table(_HEADER, rows))
+    return parts
+
+
+def _stall_table(results: dict[str, Any]) -> str | None:
+    cases = _index(results)
+    rows = []
+    for server, state in _labels(results, "stall"):
+        if server == "memory":
+            continue
+        stall = cases.get(f"stall/{server}/{state}/spotckpt_async/stall")
+        copy = cases.get(f"stall/memory/{state}/memcpy/copy")
+        blocking = cases.get(f"s3/{server}/{state}/spotckpt/save")
+        complete = None
+        if _ok(stall) and stall:
+            completes = sorted(r["info"].get("complete_s", 0.0) for r in stall["reps"])
+            complete = completes[len(completes) // 2]
+        rows.append(
+            [
+                f"{server} {state}",
+                _fmt(_median(stall), 3),
+                _fmt(complete, 2),
+                _fmt(_median(blocking), 2),
+                _fmt(_median(copy), 3),
+                _fmt(_ratio(_median(stall), _median(copy)), 2, "x"),
+                _fmt(_ratio(_median(stall), _median(blocking)), 3, "x"),
+                _fmt(stall["peak_extra_bytes"] / MIB if _ok(stall) and stall else None, 0),
+            ]
+        )
+    if not rows:
+        return None
+    header = [
+        "store, state",
+        "async stall s",
+        "async done s",
+        "blocking s",
+        "memcpy s",
+        "stall/memcpy",
+        "stall/blocking",
+        "async peak +MiB",
+    ]
+    return "TRAINING-LOOP STALL (async save returns after staging)\n" + _table(header, rows)
+
+
+def _memory_table(results: dict[str, Any]) -> str | None:
+    rows = memory_rows(results)
+    if not rows or results["meta"].get("primary_server") is None:
+        return None
+    body = [
+        [
+            r["state"],
+            _fmt(None if r["blocking_peak"] is None else r["blocking_peak"] / MIB, 0),
+            _fmt(r["blocking_bound"] / MIB, 0),
+            _fmt(None if r["async_peak"] is None else r["async_peak"] / MIB, 0),
+            _fmt(r["async_bound"] / MIB, 0),
+        ]
+        for r in rows
+    ]
+    header = ["state", "blocking +MiB", "bound", "async +MiB", "bound"]
+    settings = results["meta"]["settings"]
+    return (
+        f"PEAK EXTRA MEMORY of spotckpt saves on {results['meta']['primary_server']} "
+        f"(part {settings['part_size'] // MIB} MiB x {settings['concurrency']} in flight)\n"
+        + _table(header, body)
+    )
+
+
+def _targets_table(results: dict[str, Any]) -> str:
+    rows = []
+    for t in results.get("targets", []):
+        verdict = {True: "pass", False: "MISS", None: "n/a"}[t["pass"]]
+        rows.append(
+            [
+                t["target"],
+                t["where"],
+                _fmt(t["value"], 3),
+                _fmt(t["threshold"], 2),
+                verdict,
+                t["detail"],
+            ]
+        )
+    header = ["target", "where", "value", "threshold", "result", "value is"]
+    return "TARGETS\n" + _table(header, rows)
+
+
+def render(results: dict[str, Any]) -> str:
+    """The whole printed report."""
+    meta = results["meta"]
+    lines = [
+        "",
+        "=" * 100,
+        f"spotckpt benchmarks {meta['run_id']}{' (quick)' if meta['quick'] else ''}: "
+        f"{meta['cpus']} CPUs, load {meta['load_before'][0]:.1f} -> {meta['load_after'][0]:.1f}, "
+        f"{meta['duration_s'] / 60:.1f} min",
+        "versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "servers: "
+        + ", ".join(f"{k} {v}" for k, v in meta["servers"].items())
+        + (f" (restarts: {meta['server_restarts']})" if meta.get("server_restarts") else ""),
+    ]
+    lines += [f"note: {n}" for n in meta.get("notes", [])]
+    skipped = {
+        c["method"]: c.get("error", "")
+        for c in results["cases"]
+        if c.get("status") == "skipped" and c["op"] == "save"
+    }
+    lines += [f"note: {m} skipped: {why}" for m, why in skipped.items()]
+    reached = [c for c in results["cases"] if c["method"] == "s3torchconnector" and _ok(c)]
+    if reached:
+        lines.append(
+            f"note: s3torchconnector {meta['versions'].get('s3torchconnector', '?')} reached the "
+            "plain-HTTP loopback endpoints (AWS_ENDPOINT_URL, path-style addressing)"
+        )
+    lines.append(
+        "medians over repetitions; 'vs raw' = raw time / case time (1.00x = as fast as the raw "
+        "transfer of the same bytes); CPU = client process user+system seconds per GiB; "
+        "peak +MiB = peak RSS above the RSS before the operation"
+    )
+    sections = _group_tables(results, "s3", S3_ORDER, "raw_boto3")
+    sections += _group_tables(results, "local", LOCAL_ORDER, "raw_file")
+    for extra in (_stall_table(results), _memory_table(results)):
+        if extra:
+            sections.append(extra)
+    sections.append(_targets_table(results))
+    return "\n".join(lines) + "\n\n" + "\n\n".join(sections) + "\n"

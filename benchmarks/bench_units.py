@@ -1,0 +1,79 @@
+"""Plain data shared by the orchestrator and the children (no torch: the parent stays light)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+MIB = 1 << 20
+GIB = 1 << 30
+REGION = "us-east-1"
+
+
+@dataclass
+class StateSpec:
+    """A synthetic state dict: `large` (big float32 tensors) or `small` (many 4 KiB ones)."""
+
+    kind: str
+    size_bytes: int = 0
+    count: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "small":
+            return f"small-{self.count}"
+        return f"large-{_size_label(self.size_bytes)}"
+
+
+def _size_label(size: int) -> str:
+    return f"{size // GIB}GiB" if size % GIB == 0 else f"{size // MIB}MiB"
+
+
+@dataclass
+class Unit:
+    """One method, one operation, one state, one store; what a child process runs."""
+
+    uid: str
+    group: str
+    server: str
+    method: str
+    op: str
+    state: StateSpec
+    reps: int
+    endpoint: str = ""
+    bucket: str = ""
+    prefix: str = ""
+    workdir: str = ""
+    part_size: int = 16 * MIB
+    concurrency: int = 8
+    timeout_s: float = 600.0
+    location: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rep:
+    """One repetition's measurements."""
+
+    seconds: float
+    cpu_s: float
+    peak_extra_bytes: int
+    rss_before_bytes: int
+    cpu_user_s: float = 0.0
+    cpu_sys_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def summarize(reps: list[dict[str, Any]]) -> dict[str, float]:
+    """Median time and CPU, and the largest peak, over repetitions."""
+    if not reps:
+        return {}
+    return {
+        "median_s": statistics.median(r["seconds"] for r in reps),
+        "min_s": min(r["seconds"] for r in reps),
+        "max_s": max(r["seconds"] for r in reps),
+        "cpu_s": statistics.median(r["cpu_s"] for r in reps),
+        "cpu_sys_s": statistics.median(r.get("cpu_sys_s", 0.0) for r in reps),
+        "peak_extra_bytes": max(r["peak_extra_bytes"] for r in reps),
+    }
