@@ -123,7 +123,6 @@ class ObjectStoreWriter(StorageWriter):
         prefix_spread: bool = False,
         user_metadata: dict[str, Any] | None = None,
         versions: dict[str, str] | None = None,
-        fault_hook: Callable[[str, int], None] | None = None,
         on_written: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
@@ -133,7 +132,6 @@ class ObjectStoreWriter(StorageWriter):
         self.prefix_spread = prefix_spread
         self.user_metadata = dict(user_metadata or {})
         self.versions = dict(versions or {})
-        self.fault_hook = fault_hook
         self.on_written = on_written
         self.is_coordinator = False
         self.rank = 0
@@ -196,8 +194,6 @@ class ObjectStoreWriter(StorageWriter):
         with writer:
             stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
             for item, spec in zip(ordered, specs, strict=True):
-                if self.fault_hook is not None:
-                    self.fault_hook(spec.name, self.rank)
                 data = values.get(item.index)
                 if data is None:
                     data = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
@@ -568,7 +564,7 @@ def _verify_blocks(view: memoryview, need: _Need, block_size: int, folder: str) 
 def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
     """Unpickle a stored value with weights_only=True, then hand DCP a re-serialised copy.
 
-    DCP's default planner calls ``torch.load(weights_only=False)`` on what a reader gives it, so
+    DCP's default planner unpickles what a reader gives it with the unrestricted loader, so
     bytes from the bucket never reach it: only objects that survived the restricted unpickler do.
     """
     try:

@@ -1,14 +1,14 @@
 """``memory://name``: an in-process store for tests and the local tier of experiments.
 
 Stores with the same name share their objects within one process, so a manager and a test that
-opens the same URI see the same bytes. `fault` lets tests fail chosen operations.
+opens the same URI see the same bytes.
 """
 
 from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,9 +25,6 @@ from spotckpt.storage.base import (
 
 _BUCKETS: dict[str, dict[str, tuple[bytes, datetime]]] = {}
 _BUCKETS_LOCK = threading.Lock()
-
-FaultHook = Callable[[str, str], None]
-"""Called as hook(operation, key) before each operation; raise to inject a failure."""
 
 
 class MemoryWriter(WriterBase):
@@ -48,7 +45,6 @@ class MemoryWriter(WriterBase):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._done:
             raise StorageError(f"write to {self._key!r} after commit or abort")
-        self._store.inject("write", self._key)
         self._parts.append(bytes(data))
         self._size += len(data)
 
@@ -68,28 +64,21 @@ class MemoryWriter(WriterBase):
 class MemoryStore:
     """A dict of bytes guarded by a lock, shared by name."""
 
-    def __init__(self, name: str, fault: FaultHook | None = None) -> None:
+    def __init__(self, name: str) -> None:
         self._name = name
         with _BUCKETS_LOCK:
             self._objects = _BUCKETS.setdefault(name, {})
         self._lock = threading.Lock()
-        self.fault = fault
 
     @property
     def uri(self) -> str:
         return f"memory://{self._name}"
-
-    def inject(self, operation: str, key: str) -> None:
-        """Run the fault hook, if any, before `operation` on `key`."""
-        if self.fault is not None:
-            self.fault(operation, key)
 
     def open_writer(self, key: str, *, create_only: bool = False) -> MemoryWriter:
         return MemoryWriter(self, check_key(key), create_only)
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
         check_key(key)
-        self.inject("put", key)
         now = datetime.now(timezone.utc)
         with self._lock:
             if create_only and key in self._objects:
@@ -98,7 +87,7 @@ class MemoryStore:
         return ObjectInfo(key, len(data), now)
 
     def get(self, key: str) -> bytes:
-        self.inject("get", check_key(key))
+        check_key(key)
         with self._lock:
             entry = self._objects.get(key)
         if entry is None:
@@ -119,7 +108,6 @@ class MemoryStore:
         return self.head(key) is not None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        self.inject("list", prefix)
         with self._lock:
             items = sorted((k, len(v[0]), v[1]) for k, v in self._objects.items())
         for key, size, when in items:
@@ -128,8 +116,6 @@ class MemoryStore:
 
     def delete_many(self, keys: Iterable[str]) -> None:
         keys = [check_key(k) for k in keys]
-        for key in keys:
-            self.inject("delete", key)
         with self._lock:
             for key in keys:
                 self._objects.pop(key, None)
@@ -151,10 +137,9 @@ def drop_memory_store(name: str) -> None:
 
 
 def open_memory_store(uri: str, options: dict[str, Any]) -> MemoryStore:
-    """Factory for ``memory://name``; the only option is ``fault``."""
+    """Factory for ``memory://name``; it takes no options."""
     parts = urlsplit(uri)
     name = (parts.netloc + parts.path).strip("/") or "default"
-    fault = options.pop("fault", None)
     if options:
         raise ValueError(f"memory:// store takes no options {sorted(options)}")
-    return MemoryStore(name, fault)
+    return MemoryStore(name)
