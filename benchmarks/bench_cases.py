@@ -135,16 +135,13 @@ def measure(op: Callable[[], dict[str, Any] | None]) -> Rep:
 # Small file-like adapters for boto3 ----------------------------------------------------------
 
 
-class ViewReader(io.RawIOBase):
-    """A read-only, seekable file over a memoryview, without copying it up front."""
+class _ViewFile(io.RawIOBase):
+    """A seekable file over a memoryview; subclasses add reading or writing."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
         self._view = view.cast("B")
         self._pos = 0
-
-    def readable(self) -> bool:
-        return True
 
     def seekable(self) -> bool:
         return True
@@ -156,6 +153,13 @@ class ViewReader(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
         self._pos = max(0, base + offset)
         return self._pos
+
+
+class ViewReader(_ViewFile):
+    """A read-only file over a memoryview, without copying it up front."""
+
+    def readable(self) -> bool:
+        return True
 
     def readinto(self, buffer: Any) -> int:
         chunk = self._view[self._pos : self._pos + len(buffer)]
@@ -170,27 +174,11 @@ class ViewReader(io.RawIOBase):
         return chunk
 
 
-class ViewWriter(io.RawIOBase):
-    """A writable, seekable file over a preallocated memoryview (for download_fileobj)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view.cast("B")
-        self._pos = 0
+class ViewWriter(_ViewFile):
+    """A writable file over a preallocated memoryview (for download_fileobj)."""
 
     def writable(self) -> bool:
         return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = base + offset
-        return self._pos
 
     def write(self, data: Any) -> int:
         chunk = memoryview(data).cast("B")
