@@ -10,9 +10,11 @@ and whether the final parameters are identical.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +31,9 @@ ROOT = Path(__file__).resolve().parent
 PREEMPTED = 75
 EMERGENCY = re.compile(r"emergency save of step (\d+) committed in ([\d.]+) s")
 RESTORED = re.compile(r"restored step (\d+) in ([\d.]+) s")
+START_TIMEOUT_S = 180.0  # from start to the eviction step, on a loaded 2-core machine
+EXIT_TIMEOUT_S = 60.0  # from SIGTERM to exit; a healthy trainer takes a second or two
+RUN_TIMEOUT_S = 600.0  # a whole uninterrupted run
 
 
 @dataclass
@@ -80,7 +85,11 @@ def embedded_s3() -> Iterator[str]:
         yield f"s3://{bucket}/runs/tiny"
     finally:
         server.terminate()
-        server.wait(timeout=10)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def offline_environment() -> None:
@@ -117,20 +126,67 @@ def last_step(loss_log: Path) -> int:
     return int(lines[-1].split('"step": ')[1].split(",")[0]) if lines else 0
 
 
+class Trainers:
+    """Every trainer this driver started, each in its own process group, so none outlives it."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, command: list[str], uri: str, log: Path) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "SPOTCKPT_URI": uri, "PYTHONUNBUFFERED": "1"}
+        with open(log, "ab") as out:
+            process = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.started.append(process)
+        return process
+
+    def kill_all(self) -> None:
+        """SIGKILL every trainer still running, with its loader workers."""
+        for process in self.started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+
+
+TRAINERS = Trainers()
+
+
 def run(command: list[str], uri: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "SPOTCKPT_URI": uri, "PYTHONUNBUFFERED": "1"}
-    with open(log, "ab") as out:
-        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    """Start a trainer writing to `log` (killed with its workers when the driver ends)."""
+    return TRAINERS.start(command, uri, log)
 
 
-def evict_at(process: subprocess.Popen[bytes], loss_log: Path, step: int) -> int:
-    """Wait until training reached `step`, send SIGTERM, return the exit status."""
+class TrainerFailed(RuntimeError):
+    """A trainer misbehaved; the message ends with the last lines of its log."""
+
+    def __init__(self, what: str, log: Path) -> None:
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        tail = "\n".join(f"    {line}" for line in lines[-25:])
+        super().__init__(f"{what}; last lines of {log}:\n{tail}")
+
+
+def wait_for(process: subprocess.Popen[bytes], log: Path, what: str, timeout: float) -> int:
+    """The exit status of `process`, or TrainerFailed (with its log) if it outlives `timeout`."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise TrainerFailed(f"{what} did not exit within {timeout:.0f} s", log) from None
+
+
+def evict_at(process: subprocess.Popen[bytes], loss_log: Path, step: int, log: Path) -> int:
+    """Wait until training reached `step`, SIGTERM its process group, return the exit status."""
+    deadline = time.monotonic() + START_TIMEOUT_S
     while last_step(loss_log) < step:
         if process.poll() is not None:
-            raise RuntimeError(f"training exited early with status {process.returncode}")
+            raise TrainerFailed(f"training exited early with status {process.returncode}", log)
+        if time.monotonic() > deadline:
+            raise TrainerFailed(f"training did not reach step {step} in time", log)
         time.sleep(0.01)
-    process.send_signal(signal.SIGTERM)
-    return process.wait(timeout=120)
+    # The whole group, as torchrun and `tini -g` deliver it: loader workers must survive it.
+    os.killpg(process.pid, signal.SIGTERM)
+    return wait_for(process, log, "the evicted trainer", EXIT_TIMEOUT_S)
 
 
 def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
@@ -141,11 +197,15 @@ def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
     for number in range(args.evictions):
         target = last_step(losses) + rng.randint(3, max(4, args.steps // (args.evictions + 2)))
         before = log.read_text() if log.exists() else ""
-        status = evict_at(run(command, uri, log), losses, target)
+        status = evict_at(run(command, uri, log), losses, target, log)
         text = log.read_text()[len(before) :]
         if status != PREEMPTED:
-            raise RuntimeError(f"eviction {number + 1}: exit status {status}, expected {PREEMPTED}")
+            raise TrainerFailed(
+                f"eviction {number + 1}: exit status {status}, not {PREEMPTED}", log
+            )
         saved = EMERGENCY.findall(text)
+        if not saved:
+            raise TrainerFailed(f"eviction {number + 1}: no emergency save was logged", log)
         if evictions and (restored := RESTORED.findall(text)):
             evictions[-1].restore_s = float(restored[-1][1])
         evictions.append(Eviction(last_step(losses), int(saved[-1][0]), float(saved[-1][1])))
@@ -153,9 +213,9 @@ def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
             f"eviction {number + 1}: SIGTERM at step {evictions[-1].at_step}, exit status {status}"
         )
     before = log.read_text()
-    final = run(command, uri, log)
-    if final.wait() != 0:
-        raise RuntimeError(f"final run failed; see {log}")
+    status = wait_for(run(command, uri, log), log, "the final run", RUN_TIMEOUT_S)
+    if status != 0:
+        raise TrainerFailed(f"the final run exited with status {status}", log)
     if restored := RESTORED.findall(log.read_text()[len(before) :]):
         evictions[-1].restore_s = float(restored[-1][1])
     return evictions
@@ -187,17 +247,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-save", action="store_true", help="upload in the background")
     args = parser.parse_args(argv)
     offline_environment()
-    with tempfile.TemporaryDirectory(prefix="spotckpt-demo-") as folder:
-        work = Path(folder)
-        with _checkpoint_root() as base:
-            print(f"spot run: {args.steps} steps, {args.evictions} evictions (seed {args.seed})")
-            evictions = spot_run(args, f"{base}/spot", work)
-            print("reference run: the same training, uninterrupted")
-            reference = run(train_command(args, work, "ref"), f"{base}/reference", work / "ref.log")
-            if reference.wait() != 0:
-                raise RuntimeError(f"reference run failed; see {work / 'ref.log'}")
-        identical = (work / "spot.digest").read_text() == (work / "ref.digest").read_text()
-        report(evictions, identical)
+    work = Path(tempfile.mkdtemp(prefix="spotckpt-demo-"))
+    try:
+        code = demo(args, work)
+    except Exception as error:  # any failure: report it, keep the logs, kill the trainers
+        print(f"\ndemo FAILED: {error}\nlogs kept in {work}", file=sys.stderr)
+        return 1
+    finally:
+        TRAINERS.kill_all()
+    if code == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"logs kept in {work}", file=sys.stderr)
+    return code
+
+
+def demo(args: argparse.Namespace, work: Path) -> int:
+    """The spot run and the reference run; 0 when nothing was lost and the results match."""
+    with _checkpoint_root() as base:
+        print(f"spot run: {args.steps} steps, {args.evictions} evictions (seed {args.seed})")
+        evictions = spot_run(args, f"{base}/spot", work)
+        print("reference run: the same training, uninterrupted")
+        log = work / "ref.log"
+        reference = run(train_command(args, work, "ref"), f"{base}/reference", log)
+        status = wait_for(reference, log, "the reference run", RUN_TIMEOUT_S)
+        if status != 0:
+            raise TrainerFailed(f"the reference run exited with status {status}", log)
+    identical = (work / "spot.digest").read_text() == (work / "ref.digest").read_text()
+    report(evictions, identical)
     return 0 if identical and not any(e.steps_lost for e in evictions) else 1
 
 

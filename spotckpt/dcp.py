@@ -67,6 +67,7 @@ from spotckpt.format.safetensors_io import (
     tensor_bytes,
 )
 from spotckpt.storage.base import AlreadyExistsError, ObjectNotFoundError, ObjectStore
+from spotckpt.values import UnsupportedValueError, ValueLoadError, load_plain
 
 log = logging.getLogger("spotckpt")
 VALUE_PREFIX = "__value__/"
@@ -182,7 +183,7 @@ class ObjectStoreWriter(StorageWriter):
         self, items: list[WriteItem], planner: SavePlanner, key: str
     ) -> list[WriteResult]:
         values = {
-            item.index: _value_bytes(planner.resolve_data(item))
+            item.index: _value_bytes(planner.resolve_data(item), item.index.fqn)
             for item in items
             if item.type == WriteItemType.BYTE_IO
         }
@@ -304,10 +305,18 @@ class ObjectStoreWriter(StorageWriter):
         return False
 
 
-def _value_bytes(data: Any) -> memoryview:
-    if isinstance(data, io.BytesIO):
-        return data.getbuffer()
-    raise TypeError(f"DCP resolved a value to {type(data).__name__}, expected BytesIO")
+def _value_bytes(data: Any, fqn: str) -> memoryview:
+    """The stored bytes of a value, refused unless a restore can load them (weights_only)."""
+    if not isinstance(data, io.BytesIO):
+        raise TypeError(f"DCP resolved a value to {type(data).__name__}, expected BytesIO")
+    view = data.getbuffer()
+    try:
+        load_plain(view, fqn)
+    except ValueLoadError as error:
+        raise UnsupportedValueError(
+            f"value {fqn!r} would not restore, so the save is refused: {error}"
+        ) from None
+    return view
 
 
 def _cpu_tensor(data: Any) -> torch.Tensor:
@@ -566,14 +575,9 @@ def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
 
     DCP's default planner unpickles what a reader gives it with the unrestricted loader, so
     bytes from the bucket never reach it: only objects that survived the restricted unpickler do.
+    Bytes that pass their CRCs but do not load raise ValueLoadError, which is not corruption.
     """
-    try:
-        value = torch.load(io.BytesIO(view), weights_only=True)
-    except Exception as error:
-        raise CorruptCheckpointError(
-            f"value {fqn!r} is not a plain value (refused by torch.load(weights_only=True)): "
-            f"{type(error).__name__}"
-        ) from None
+    value = load_plain(view, fqn)
     stream = io.BytesIO()
     torch.save(value, stream)
     stream.seek(0)

@@ -41,12 +41,20 @@ from spotckpt.format.manifest import (
     manifest_key,
     parse_step_folder,
     read_manifest,
+    read_manifest_bytes,
     step_folder,
 )
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.preemption import PreemptionWatcher
-from spotckpt.state import RNG_KEY, TrainState, as_dcp_state, write_back
+from spotckpt.state import (
+    RNG_KEY,
+    TrainState,
+    as_dcp_state,
+    release_worker_shields,
+    write_back,
+)
 from spotckpt.storage.base import ObjectStore, StorageError, open_store
+from spotckpt.values import ValueLoadError
 from spotckpt.verify import VerifyReport, verify_checkpoint
 from spotckpt.version import __version__
 
@@ -433,6 +441,7 @@ class CheckpointManager:
             "emergency save of step %d committed in %.2f s", committed, time.monotonic() - started
         )
         self._stop = True
+        release_worker_shields()  # the save is in: loader workers may now be shut down
 
     def _all_agree(self, local: bool) -> bool:
         """True only if `local` is true on every rank (so all ranks take the same branch)."""
@@ -517,7 +526,7 @@ class CheckpointManager:
         return list(reversed(self.steps()))
 
     def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
-        data = self.store.get(manifest_key(step)) if self.is_coordinator else None
+        data = read_manifest_bytes(self.store, step) if self.is_coordinator else None
         data = self._broadcast(data)
         manifest = Manifest.from_json(data, expected_step=step)
         if isinstance(state, TrainState) and state.rng is not None:
@@ -638,7 +647,9 @@ def _save_error(step: int, error: CheckpointException) -> BaseException:
 def _load_error(step: int, error: CheckpointException) -> BaseException:
     failures = _failures(error)
     for cause in failures.values():
-        if isinstance(cause, (CorruptCheckpointError, KeyMismatchError, ManifestError)):
+        if isinstance(
+            cause, (CorruptCheckpointError, KeyMismatchError, ManifestError, ValueLoadError)
+        ):
             return cause
     described = "; ".join(
         f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(failures.items())

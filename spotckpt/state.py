@@ -9,16 +9,26 @@ Each part is a small Stateful adapter that DCP calls ``state_dict()`` on when sa
   `ResumableSampler`);
 - every RNG of this rank (Python, NumPy, torch CPU and each CUDA device), under a per-rank key so
   ranks keep their own streams;
-- the step and JSON-serialisable extras.
+- the step and the extras (plain values, numpy, datetimes, ...: see `spotckpt.values`).
+
+`as_dcp_state` wraps every part in `EncodedStateful`, so each non-tensor value is encoded to load
+with ``torch.load(weights_only=True)`` (or the save is refused), and decoded again on restore.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
+import multiprocessing
+import multiprocessing.util
+import os
 import random
 import signal
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -34,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Sampler
+
+from spotckpt.values import decode, encode
 
 log = logging.getLogger("spotckpt")
 RNG_KEY = "rng"
@@ -223,23 +235,63 @@ class DataLoaderState:
 
 
 class ShieldedWorkerInit:
-    """A DataLoader ``worker_init_fn`` that makes workers ignore preemption signals.
+    """A DataLoader ``worker_init_fn`` that shields workers from preemption signals until released.
 
     torchrun (which signals its workers' whole process group), SLURM and ``kill -- -PGID``
     deliver SIGTERM to data-loader workers too; their default reaction is to die, and the trainer
-    then fails with "DataLoader worker is killed by signal" before it can save. Shielded workers
-    ignore the signal; the trainer saves and shuts them down as usual.
+    then fails with "DataLoader worker is killed by signal" before it can save. A shielded worker
+    ignores those signals while the trainer saves. Once released (after an emergency save
+    commits, and always when the trainer process exits) the next such signal ends the worker as
+    usual, so the DataLoader's and multiprocessing's shutdown, which terminate workers with
+    SIGTERM, cannot hang on a worker that ignores it.
+
+    The release flag lives in shared memory inherited by the workers, so it works with fork,
+    spawn and forkserver loaders alike.
     """
 
     def __init__(self, original: Any, signals: tuple[int, ...]) -> None:
         self.original = original
         self.signals = signals
+        self.released = multiprocessing.RawValue("b", 0)
+        _SHIELDS.add(self)
+
+    def release(self) -> None:
+        """Let the next preemption signal end this loader's workers (from the trainer process)."""
+        self.released.value = 1
 
     def __call__(self, worker_id: int) -> None:
         for signum in self.signals:
-            signal.signal(signum, signal.SIG_IGN)
+            signal.signal(signum, self._on_signal)
         if self.original is not None:
             self.original(worker_id)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs in a worker: ignore while shielded, otherwise die of the signal as by default.
+        if self.released.value:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+_SHIELDS: weakref.WeakSet[ShieldedWorkerInit] = weakref.WeakSet()
+
+
+def release_worker_shields() -> None:
+    """Release every data-loader worker shield of this process (see `ShieldedWorkerInit`)."""
+    for shield in list(_SHIELDS):
+        shield.release()
+
+
+def _shut_down_workers_at_exit() -> None:
+    # A loader iterator kept alive only by a reference cycle (a frame held by a traceback is
+    # enough) would be collected after multiprocessing's exit hook has already terminated its
+    # workers; collecting it first lets the DataLoader shut its workers down the normal way.
+    if _SHIELDS:
+        gc.collect()
+    release_worker_shields()
+
+
+# Registered after multiprocessing's own exit hook (imported above), so it runs first.
+atexit.register(_shut_down_workers_at_exit)
 
 
 def shield_workers(
@@ -276,7 +328,11 @@ def dataloader_stateful(loader: Any) -> Stateful:
 
 
 class ValuesState:
-    """The step and JSON-serialisable extras; restored in place into the given dict."""
+    """The step and the extras; restored in place into the given dict.
+
+    Extras may hold what `spotckpt.values` stores (plain values, numpy, datetimes, BytesIO,
+    allow-listed Enums, nested in lists, tuples and dicts); anything else fails the save.
+    """
 
     def __init__(self, extra: dict[str, Any]) -> None:
         self.extra = extra
@@ -284,26 +340,21 @@ class ValuesState:
 
     def state_dict(self) -> dict[str, Any]:
         """Step and extras."""
-        _check_plain(self.extra, "extra")
         return {"step": self.step, "extra": dict(self.extra)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the step and update the extras dict in place."""
+        """Restore the step and update the extras dict (and the dicts nested in it) in place."""
         self.step = int(state_dict["step"])
-        self.extra.update(state_dict["extra"])
+        _merge_into(self.extra, state_dict["extra"])
 
 
-def _check_plain(value: Any, where: str) -> None:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where}: keys must be strings, got {key!r}")
-            _check_plain(item, f"{where}.{key}")
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _check_plain(item, f"{where}[{index}]")
-    elif not isinstance(value, (str, int, float, bool, type(None))):
-        raise TypeError(f"{where} is a {type(value).__name__}; extras must be JSON-like values")
+def _merge_into(target: Any, loaded: Any) -> Any:
+    """`loaded`, written into `target` in place where both are dicts (so references stay live)."""
+    if not (isinstance(target, dict) and isinstance(loaded, dict)):
+        return loaded
+    for key, value in loaded.items():
+        target[key] = _merge_into(target.get(key), value)
+    return target
 
 
 class TrainState:
@@ -396,41 +447,69 @@ def _stateful(value: Any, what: str) -> Stateful:
     return value
 
 
+class EncodedStateful:
+    """A Stateful whose non-tensor values are encoded on save and decoded on load.
+
+    See `spotckpt.values`: a value with no safe encoding fails `state_dict` with an
+    UnsupportedValueError naming its key path (under `path`, the part's top-level key).
+    """
+
+    def __init__(self, inner: Stateful, path: str) -> None:
+        self.inner = inner
+        self.path = path
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner state with every value encoded; tensors are the inner ones, not copies."""
+        encoded: dict[str, Any] = encode(self.inner.state_dict(), self.path)
+        return encoded
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Decode the loaded values, then hand them to the inner Stateful."""
+        self.inner.load_state_dict(decode(state_dict, self.path))
+
+
 def as_dcp_state(state: TrainState | Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
     """The dict DCP saves or loads for a TrainState or a user dict.
 
     In a user dict, modules and optimizers are wrapped like TrainState does (optimizers need the
-    dict's single module); tensors and other Stateful objects pass through.
+    dict's single module); tensors pass through. Every Stateful becomes an `EncodedStateful`, and
+    every other value is encoded by `spotckpt.values.encode` (which refuses what cannot restore).
     """
     if isinstance(state, TrainState):
-        return state.parts(step)
+        return {key: EncodedStateful(part, key) for key, part in state.parts(step).items()}
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a TrainState or a dict, got {type(state).__name__}")
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     converted: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, nn.Module):
-            converted[key] = ModelState(value)
+            converted[key] = EncodedStateful(ModelState(value), str(key))
         elif isinstance(value, torch.optim.Optimizer):
             if len(modules) != 1:
                 raise ValueError(
                     f"optimizer {key!r} needs exactly one model in the same dict (found "
                     f"{len(modules)}); use TrainState for several"
                 )
-            converted[key] = OptimizerState(modules[0], value)
+            converted[key] = EncodedStateful(OptimizerState(modules[0], value), str(key))
+        elif isinstance(value, Stateful):
+            converted[key] = EncodedStateful(value, str(key))
         else:
-            converted[key] = value
+            converted[key] = encode(value, str(key))
     return converted
 
 
 def write_back(state: TrainState | Mapping[str, Any], loaded: dict[str, Any]) -> None:
-    """Copy loaded top-level plain values (ints, strings, ...) into the caller's dict.
+    """Decode the loaded plain values (ints, strings, numpy, ...) into the caller's dict.
 
     DCP loads tensors in place but replaces non-tensor values in the dict it was given, which
-    for a user dict is the converted copy made by `as_dcp_state`.
+    for a user dict is the encoded copy made by `as_dcp_state`; nested dicts of the caller's
+    are updated in place.
     """
     if isinstance(state, TrainState) or not isinstance(state, MutableMapping):
         return
     for key, value in loaded.items():
-        if not isinstance(value, (ModelState, OptimizerState)) and state.get(key) is not value:
-            state[key] = value
+        if isinstance(value, EncodedStateful):
+            continue
+        restored = _merge_into(state.get(key), decode(value, str(key)))
+        if state.get(key) is not restored:
+            state[key] = restored

@@ -3,7 +3,8 @@
 The manifest must parse and validate; every data object it lists must exist with the listed size;
 each object is streamed with ranged reads (``piece_size`` at a time, never whole) and its CRC32C
 compared with the manifest's. In the same pass the per-block CRC32Cs of every tensor chunk and
-value are checked, so a damaged object is reported with the tensors whose bytes are damaged.
+value are checked, so a damaged object is reported with the tensors whose bytes are damaged, and
+every undamaged value is loaded with ``torch.load(weights_only=True)``, as a restore would.
 Every problem is reported, not only the first; a report with no problems is ``ok``.
 """
 
@@ -26,8 +27,10 @@ from spotckpt.format.manifest import (
     step_folder,
 )
 from spotckpt.storage.base import ObjectInfo, ObjectNotFoundError, ObjectStore
+from spotckpt.values import ValueLoadError, load_plain
 
 DEFAULT_PIECE_SIZE = 16 << 20
+VALUE_LABEL = "value "
 ProgressFn = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` with running totals as bytes are checked."""
 
@@ -37,8 +40,9 @@ class Problem:
     """One thing wrong with a checkpoint.
 
     `kind` is ``manifest`` (does not parse or validate), ``missing`` (object absent), ``size``
-    (object size differs), ``crc32c`` (object checksum differs) or ``blocks`` (a tensor chunk's
-    block checksums differ while the object's matches: the manifest disagrees with itself).
+    (object size differs), ``crc32c`` (object checksum differs), ``blocks`` (a tensor chunk's
+    block checksums differ while the object's matches: the manifest disagrees with itself) or
+    ``value`` (a stored value's bytes are intact but do not load with weights_only=True).
     `key` is relative to the checkpoint root; `tensors` names what is stored in the damaged part.
     """
 
@@ -140,6 +144,9 @@ def _check_objects(
     folder = step_folder(manifest.step)
     listed = {info.key: info for info in store.list(f"{folder}/")}
     blocks = _blocks_by_object(manifest)
+    values: dict[str, list[str]] = {}
+    for fqn, location in manifest.values.items():
+        values.setdefault(location.key, []).append(fqn)
     present: list[ObjectRecord] = []
     for record in manifest.objects.values():
         problem = _presence_problem(folder, record, listed.get(f"{folder}/{record.key}"), blocks)
@@ -150,7 +157,15 @@ def _check_objects(
     counter = _Progress(sum(r.size for r in present), progress)
     with ThreadPoolExecutor(max_workers, thread_name_prefix="spotckpt-verify") as pool:
         futures = [
-            pool.submit(_check_object, store, folder, r, blocks.get(r.key, []), piece_size, counter)
+            pool.submit(
+                _check_object,
+                store,
+                folder,
+                r,
+                (blocks.get(r.key, []), values.get(r.key, [])),
+                piece_size,
+                counter,
+            )
             for r in present
         ]
         for future in futures:
@@ -195,24 +210,28 @@ def _locations(manifest: Manifest) -> Iterator[tuple[str, ChunkLocation]]:
         for chunk in tensor.chunks:
             yield fqn, chunk.location
     for fqn, location in manifest.values.items():
-        yield f"value {fqn}", location
+        yield f"{VALUE_LABEL}{fqn}", location
 
 
 def _names(blocks: list[_Block]) -> tuple[str, ...]:
     """Distinct names in `blocks`, tensors before values."""
     names = dict.fromkeys(b.name for b in blocks)
-    return tuple(sorted(names, key=lambda n: n.startswith("value ")))
+    return tuple(sorted(names, key=lambda n: n.startswith(VALUE_LABEL)))
 
 
 def _check_object(
     store: ObjectStore,
     folder: str,
     record: ObjectRecord,
-    blocks: list[_Block],
+    inside: tuple[list[_Block], list[str]],
     piece_size: int,
     counter: _Progress,
 ) -> list[Problem]:
-    """Stream one object, comparing its CRC32C and every block CRC32C inside it."""
+    """Stream one object, comparing its CRC32C and every block CRC32C inside it.
+
+    `inside` holds the object's CRC blocks and the names of the values stored in it.
+    """
+    blocks, values = inside
     key = f"{folder}/{record.key}"
     checker = _BlockChecker(blocks)
     crc = 0
@@ -237,7 +256,21 @@ def _check_object(
         checker.feed(position, memoryview(piece))
         position += length
         counter.add(length)
-    return _crc_problems(key, record, crc, checker.damaged)
+    return _crc_problems(key, record, crc, checker.damaged) + _value_problems(key, checker, values)
+
+
+def _value_problems(key: str, checker: _BlockChecker, values: list[str]) -> list[Problem]:
+    """Load each undamaged value of the object as a restore would; report those that fail."""
+    problems = []
+    for fqn in values:
+        name = f"{VALUE_LABEL}{fqn}"
+        if name in checker.damaged:
+            continue
+        try:
+            load_plain(checker.values.get(name, b""), fqn)
+        except ValueLoadError as error:
+            problems.append(Problem("value", key, f"{name} in object {key}: {error}", (name,)))
+    return problems
 
 
 def _crc_problems(key: str, record: ObjectRecord, crc: int, damaged: list[str]) -> list[Problem]:
@@ -272,6 +305,7 @@ class _BlockChecker:
         self.index = 0
         self.crc = 0
         self.damaged: list[str] = []
+        self.values: dict[str, bytearray] = {}
 
     def feed(self, offset: int, piece: memoryview) -> None:
         """Account for the bytes of `piece`, which starts at `offset` in the object."""
@@ -283,6 +317,10 @@ class _BlockChecker:
             lo, hi = max(block.start, offset), min(block.end, end)
             if hi > lo:
                 self.crc = crc32c(piece[lo - offset : hi - offset], self.crc)
+                if block.name.startswith(VALUE_LABEL):
+                    self.values.setdefault(block.name, bytearray()).extend(
+                        piece[lo - offset : hi - offset]
+                    )
             if block.end > end:
                 return
             self._close(block)

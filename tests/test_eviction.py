@@ -93,3 +93,54 @@ def test_torchrun_sigterm_both_ranks_save_the_same_step(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "ck" / f"step-{step:09d}" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
     assert sorted(o["rank"] for o in manifest["objects"]) == [0, 1]
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found.update(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_sigterm_before_the_first_periodic_save_exits_promptly(
+    request: pytest.FixtureRequest, tmp_path: Path, store: str
+) -> None:
+    """The emergency save is the run's first save; the trainer and its loader workers all exit."""
+    base = str(tmp_path / "ck") if store == "local" else request.getfixturevalue("s3_uri")
+    losses, log = tmp_path / "losses", tmp_path / "train.log"
+    command = [
+        sys.executable, str(ROOT / "examples" / "train.py"), "--steps", "500",
+        "--save-every", "400", "--step-delay", "0.05", "--workers", "2", "--loss-log", str(losses),
+    ]  # fmt: skip
+    trainer = demo.run(command, f"{base}/run", log)
+    try:
+        deadline = time.monotonic() + 120
+        while demo.last_step(losses) < 3:
+            assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        workers = _children(trainer.pid)
+        assert len(workers) >= 2, workers
+        trainer.send_signal(signal.SIGTERM)
+        status = trainer.wait(timeout=120)
+        exited = time.time()
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    text = log.read_text()
+    assert status == 75, text[-3000:]
+    committed = re.search(r"^(\S+ \S+) spotckpt emergency save of step \d+ committed", text, re.M)
+    assert committed is not None, text[-3000:]
+    moment = time.mktime(time.strptime(committed.group(1).split(",")[0], "%Y-%m-%d %H:%M:%S"))
+    # A second or two is usual; the bound only separates "exits" from the old hang at exit.
+    assert exited - moment < 20, f"exited {exited - moment:.1f} s after the commit"
+    assert "Traceback" not in text, text[-3000:]
+    assert not [pid for pid in workers if _alive(pid)], "loader workers outlived the trainer"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from spotckpt import CheckpointManager, CorruptCheckpointError
+from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError
 from spotckpt.format.manifest import Manifest, ManifestError, manifest_key
 from spotckpt.format.safetensors_io import SafetensorsFormatError, read_header
 from spotckpt.storage import open_store
@@ -153,6 +153,7 @@ def test_pickle_payload_in_values_is_never_executed(
     document["objects"][0]["size"] = len(new_data)
     document["objects"][0]["crc32c"] = crc32c(new_data)
     mgr.store.put(manifest_key(1), json.dumps(document).encode())
-    with pytest.raises(CorruptCheckpointError, match="weights_only"):
+    with pytest.raises(CheckpointError, match="weights_only") as caught:
         mgr.restore({"w": torch.zeros(3, 4), "meta": {"epoch": 0}}, step=1)
+    assert not isinstance(caught.value, CorruptCheckpointError)  # not corruption: no fallback
     assert not marker.exists()

@@ -31,7 +31,7 @@ def _payload(size: int, seed: int = 0) -> bytes:
     return (bytes(range(256)) * (size // 256 + 1))[seed : seed + size] if size else b""
 
 
-@pytest.fixture(params=["memory", "local", "s3", "gcs"])
+@pytest.fixture(params=["memory", "local", "local-linked-root", "s3", "gcs"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
     kind = request.param
     if kind == "memory":
@@ -39,6 +39,11 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
         opened = open_store(uri)
     elif kind == "local":
         opened = open_store(str(tmp_path / "root"))
+    elif kind == "local-linked-root":
+        # the root itself may be a symbolic link: it is resolved once, when the store opens
+        (tmp_path / "real-root").mkdir()
+        (tmp_path / "root").symlink_to(tmp_path / "real-root", target_is_directory=True)
+        opened = open_store((tmp_path / "root").as_uri())
     elif kind == "gcs":
         if request.node.originalname in EMULATOR_IGNORES_PRECONDITIONS:
             request.applymarker(

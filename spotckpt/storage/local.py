@@ -2,13 +2,26 @@
 
 Every object is written to a hidden temporary name beside its final one, fsynced, and then
 renamed into place (or, for create-only writes, hard-linked, which fails when the name exists),
-and the folder is fsynced, so a crash leaves either the whole object or nothing.
+and the folder is fsynced, so a crash leaves either the whole object or nothing. A write that
+fails (a full disk, an I/O error) removes its temporary file and raises a `StorageError` naming
+the key; a full disk raises `DiskFullError`.
+
+The store never leaves its root: the root is resolved once when the store is opened, and every
+path below it is walked one folder at a time with descriptors opened ``O_NOFOLLOW``, so a symbolic
+link inside the root is never followed, whatever it points at and even if it appears while the
+store is in use. A link is not an object of the store: reads report it as missing, listings skip
+it with a warning naming its key, deletes leave it (and whatever it points at) alone, and writes
+refuse to pass through a linked folder.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import errno
+import logging
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
@@ -26,29 +39,74 @@ from spotckpt.storage.base import (
     check_key,
 )
 
+log = logging.getLogger("spotckpt.storage")
 TEMP_MARKER = ".spotckpt-tmp-"
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.EISDIR})
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+class DiskFullError(StorageError):
+    """A local write failed because the disk (or the user's quota) is full."""
+
+
+class SymlinkError(StorageError):
+    """A key is, or lies under, a symbolic link inside the root; links are never followed."""
+
+
+def _is_link(folder: int, name: str) -> bool:
     try:
-        os.fsync(fd)
-    finally:
+        return stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _open_folder(parent: int, name: str, where: str, create: bool) -> int:
+    """Open the folder `name` in `parent` without following a link (creating it if asked)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except OSError as error:
+        if error.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent, name):
+            raise SymlinkError(f"{where} is a symbolic link; links are never followed") from None
+        raise
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, dir_fd=parent)
+    return _open_folder(parent, name, where, create=False)
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
         os.close(fd)
 
 
 class LocalWriter(WriterBase):
     """Streams into a temporary file; commit fsyncs and publishes it atomically."""
 
-    def __init__(self, final: Path, key: str, create_only: bool, fsync: bool) -> None:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        self._final = final
+    def __init__(self, store: LocalStore, key: str, create_only: bool, fsync: bool) -> None:
         self._key = key
+        self._where = f"{key!r} in {store.uri}"
         self._create_only = create_only
         self._fsync = fsync
-        self._temp = final.with_name(f"{TEMP_MARKER}{final.name}.{uuid.uuid4().hex}")
-        self._file: BinaryIO | None = open(self._temp, "xb")  # noqa: SIM115 - closed in commit/abort
+        self._name = key.rsplit("/", 1)[-1]
+        self._temp = f"{TEMP_MARKER}{self._name}.{uuid.uuid4().hex}"
         self._size = 0
+        self._file: BinaryIO | None = None
+        try:
+            self._folder = store.folder_for_write(key)
+        except OSError as error:
+            raise _write_error("creating the folder of", self._where, error) from error
+        try:
+            fd = os.open(self._temp, _TEMP_FLAGS, 0o666, dir_fd=self._folder)
+        except OSError as error:
+            os.close(self._folder)
+            raise _write_error("creating", self._where, error) from error
+        self._file = os.fdopen(fd, "wb")
 
     @property
     def bytes_written(self) -> int:
@@ -57,44 +115,75 @@ class LocalWriter(WriterBase):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._file is None:
             raise StorageError(f"write to {self._key!r} after commit or abort")
-        self._file.write(data)
-        self._size += len(data)
+        try:
+            self._file.write(data)
+        except OSError as error:
+            self.abort()
+            raise _write_error("writing", self._where, error) from error
+        self._size += memoryview(data).nbytes
 
     def commit(self) -> ObjectInfo:
         if self._file is None:
             raise StorageError(f"commit of {self._key!r} after commit or abort")
         file, self._file = self._file, None
         try:
-            file.flush()
-            if self._fsync:
-                os.fsync(file.fileno())
-            file.close()
-            if self._create_only:
-                try:
-                    os.link(self._temp, self._final)
-                except FileExistsError:
-                    raise AlreadyExistsError(f"{self._final} already exists") from None
-                finally:
-                    self._temp.unlink(missing_ok=True)
-            else:
-                os.replace(self._temp, self._final)
-            if self._fsync:
-                _fsync_dir(self._final.parent)
-        except BaseException:
-            file.close()
-            self._temp.unlink(missing_ok=True)
+            self._publish(file)
+        except AlreadyExistsError:
+            self._discard(file)
             raise
+        except OSError as error:
+            self._discard(file)
+            raise _write_error("committing", self._where, error) from error
+        except BaseException:
+            self._discard(file)
+            raise
+        os.close(self._folder)
         return ObjectInfo(self._key, self._size, datetime.now(timezone.utc))
+
+    def _publish(self, file: BinaryIO) -> None:
+        file.flush()
+        if self._fsync:
+            os.fsync(file.fileno())
+        file.close()
+        folder = self._folder
+        if self._create_only:
+            try:
+                os.link(self._temp, self._name, src_dir_fd=folder, dst_dir_fd=folder)
+            except FileExistsError:
+                raise AlreadyExistsError(f"{self._where} already exists") from None
+            finally:
+                os.unlink(self._temp, dir_fd=folder)
+        else:
+            os.replace(self._temp, self._name, src_dir_fd=folder, dst_dir_fd=folder)
+        if self._fsync:
+            os.fsync(folder)
+
+    def _discard(self, file: BinaryIO) -> None:
+        """Close `file` (its buffer may not flush on a full disk), remove the temp, free the fd."""
+        with contextlib.suppress(OSError):
+            file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._temp, dir_fd=self._folder)
+        os.close(self._folder)
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
-        self._temp.unlink(missing_ok=True)
+            file, self._file = self._file, None
+            self._discard(file)
+
+
+def _write_error(action: str, where: str, error: OSError) -> StorageError:
+    code = errno.errorcode.get(error.errno or 0, str(error.errno))
+    if error.errno in _FULL:
+        return DiskFullError(
+            f"disk full (errno {code}: {os.strerror(error.errno or 0)}) while {action} {where}; "
+            "the partial temporary file was removed"
+        )
+    return StorageError(f"{action} {where} failed: {error.strerror} (errno {code})")
 
 
 class LocalStore:
-    """Objects are files under `root`; keys map to relative paths."""
+    """Objects are regular files under `root`; keys map to relative paths; links are not objects."""
 
     def __init__(self, root: Path, fsync: bool = True) -> None:
         self._root = root.resolve()
@@ -104,11 +193,45 @@ class LocalStore:
     def uri(self) -> str:
         return self._root.as_uri()
 
-    def _path(self, key: str) -> Path:
-        return self._root / check_key(key)
+    @contextlib.contextmanager
+    def _folders(self, key: str, create: bool = False) -> Iterator[list[int]]:
+        """Descriptors of the root and each folder down to `key`'s own, none reached via a link."""
+        parts = check_key(key).split("/")
+        if create:
+            self._root.mkdir(parents=True, exist_ok=True)
+        fds = [os.open(self._root, _DIR_FLAGS)]
+        try:
+            for depth, part in enumerate(parts[:-1], start=1):
+                where = f"{self.uri}/{'/'.join(parts[:depth])}"
+                fds.append(_open_folder(fds[-1], part, where, create))
+            yield fds
+        finally:
+            _close_all(fds)
+
+    def folder_for_write(self, key: str) -> int:
+        """A descriptor of the folder to hold `key`, created as needed; the caller closes it."""
+        with self._folders(key, create=True) as fds:
+            return os.dup(fds[-1])
+
+    def _open_object(self, key: str) -> BinaryIO:
+        name = key.rsplit("/", 1)[-1]
+        try:
+            with self._folders(key) as fds:
+                fd = os.open(name, _READ_FLAGS, dir_fd=fds[-1])
+        except SymlinkError as error:
+            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist: {error}") from None
+        except OSError as error:
+            if error.errno not in _ABSENT:
+                raise
+            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist") from None
+        file = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            file.close()
+            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist (not a regular file)")
+        return file
 
     def open_writer(self, key: str, *, create_only: bool = False) -> LocalWriter:
-        return LocalWriter(self._path(key), key, create_only, self._fsync)
+        return LocalWriter(self, check_key(key), create_only, self._fsync)
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
         with self.open_writer(key, create_only=create_only) as writer:
@@ -116,79 +239,161 @@ class LocalStore:
         return ObjectInfo(key, len(data), datetime.now(timezone.utc))
 
     def get(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist") from None
+        with self._open_object(key) as file:
+            return file.read()
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
             raise ValueError("range start and length must be non-negative")
-        try:
-            with open(self._path(key), "rb") as file:
-                file.seek(start)
-                return file.read(length)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise ObjectNotFoundError(f"{self.uri}/{key} does not exist") from None
+        with self._open_object(key) as file:
+            file.seek(start)
+            return file.read(length)
 
     def head(self, key: str) -> ObjectInfo | None:
+        name = key.rsplit("/", 1)[-1]
         try:
-            stat = self._path(key).stat()
-        except (FileNotFoundError, NotADirectoryError):
+            with self._folders(key) as fds:
+                found = os.stat(name, dir_fd=fds[-1], follow_symlinks=False)
+        except SymlinkError:
             return None
-        if not os.path.isfile(self._path(key)):
+        except OSError as error:
+            if error.errno in _ABSENT:
+                return None
+            raise
+        if not stat.S_ISREG(found.st_mode):
             return None
-        return ObjectInfo(key, stat.st_size, datetime.fromtimestamp(stat.st_mtime, timezone.utc))
+        return ObjectInfo(key, found.st_size, _mtime(found))
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        found: builtins.list[ObjectInfo] = []
-        for folder, _dirs, files in os.walk(self._root):
-            for name in files:
-                if name.startswith(TEMP_MARKER):
+    def _files(self, prefix: str) -> builtins.list[tuple[str, os.stat_result]]:
+        """(key, stat) of every regular file whose key starts with `prefix`, links skipped."""
+        try:
+            root = os.open(self._root, _DIR_FLAGS)
+        except OSError as error:
+            if error.errno in _ABSENT:
+                return []
+            raise
+        found: builtins.list[tuple[str, os.stat_result]] = []
+        self._scan(root, "", prefix, found)
+        return found
+
+    def _scan(
+        self, folder: int, at: str, prefix: str, found: builtins.list[tuple[str, os.stat_result]]
+    ) -> None:
+        """Add the files of the open `folder` (key prefix `at`) to `found`; closes `folder`."""
+        try:
+            with os.scandir(folder) as scan:
+                entries = builtins.list(scan)
+            for entry in entries:
+                key = at + entry.name
+                if not (key.startswith(prefix) or prefix.startswith(f"{key}/")):
                     continue
-                path = Path(folder, name)
-                key = path.relative_to(self._root).as_posix()
-                if key.startswith(prefix):
-                    stat = path.stat()
-                    when = datetime.fromtimestamp(stat.st_mtime, timezone.utc)
-                    found.append(ObjectInfo(key, stat.st_size, when))
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISLNK(info.st_mode):
+                    self._skip_link(key)
+                elif stat.S_ISREG(info.st_mode) and key.startswith(prefix):
+                    found.append((key, info))
+                elif stat.S_ISDIR(info.st_mode):
+                    self._scan_child(folder, entry.name, f"{key}/", prefix, found)
+        finally:
+            os.close(folder)
+
+    def _scan_child(
+        self,
+        folder: int,
+        name: str,
+        at: str,
+        prefix: str,
+        found: builtins.list[tuple[str, os.stat_result]],
+    ) -> None:
+        try:
+            child = _open_folder(folder, name, f"{self.uri}/{at}", create=False)
+        except SymlinkError:
+            self._skip_link(at.rstrip("/"))
+            return
+        except OSError as error:
+            if error.errno in _ABSENT:
+                return
+            raise
+        self._scan(child, at, prefix, found)
+
+    def _skip_link(self, key: str) -> None:
+        log.warning(
+            "%s/%s is a symbolic link: it is not an object of this store and is skipped "
+            "(links in a checkpoint root are never followed)",
+            self.uri,
+            key,
+        )
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        found = [
+            ObjectInfo(key, info.st_size, _mtime(info))
+            for key, info in self._files(prefix)
+            if not key.rsplit("/", 1)[-1].startswith(TEMP_MARKER)
+        ]
         yield from sorted(found, key=lambda info: info.key)
 
     def delete_many(self, keys: Iterable[str]) -> None:
         for key in keys:
-            path = self._path(key)
-            path.unlink(missing_ok=True)
-            self._prune_empty_parents(path.parent)
+            self._delete(key)
 
-    def _prune_empty_parents(self, folder: Path) -> None:
-        while folder != self._root and folder.is_relative_to(self._root):
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-            folder = folder.parent
+    def _delete(self, key: str) -> None:
+        """Unlink the regular file `key` and prune emptied folders; links are left alone."""
+        parts = check_key(key).split("/")
+        try:
+            with self._folders(key) as fds:
+                found = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+                if stat.S_ISLNK(found.st_mode):
+                    self._keep_link(key)
+                elif stat.S_ISREG(found.st_mode):
+                    os.unlink(parts[-1], dir_fd=fds[-1])
+                    _prune(fds, parts)
+        except SymlinkError as error:
+            log.warning("%s/%s is not deleted: %s", self.uri, key, error)
+        except OSError as error:
+            if error.errno not in _ABSENT:
+                raise
+
+    def _keep_link(self, key: str) -> None:
+        log.warning(
+            "%s/%s is a symbolic link, not an object of this store: neither it nor its target is "
+            "deleted",
+            self.uri,
+            key,
+        )
 
     def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         """Temporary files left by crashed writers, reported as unfinished uploads."""
         uploads = []
-        for folder, _dirs, files in os.walk(self._root):
-            for name in files:
-                if not name.startswith(TEMP_MARKER):
-                    continue
-                key = Path(folder, name).relative_to(self._root).as_posix()
-                if key.startswith(prefix):
-                    when = datetime.fromtimestamp(Path(folder, name).stat().st_mtime, timezone.utc)
-                    uploads.append(UploadInfo(key, upload_id=name, initiated=when))
-        return uploads
+        for key, info in self._files(prefix):
+            name = key.rsplit("/", 1)[-1]
+            if name.startswith(TEMP_MARKER):
+                uploads.append(UploadInfo(key, upload_id=name, initiated=_mtime(info)))
+        return sorted(uploads, key=lambda upload: upload.key)
 
     def abort_upload(self, upload: UploadInfo) -> None:
-        self._path(upload.key).unlink(missing_ok=True)
+        self._delete(upload.key)
 
     def close(self) -> None:
         return None
+
+
+def _prune(fds: builtins.list[int], parts: builtins.list[str]) -> None:
+    """Remove the emptied folders of a deleted key, deepest first, never the root."""
+    for depth in range(len(parts) - 1, 0, -1):
+        try:
+            os.rmdir(parts[depth - 1], dir_fd=fds[depth - 1])
+        except OSError:
+            return
+
+
+def _mtime(info: os.stat_result) -> datetime:
+    return datetime.fromtimestamp(info.st_mtime, timezone.utc)
 
 
 def open_local_store(uri: str, options: dict[str, Any]) -> LocalStore:
