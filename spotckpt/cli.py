@@ -6,9 +6,12 @@ The checkpoint URI argument may be left out when ``SPOTCKPT_URI`` or ``uri`` in 
 
 Exit status: 0 success; 1 a checkpoint failed verification (``verify`` found problems, or another
 command met corrupt data or an invalid manifest); 2 anything else that stops a command (bad
-usage or URI, missing step, unreadable config, storage errors), with a one-line message on stderr.
-Progress bars appear on stderr only when it is a terminal. ``--json`` prints machine-readable
-output on stdout. Credentials given as options are never printed.
+usage or URI, a checkpoint root that does not exist, missing step, unreadable config, storage
+errors), with a one-line message on stderr. With ``--json`` every outcome is one JSON document on
+stdout, errors included (``{"error": "...", "exit_code": 2}``), with the same exit status.
+Progress bars appear on stderr only when it is a terminal; log records are one line each.
+Credentials are never printed, and control characters in names read from a bucket are escaped.
+Only ``verify`` and ``export-hf`` import torch.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import unquote, urlsplit
 
 import click
-from tqdm import tqdm
 
-from spotckpt.config import Config, ConfigError
+from spotckpt.config import Config, ConfigError, MissingURIError
 from spotckpt.errors import CorruptCheckpointError, NoCheckpointError
-from spotckpt.export import export_hf
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import (
     Manifest,
@@ -37,58 +40,83 @@ from spotckpt.format.manifest import (
     read_manifest,
 )
 from spotckpt.gc import StepFolder, attempt_folders, collect_garbage, scan_root
+from spotckpt.redact import is_secret_key, printable, redact, secret_values
 from spotckpt.storage.base import (
+    ObjectNotFoundError,
     ObjectStore,
     StorageError,
     UploadInfo,
     open_store,
     uri_scheme,
 )
-from spotckpt.verify import verify_checkpoint
 from spotckpt.version import __version__
 
-EXIT_OK, EXIT_FAILED_VERIFICATION, EXIT_USAGE = 0, 1, 2
-_SECRET_WORDS = ("secret", "token", "password", "credential", "key_id", "access_key", "private")
+EXIT_OK, EXIT_FAILED_VERIFICATION, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _secrets: set[str] = set()
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
-_FLOAT_DTYPES = sorted(n for n, d in BY_NAME.items() if d.torch_dtype.is_floating_point)
+_FLOAT_DTYPES = sorted(n for n, d in BY_NAME.items() if d.is_floating_point)
 
 
 class _CommandFailed(Exception):
-    """A command ran but its result is a failure (exit status 1)."""
+    """A command ran and printed its result, which is a failure (exit status 1)."""
+
+
+class _RootMissingError(StorageError):
+    """The checkpoint root (a local folder, a bucket) does not exist."""
 
 
 # Helpers: options, opening the store, formatting ------------------------------------------------
 
 
-def _remember_secrets(options: dict[str, Any]) -> None:
-    for key, value in options.items():
-        if any(word in key.lower() for word in _SECRET_WORDS) and len(str(value)) >= 4:
-            _secrets.add(str(value))
-
-
 def _redact(text: str) -> str:
-    for secret in sorted(_secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
+    return redact(text, _secrets)
 
 
 def _resolve(uri: str | None, pairs: Sequence[tuple[str, str]]) -> tuple[str, dict[str, Any]]:
     """The checkpoint URI and storage options from the arguments over the config."""
     cli_options = dict(pairs)
-    _remember_secrets(cli_options)
-    config = Config.load(uri=uri)
-    _remember_secrets(config.storage_options)
+    _secrets.update(secret_values(cli_options))
+    try:
+        config = Config.load(uri=uri or None)
+    except MissingURIError:
+        raise click.UsageError(
+            "no checkpoint URI: pass the URI argument or set SPOTCKPT_URI "
+            "(or put uri in spotckpt.toml)"
+        ) from None
+    _secrets.update(secret_values(config.storage_options))
     return config.uri, {**config.storage_options, **cli_options}
 
 
 @contextmanager
 def _opened(uri: str | None, pairs: Sequence[tuple[str, str]]) -> Iterator[ObjectStore]:
+    """The checkpoint root's store; a root that does not exist is an error."""
     resolved, options = _resolve(uri, pairs)
     with _closing_store(resolved, options) as store:
+        _check_root(store)
         yield store
+
+
+def _check_root(store: ObjectStore) -> None:
+    """Raise _RootMissingError for a local root that is not a folder.
+
+    A missing bucket shows as ObjectNotFoundError from the first listing (see `_probe_root`)."""
+    if uri_scheme(store.uri) != "file":
+        return
+    parts = urlsplit(store.uri)
+    path = Path(unquote(parts.path) if parts.scheme == "file" else store.uri)
+    if not path.is_dir():
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise _RootMissingError(f"checkpoint root {path} {what}")
+
+
+def _probe_root(store: ObjectStore) -> None:
+    """List one object so that a missing bucket raises _RootMissingError."""
+    try:
+        next(iter(store.list()), None)
+    except ObjectNotFoundError as error:  # S3 NoSuchBucket, GCS 404 on the bucket
+        raise _RootMissingError(f"checkpoint root {store.uri} does not exist: {error}") from None
 
 
 @contextmanager
@@ -144,6 +172,8 @@ def _iso(moment: datetime | None) -> str | None:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Aligned columns; cells (names read from a bucket among them) are made printable."""
+    rows = [[printable(str(cell)) for cell in row] for row in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows, strict=False)]
     lines = [
         "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -196,14 +226,19 @@ class _Parsed(click.ParamType):
 
 def _storage_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"expected KEY=VALUE, got {key.strip()!r} without '='")
+    if not sep:
+        shown = "text that names a credential" if is_secret_key(text) else repr(text.strip())
+        raise ValueError(f"expected KEY=VALUE, got {shown} without '='")
+    if not key.strip():
+        raise ValueError("expected KEY=VALUE, got no KEY before '='")
     return key.strip(), value
 
 
 @contextmanager
 def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
     """A callback ``(done, total)`` that drives a tqdm bar on stderr when it is a terminal."""
+    from tqdm import tqdm  # only the commands with progress bars pay for importing it
+
     bar = tqdm(
         desc=description,
         total=0,
@@ -229,6 +264,7 @@ def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
 def _resolve_step(store: ObjectStore, step: int | None) -> int:
     if step is not None:
         if not store.exists(manifest_key(step)):
+            _probe_root(store)
             raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}")
         return step
     steps, _uploads = scan_root(store, with_uploads=False)
@@ -265,11 +301,31 @@ def cli(verbose: bool) -> None:
     URI is s3://bucket/prefix, gs://bucket/prefix, file:///path or a path; without it,
     SPOTCKPT_URI or uri in ./spotckpt.toml is used.
     """
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="spotckpt: %(levelname)s: %(message)s",
-        stream=sys.stderr,
-    )
+    _configure_logging(verbose)
+
+
+class _OneLineFormatter(logging.Formatter):
+    """``spotckpt: warning: message (Error: text)``: one redacted, printable line per record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info is not None and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            text += f" ({type(error).__name__}: {error})"
+        return f"spotckpt: {record.levelname.lower()}: {_one_line(text)}"
+
+
+def _configure_logging(verbose: bool) -> None:
+    """spotckpt's records (DEBUG and up with --verbose, else WARNING and up) and other libraries'
+    warnings go to stderr, one line each; so do Python warnings."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLineFormatter())
+    package = logging.getLogger("spotckpt")
+    package.handlers = [handler]
+    package.propagate = False
+    package.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.captureWarnings(True)
 
 
 # ls -----------------------------------------------------------------------------------------------
@@ -295,7 +351,7 @@ def ls_command(
             _emit_json({"uri": store.uri, "checkpoints": rows})
             return
         if not rows:
-            click.echo(f"no committed checkpoints at {store.uri}")
+            click.echo(printable(f"no committed checkpoints at {store.uri}"))
             return
         click.echo(_table(_LS_HEADERS, [_ls_cells(r) for r in rows]))
 
@@ -311,7 +367,7 @@ def _committed_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[di
         try:
             manifest = read_manifest(store, step)
         except ManifestError as error:
-            rows.append(_row(step, "invalid", None, None, None, None, None, str(error)))
+            rows.append(_row(step, "invalid", None, None, None, None, None, _redact(str(error))))
             continue
         rows.append(
             _row(
@@ -486,17 +542,9 @@ def _inspect_json(
 def _inspect_text(
     store: ObjectStore, manifest: Manifest, tensors: dict[str, TensorRecord], name_filter: str
 ) -> str:
-    versions = ", ".join(f"{k} {v}" for k, v in sorted(manifest.versions.items())) or "-"
-    objects = len(manifest.objects)
     shown = f"{len(tensors)} of {len(manifest.tensors)}" if name_filter else str(len(tensors))
     lines = [
-        f"checkpoint step {manifest.step} at {store.uri}",
-        f"  attempt        {manifest.attempt}",
-        f"  created        {_when(manifest.created_at)} UTC",
-        f"  world size     {manifest.world_size}",
-        f"  size           {_human_size(manifest.total_bytes)} in {_plural(objects, 'object')}",
-        f"  versions       {versions}",
-        f"  user metadata  {json.dumps(manifest.user_metadata, sort_keys=True)}",
+        *map(printable, _inspect_header(store, manifest)),
         "",
         _table(
             ("RANK", "SIZE", "CRC32C", "OBJECT"),
@@ -520,18 +568,32 @@ def _inspect_text(
     return "\n".join(lines)
 
 
+def _inspect_header(store: ObjectStore, manifest: Manifest) -> list[str]:
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(manifest.versions.items())) or "-"
+    objects = len(manifest.objects)
+    return [
+        f"checkpoint step {manifest.step} at {store.uri}",
+        f"  attempt        {manifest.attempt}",
+        f"  created        {_when(manifest.created_at)} UTC",
+        f"  world size     {manifest.world_size}",
+        f"  size           {_human_size(manifest.total_bytes)} in {_plural(objects, 'object')}",
+        f"  versions       {versions}",
+        f"  user metadata  {json.dumps(manifest.user_metadata, sort_keys=True)}",
+    ]
+
+
 def _values_text(names: list[str], name_filter: str) -> str:
     """Non-tensor values: their names under a filter, else counts per top-level key."""
     if name_filter:
         matching = [n for n in names if n.startswith(name_filter)]
         return "\n".join(
-            [f"values: {len(matching)} of {len(names)}", *(f"  {n}" for n in matching)]
+            [f"values: {len(matching)} of {len(names)}", *(f"  {printable(n)}" for n in matching)]
         )
     counts: dict[str, int] = {}
     for name in names:
         top = name.split(".")[0]
         counts[top] = counts.get(top, 0) + 1
-    groups = ", ".join(f"{top} {count}" for top, count in counts.items())
+    groups = ", ".join(f"{printable(top)} {count}" for top, count in counts.items())
     return f"values: {len(names)} ({groups or 'none'}; --filter PREFIX lists them)"
 
 
@@ -547,6 +609,8 @@ def verify_command(
     uri: str | None, step: int | None, storage_options: tuple[tuple[str, str], ...], as_json: bool
 ) -> None:
     """Check every object of a checkpoint: presence, size, CRC32C. Exit 1 on problems."""
+    from spotckpt.verify import verify_checkpoint  # imports torch to load the stored values
+
     with _opened(uri, storage_options) as store:
         chosen = _resolve_step(store, step)
         with _progress_bar(f"verify step {chosen}") as progress:
@@ -561,9 +625,9 @@ def verify_command(
     else:
         click.echo(f"step {chosen}: {_plural(len(report.problems), 'problem')}")
         for problem in report.problems:
-            click.echo(f"  {problem.kind}: {problem.message}")
+            click.echo(printable(f"  {problem.kind}: {problem.message}"))
             if problem.tensors and problem.kind in ("missing", "size"):
-                click.echo(f"    holds: {_some(problem.tensors)}")
+                click.echo(printable(f"    holds: {_some(problem.tensors)}"))
     if not report.ok:
         problems = _plural(len(report.problems), "problem")
         raise _CommandFailed(f"step {chosen} failed verification: {problems}")
@@ -620,9 +684,9 @@ def gc_command(
         )
         if action.kind in ("attempt", "uncommitted"):
             details += f", {_human_age(action.age_s)}"
-        click.echo(f"{verb} {action.kind} {action.target} ({details})")
+        click.echo(printable(f"{verb} {action.kind} {action.target} ({details})"))
     for kept in report.kept:
-        click.echo(f"kept {kept}")
+        click.echo(printable(f"kept {kept}"))
     total = f"{_plural(report.objects_deleted, 'object')}, {_human_size(report.bytes_freed)}"
     click.echo(
         f"{'would free' if dry_run else 'freed'} {total}" + (" (dry run)" if dry_run else "")
@@ -678,10 +742,13 @@ def export_command(
     if not 1 <= len(locations) <= 2:
         raise click.UsageError("export-hf takes [URI] OUT: one or two locations")
     uri, out = (None, locations[0]) if len(locations) == 1 else locations
+    from spotckpt.export import export_hf  # imports torch: only this command needs it
+
     cast = BY_NAME[dtype].torch_dtype if dtype is not None else None
     resolved, options = _resolve(uri, storage_options)
     out_options = options if uri_scheme(out) == uri_scheme(resolved) else {}
     with _closing_store(resolved, options) as store:
+        _check_root(store)
         chosen = _resolve_step(store, step)
         with (
             _closing_store(out, out_options) as out_store,
@@ -702,9 +769,9 @@ def export_command(
         _emit_json(report.to_dict())
         return
     for name in report.files:
-        click.echo(f"wrote {report.out_uri}/{name}")
+        click.echo(printable(f"wrote {report.out_uri}/{name}"))
     if report.index is not None:
-        click.echo(f"wrote {report.out_uri}/{report.index}")
+        click.echo(printable(f"wrote {report.out_uri}/{report.index}"))
     click.echo(
         f"step {chosen}: {report.tensors} tensors, {_human_size(report.total_size)} in "
         f"{_plural(len(report.files), 'file')}"
@@ -723,8 +790,45 @@ _USAGE_ERRORS = (
 )
 
 
-def _fail(code: int, message: str) -> NoReturn:
-    text = " ".join(_redact(message).split())
+def _one_line(text: str) -> str:
+    """`text` redacted, on one line, with control characters escaped."""
+    return printable(" ".join(_redact(text).split()))
+
+
+def _run(args: list[str]) -> tuple[int, str | None, bool]:
+    """Run the command line: its exit status, the failure's message (None on success), and
+    whether the command printed its own result before failing."""
+    try:
+        code = cli.main(args=args, prog_name="spotckpt", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as error:
+        click.echo(error.ctx.get_help() if error.ctx is not None else str(error), err=True)
+        return EXIT_USAGE, None, True
+    except click.UsageError as error:
+        return EXIT_USAGE, error.format_message(), False
+    except (click.Abort, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted", False
+    except _CommandFailed as error:
+        return EXIT_FAILED_VERIFICATION, str(error), True
+    except (CorruptCheckpointError, ManifestError) as error:
+        return EXIT_FAILED_VERIFICATION, str(error), False
+    except _USAGE_ERRORS as error:
+        return EXIT_USAGE, str(error) or type(error).__name__, False
+    except Exception as error:  # one line, never a traceback: this is the CLI's outermost frame
+        return EXIT_USAGE, f"{type(error).__name__}: {error}", False
+    return (code if isinstance(code, int) else EXIT_OK), None, False
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among the options (before any ``--``), even when parsing failed."""
+    options = args[: args.index("--")] if "--" in args else args
+    return "--json" in options
+
+
+def _fail(code: int, message: str, *, as_json: bool) -> NoReturn:
+    """The one-line error on stderr (and, for --json, as a document on stdout); exit `code`."""
+    text = _one_line(message)
+    if as_json:
+        click.echo(json.dumps({"error": text, "exit_code": code}))
     click.echo(f"spotckpt: error: {text}", err=True)
     sys.exit(code)
 
@@ -732,26 +836,10 @@ def _fail(code: int, message: str) -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point; exits with 0, 1 or 2 (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        code = cli.main(args=args, prog_name="spotckpt", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as error:
-        click.echo(error.ctx.get_help() if error.ctx is not None else str(error), err=True)
-        sys.exit(EXIT_USAGE)
-    except click.UsageError as error:
-        _fail(EXIT_USAGE, error.format_message())
-    except click.Abort:
-        _fail(130, "interrupted")
-    except _CommandFailed as error:
-        _fail(EXIT_FAILED_VERIFICATION, str(error))
-    except (CorruptCheckpointError, ManifestError) as error:
-        _fail(EXIT_FAILED_VERIFICATION, str(error))
-    except _USAGE_ERRORS as error:
-        _fail(EXIT_USAGE, str(error) or type(error).__name__)
-    except KeyboardInterrupt:
-        _fail(130, "interrupted")
-    except Exception as error:  # one line, never a traceback: this is the CLI's outermost frame
-        _fail(EXIT_USAGE, f"{type(error).__name__}: {error}")
-    sys.exit(code if isinstance(code, int) else EXIT_OK)
+    code, message, printed = _run(args)
+    if message is not None:
+        _fail(code, message, as_json=_wants_json(args) and not printed)
+    sys.exit(code)
 
 
 __all__ = ["cli", "main", "parse_duration", "parse_size"]

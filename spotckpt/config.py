@@ -2,17 +2,23 @@
 
 Precedence, highest first: keyword arguments, ``SPOTCKPT_*`` environment variables, the file
 named by ``SPOTCKPT_CONFIG`` or ``./spotckpt.toml``, then ``[tool.spotckpt]`` in
-``./pyproject.toml``. Unknown keys and wrong types are errors that name the key and its source.
+``./pyproject.toml``. Unknown keys, wrong types and bad values are errors that name their source
+and key (``/run/spotckpt.toml: keep_last: must be at least 1, got 0``,
+``SPOTCKPT_KEEP_LAST: must be int or None, got 'many'``); credentials never appear in them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from spotckpt.redact import redact, secret_values
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,10 +26,16 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 ENV_PREFIX = "SPOTCKPT_"
+_CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
+_MAX_SHOWN = 60
 
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or missing."""
+
+
+class MissingURIError(ConfigError):
+    """No source gives the checkpoint URI."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,31 +54,29 @@ class Config:
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.uri, str) or not self.uri:
-            raise ConfigError("uri must be a non-empty string (set SPOTCKPT_URI)")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ConfigError("keep_last must be at least 1")
-        if self.interval_steps is not None and self.interval_steps < 1:
-            raise ConfigError("interval_steps must be at least 1")
-        if self.agree_every < 1:
-            raise ConfigError("agree_every must be at least 1")
-        if self.save_budget_s <= 0 or self.collective_timeout_s <= 0:
-            raise ConfigError("save_budget_s and collective_timeout_s must be positive")
+        for setting in fields(self):
+            problem = _problem(setting.name, getattr(self, setting.name))
+            if problem is not None:
+                raise ConfigError(redact(f"{setting.name}: {problem}"))
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return redact(f"Config({shown})", secret_values(self.storage_options))
 
     @classmethod
     def load(cls, cwd: str | Path | None = None, **overrides: Any) -> Config:
         """Merge the sources in precedence order and validate the result."""
         folder = Path(cwd) if cwd is not None else Path.cwd()
         merged: dict[str, Any] = {}
-        for source, values in (
+        for where, values in (
             *_file_sources(folder),
-            ("environment", _from_env(os.environ)),
-            ("keyword arguments", {k: v for k, v in overrides.items() if v is not None}),
+            (_env_name, _from_env(os.environ)),
+            (_keyword, {k: v for k, v in overrides.items() if v is not None}),
         ):
-            merged.update(_checked(values, source))
+            merged.update(_checked(values, where))
         if "uri" not in merged:
-            raise ConfigError(
-                "no checkpoint URI: set SPOTCKPT_URI, pass uri=, or put uri in spotckpt.toml"
+            raise MissingURIError(
+                "no checkpoint URI: pass uri= or set SPOTCKPT_URI (or put uri in spotckpt.toml)"
             )
         return cls(**merged)
 
@@ -87,83 +97,162 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "save_budget_s": (int, float),
     "storage_options": (dict,),
 }
+_AT_LEAST_ONE = frozenset({"keep_last", "interval_steps", "agree_every"})
+_POSITIVE = frozenset({"collective_timeout_s", "save_budget_s"})
+
+Where = Callable[[str], str]
+"""Names a key in its source: ``/run/spotckpt.toml: keep_last``, ``SPOTCKPT_KEEP_LAST``."""
 
 
-def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
+def _env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def _keyword(key: str) -> str:
+    return f"keyword argument {key}"
+
+
+def _in_file(label: str) -> Where:
+    return lambda key: f"{label}: {key}"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+
+
+def _problem(key: str, value: Any) -> str | None:
+    """What is wrong with `value` for setting `key`, or None when it is fine."""
+    kinds = _TYPES[key]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        if key == "storage_options":  # never echo a value that may hold credentials
+            return f"must be a table of options, got {type(value).__name__}"
+        return f"must be {_kind_names(kinds)}, got {_shown(value)}"
+    return _range_problem(key, value)
+
+
+def _range_problem(key: str, value: Any) -> str | None:
+    """What is wrong with a value of the right type, or None."""
+    if key == "uri" and not value:
+        return "must be a non-empty string"
+    if key in _AT_LEAST_ONE and value is not None and value < 1:
+        return f"must be at least 1, got {value!r}"
+    if key in _POSITIVE and not (math.isfinite(value) and value > 0):
+        return f"must be a positive number, got {value!r}"
+    return None
+
+
+def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
     checked = {}
     for key, value in values.items():
-        kinds = _TYPES.get(key)
-        if kinds is None:
-            raise ConfigError(f"unknown setting {key!r} in {source}; known: {sorted(_TYPES)}")
-        wrong_bool = isinstance(value, bool) and bool not in kinds
-        if not isinstance(value, kinds) or wrong_bool:
-            names = " or ".join(k.__name__ for k in kinds)
-            raise ConfigError(f"setting {key!r} in {source} must be {names}, got {value!r}")
+        if key not in _TYPES:
+            raise ConfigError(
+                redact(f"{where(key)}: unknown setting; known: {', '.join(sorted(_TYPES))}")
+            )
+        problem = _problem(key, value)
+        if problem is not None:
+            raise ConfigError(redact(f"{where(key)}: {problem}"))
         checked[key] = value
     return checked
 
 
-def _file_sources(folder: Path) -> list[tuple[str, dict[str, Any]]]:
+def _file_sources(folder: Path) -> list[tuple[Where, dict[str, Any]]]:
     sources = []
     pyproject = folder / "pyproject.toml"
     if pyproject.is_file():
-        table = _read_toml(pyproject).get("tool", {}).get("spotckpt")
+        table = _tool_table(pyproject, _read_toml(pyproject))
         if table is not None:
-            sources.append((f"{pyproject} [tool.spotckpt]", table))
-    explicit = os.environ.get(f"{ENV_PREFIX}CONFIG")
+            sources.append((_in_file(f"{pyproject} [tool.spotckpt]"), table))
+    explicit = os.environ.get(_CONFIG_VARIABLE)
     path = Path(explicit) if explicit else folder / "spotckpt.toml"
     if explicit and not path.is_file():
-        raise ConfigError(f"SPOTCKPT_CONFIG names {path}, which is not a readable file")
+        raise ConfigError(redact(f"{_CONFIG_VARIABLE}: {path} is not a readable file"))
     if path.is_file():
-        sources.append((str(path), _read_toml(path)))
+        sources.append((_in_file(str(path)), _read_toml(path)))
     return sources
+
+
+def _tool_table(pyproject: Path, document: dict[str, Any]) -> dict[str, Any] | None:
+    tool = document.get("tool")
+    table = tool.get("spotckpt") if isinstance(tool, dict) else None
+    if table is not None and not isinstance(table, dict):
+        raise ConfigError(
+            f"{pyproject}: tool.spotckpt: must be a table, got {type(table).__name__}"
+        )
+    return table
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except (OSError, tomllib.TOMLDecodeError) as error:
-        raise ConfigError(f"cannot read config file {path}: {error}") from None
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror or error}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"cannot read config file {path}: it is not UTF-8 TOML "
+            f"(byte 0x{data[error.start]:02x} at offset {error.start})"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(
+            redact(f"cannot read config file {path}: it is not valid TOML: {error}")
+        ) from None
 
 
-def _from_env(environ: os._Environ[str] | dict[str, str]) -> dict[str, Any]:
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
+        if not name.startswith(ENV_PREFIX) or name == _CONFIG_VARIABLE:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         kinds = _TYPES.get(key)
         if kinds is None:
-            raise ConfigError(
-                f"unknown environment variable {name}; known: "
-                + ", ".join(ENV_PREFIX + k.upper() for k in sorted(_TYPES))
-            )
+            known = ", ".join(_env_name(k) for k in sorted(_TYPES))
+            raise ConfigError(f"{name}: unknown environment variable; known: {known}")
         values[key] = _parse_env(name, raw, kinds)
     return values
 
 
 def _parse_env(name: str, raw: str, kinds: tuple[type, ...]) -> Any:
     text = raw.strip()
+    if type(None) in kinds and text.lower() in ("", "none"):
+        return None
+    if dict in kinds:
+        return _parse_json_object(name, text)
     try:
-        if type(None) in kinds and text.lower() in ("", "none"):
-            return None
         if bool in kinds:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
+            return _parse_bool(text)
         if int in kinds and float not in kinds:
             return int(text)
         if float in kinds:
             return float(text)
-        if dict in kinds:
-            parsed = json.loads(text)
-            if not isinstance(parsed, dict):
-                raise ValueError(text)
-            return parsed
     except ValueError:
-        names = " or ".join(k.__name__ for k in kinds if k is not type(None))
-        raise ConfigError(f"environment variable {name} must be {names}, got {raw!r}") from None
+        names = _kind_names(tuple(k for k in kinds if k is not type(None)))
+        raise ConfigError(redact(f"{name}: must be {names}, got {_shown(raw)}")) from None
     return text
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _parse_json_object(name: str, text: str) -> dict[str, Any]:
+    """A JSON object; errors never echo the text, which may hold credentials."""
+    try:
+        parsed = json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"{name}: must be a JSON object ({error})") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{name}: must be a JSON object, got {type(parsed).__name__}")
+    return parsed

@@ -336,3 +336,195 @@ def test_size_and_duration_parsing() -> None:
             parse_size(bad)
     with pytest.raises(ValueError):
         parse_duration("soon")
+
+
+def _one_document(result: subprocess.CompletedProcess[str]) -> Any:
+    """The single JSON document on stdout (json.loads refuses anything after it)."""
+    return json.loads(result.stdout)
+
+
+def test_json_mode_reports_every_error_as_one_document(tmp_path: Path, moto_endpoint: str) -> None:
+    root, empty, missing = tmp_path / "ckpt", tmp_path / "empty", tmp_path / "missing"
+    _save(str(root), [1])
+    empty.mkdir()
+    bad_config = tmp_path / "broken.toml"
+    bad_config.write_bytes(b'uri = "x"\n\xff\xfe')
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        (["ls", "ftp://host/path"], {}, "unsupported storage URI scheme 'ftp'"),
+        (["verify", str(root), "--step", "9"], {}, "step 9 has no committed checkpoint"),
+        (["inspect", str(empty)], {}, "no committed checkpoint at"),
+        (["ls", str(missing)], {}, f"checkpoint root {missing} does not exist"),
+        (["inspect", str(missing)], {}, f"checkpoint root {missing} does not exist"),
+        (["verify", str(missing), "--step", "1"], {}, f"checkpoint root {missing} does not"),
+        (["gc", str(missing)], {}, f"checkpoint root {missing} does not exist"),
+        (["export-hf", str(missing), str(tmp_path / "o")], {}, f"root {missing} does not"),
+        (["ls", str(root / manifest_key(1))], {}, "is not a folder"),
+        (["ls", "s3://no-such-bucket-here"], {}, "no-such-bucket-here"),
+        (["inspect", "s3://no-such-bucket-here", "--step", "3"], {}, "root s3://no-such-bucket"),
+        (["gc", str(root), "--safety-age", "soon"], {}, "--safety-age"),
+        (["ls", "--bogus"], {}, "--bogus"),
+        (["export-hf"], {}, "one or two locations"),
+        (["ls"], {}, "pass the URI argument or set SPOTCKPT_URI"),
+        (["ls"], {"SPOTCKPT_CONFIG": str(bad_config)}, "broken.toml: it is not UTF-8 TOML"),
+        (["ls"], {"SPOTCKPT_URI": str(root), "SPOTCKPT_KEEP_LAST": "x"}, "SPOTCKPT_KEEP_LAST: "),
+    ]
+    commands = [args for args, _, _ in cases] + [[*args, "--json"] for args, _, _ in cases]
+    envs = [extra for _, extra, _ in cases] * 2
+    results = run_all(commands, tmp_path, env={"AWS_ENDPOINT_URL": moto_endpoint}, envs=envs)
+    text, as_json = results[: len(cases)], results[len(cases) :]
+    for (args, _, expected), plain, machine in zip(cases, text, as_json, strict=True):
+        line = one_line_error(plain, 2)
+        assert expected in line, (args, line)
+        assert "pass uri=" not in line
+        assert machine.returncode == plain.returncode, (args, machine.stderr)
+        document = _one_document(machine)
+        assert document == {"error": line.removeprefix("spotckpt: error: "), "exit_code": 2}
+    listed, listed_json = run_all([["ls", str(empty)], ["ls", str(empty), "--json"]], tmp_path)
+    assert listed.returncode == 0 and listed.stdout.startswith("no committed checkpoints at")
+    assert listed_json.returncode == 0
+    assert _one_document(listed_json)["checkpoints"] == []
+
+
+def test_verify_json_failure_prints_only_the_report(fsdp_copy: Path, tmp_path: Path) -> None:
+    manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
+    (fsdp_copy / step_folder(STEP) / sorted(manifest.objects)[0]).unlink()
+    result = run("verify", str(fsdp_copy), "--json", cwd=tmp_path)
+    assert result.returncode == 1
+    report = _one_document(result)
+    assert report["ok"] is False and "error" not in report
+    assert "failed verification" in one_line_error(result, 1)
+
+
+def test_cli_messages_never_show_credentials(tmp_path: Path, moto_endpoint: str) -> None:
+    secret = "S3CR3T-pa55w0rd"
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    toml_with_secret = tmp_path / "secret.toml"
+    toml_with_secret.write_text(f'uri = "{root}"\nkeep_last = "http://admin:{secret}@host/"\n')
+    cases: list[tuple[list[str], dict[str, str]]] = [
+        (["ls", "s3://bucket/x", "-o", f"endpoint_url=http://user:{secret}@127.0.0.1:x"], {}),
+        (["ls", "s3://bucket/x", "-o", f"endpoint_url=user:{secret}@127.0.0.1"], {}),
+        (["ls", f"s3://AKID:{secret}@bucket/x"], {}),
+        (["ls", str(root), "-o", f"aws_secret_access_key={secret}"], {}),
+        (["ls", "s3://no-such-bucket-here", "-o", f"aws_session_token={secret}"], {}),
+        (["ls"], {"SPOTCKPT_CONFIG": str(toml_with_secret)}),
+        (["ls", str(root)], {"SPOTCKPT_STORAGE_OPTIONS": f'{{"token": "{secret}",'}),
+        (["ls", "--storage-option", f"password{secret}"], {}),
+    ]
+    commands = [args for args, _ in cases] + [[*args, "--json"] for args, _ in cases]
+    envs = [extra for _, extra in cases] * 2
+    results = run_all(commands, tmp_path, env={"AWS_ENDPOINT_URL": moto_endpoint}, envs=envs)
+    for args, result in zip(commands, results, strict=True):
+        one_line_error(result, 2)
+        assert secret not in result.stdout + result.stderr, (args, result.stderr)
+    assert "http://***@127.0.0.1:x" in results[0].stderr
+    assert "keep_last" in results[5].stderr and "secret.toml" in results[5].stderr
+
+
+def test_redact_and_printable() -> None:
+    from spotckpt.redact import printable, redact, secret_values
+
+    assert redact("see http://u:pw@h:9/x and s3://TOKEN@b") == "see http://***@h:9/x and s3://***@b"
+    assert redact("Invalid endpoint: user:pw@127.0.0.1") == "Invalid endpoint: ***@127.0.0.1"
+    assert redact('{"aws_secret_access_key": "abc", "n": 1}') == (
+        '{"aws_secret_access_key": "***", "n": 1}'
+    )
+    assert redact("token=abc&x=1 password = 'xyz'") == "token=***&x=1 password = '***'"
+    assert redact("NoCredentialsError: Unable to locate credentials") == (
+        "NoCredentialsError: Unable to locate credentials"
+    )
+    assert redact("bob@example.com at 10 s") == "bob@example.com at 10 s"
+    assert redact("value hunter22 here", {"hunter22", "ab"}) == "value *** here"
+    assert secret_values({"aws_secret_access_key": "abcd", "region": "us", "token": "x"}) == {
+        "abcd"
+    }
+    assert printable("plain name é") == "plain name é"
+    assert printable("a\x1b[2J\nb\u202e\x00") == "a\\x1b[2J\\nb\\u202e\\x00"
+
+
+EVIL_TENSOR = "model.evil\x1b[2J\nname"
+
+
+def _poison_manifest(root: Path, step: int) -> None:
+    """Rewrite a committed manifest so that its names and metadata carry control characters."""
+    path = root / manifest_key(step)
+    document = json.loads(path.read_bytes())
+    name = next(iter(document["tensors"]))
+    document["tensors"][EVIL_TENSOR] = document["tensors"].pop(name)
+    document["attempt"] = "a\x1b[31mred"
+    document["created_at"] = "soon\x1b]0;title\x07"
+    document["versions"]["torch\n"] = "2\x1b[1A"
+    document["user_metadata"] = {"k\x1b[2J": "v\nw"}
+    value = next(iter(document["values"]))
+    document["values"]["evil\x1b[0m\nvalue." + value] = document["values"].pop(value)
+    path.write_bytes(json.dumps(document).encode())
+
+
+def test_control_characters_from_a_manifest_are_escaped(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _save(str(root), [1])
+    _poison_manifest(root, 1)
+    ls, inspect, filtered, as_json = run_all(
+        [
+            ["ls", str(root)],
+            ["inspect", str(root)],
+            ["inspect", str(root), "--filter", "evil"],
+            ["inspect", str(root), "--json"],
+        ],
+        cwd=tmp_path,
+    )
+    for result in (ls, inspect, filtered, as_json):
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stdout + result.stderr and "\x07" not in result.stdout
+    assert len(ls.stdout.splitlines()) == 2 and "a\\x1b[31mred" in ls.stdout
+    assert "model.evil\\x1b[2J\\nname" in inspect.stdout
+    assert not any(line.startswith("name") for line in inspect.stdout.splitlines())
+    assert "soon\\x1b]0;title\\x07" in inspect.stdout and "torch\\n 2\\x1b[1A" in inspect.stdout
+    assert "evil\\x1b[0m\\nvalue." in filtered.stdout
+    assert json.loads(as_json.stdout)["tensors"][EVIL_TENSOR]["dtype"] == "float32"
+
+
+def test_log_records_print_as_one_line_each(tmp_path: Path) -> None:
+    code = """
+        import logging, sys
+        from spotckpt.cli import main
+        from spotckpt.storage.base import StorageError, register_store
+
+        class NoisyStore:
+            uri = "noisy://x"
+
+            def list(self, prefix=""):
+                log = logging.getLogger("spotckpt.storage.noisy")
+                log.debug("looking at %s", prefix)
+                try:
+                    raise OSError("boom\\nsecond line")
+                except OSError:
+                    log.warning("first\\nsecond \\x1b[2J third", exc_info=True)
+                raise StorageError("list noisy://x: gave up")
+
+            def close(self):
+                pass
+
+        register_store("noisy", lambda uri, options: NoisyStore())
+        main(sys.argv[1:])
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
+    quiet, verbose = (
+        subprocess.run(
+            [sys.executable, "-c", code.replace("\n        ", "\n"), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env=env,
+        )
+        for args in (["ls", "noisy://x"], ["-v", "ls", "noisy://x"])
+    )
+    assert quiet.returncode == verbose.returncode == 2
+    assert quiet.stderr.splitlines() == [
+        "spotckpt: warning: first second \\x1b[2J third (OSError: boom second line)",
+        "spotckpt: error: list noisy://x: gave up",
+    ]
+    lines = verbose.stderr.splitlines()
+    assert lines[0] == "spotckpt: debug: looking at step-"
+    assert lines[1:] == quiet.stderr.splitlines()

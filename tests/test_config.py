@@ -53,32 +53,94 @@ def test_explicit_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     ("content", "match"),
     [
-        ('uri = "memory://x"\nkeep_lst = 3\n', "unknown setting 'keep_lst'"),
-        ('uri = "memory://x"\nkeep_last = "three"\n', "'keep_last' .* must be int"),
-        ('uri = "memory://x"\nasync_save = 1\n', "'async_save' .* must be bool"),
-        ('uri = "memory://x"\nkeep_last = 0\n', "keep_last must be at least 1"),
-        ("uri = [\n", "cannot read config file"),
+        ('uri = "memory://x"\nkeep_lst = 3\n', "spotckpt.toml: keep_lst: unknown setting"),
+        ('uri = "memory://x"\nkeep_last = "three"\n', "spotckpt.toml: keep_last: must be int"),
+        ('uri = "memory://x"\nasync_save = 1\n', "spotckpt.toml: async_save: must be bool"),
+        ('uri = "memory://x"\nkeep_last = 0\n', "spotckpt.toml: keep_last: must be at least 1"),
+        ('uri = "memory://x"\nsave_budget_s = nan\n', "save_budget_s: must be a positive"),
+        ('uri = ""\n', "spotckpt.toml: uri: must be a non-empty string"),
+        ("uri = [\n", "cannot read config file .*spotckpt.toml: it is not valid TOML"),
     ],
 )
 def test_file_errors(tmp_path: Path, content: str, match: str) -> None:
     (tmp_path / "spotckpt.toml").write_text(content)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as caught:
+        Config.load(tmp_path)
+    assert str(tmp_path / "spotckpt.toml") in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b'uri = "memory://x"\n\xff\xfe\x00\x81', "it is not UTF-8 TOML .*byte 0xff at offset 19"),
+        (b"\x00\x01\x02binary", "it is not valid TOML"),
+    ],
+)
+def test_binary_file_names_the_file(tmp_path: Path, data: bytes, match: str) -> None:
+    (tmp_path / "spotckpt.toml").write_bytes(data)
+    with pytest.raises(ConfigError, match=match) as caught:
+        Config.load(tmp_path)
+    assert str(caught.value).startswith(f"cannot read config file {tmp_path / 'spotckpt.toml'}: ")
+
+
+def test_pyproject_tool_table_must_be_a_table(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool]\nspotckpt = "memory://x"\n')
+    with pytest.raises(ConfigError, match=r"pyproject.toml: tool.spotckpt: must be a table"):
         Config.load(tmp_path)
 
 
 def test_env_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPOTCKPT_URI", "memory://x")
     monkeypatch.setenv("SPOTCKPT_KEEP_LAST", "many")
-    with pytest.raises(ConfigError, match="SPOTCKPT_KEEP_LAST must be int"):
+    with pytest.raises(ConfigError, match=r"^SPOTCKPT_KEEP_LAST: must be int, got 'many'$"):
+        Config.load(tmp_path)
+    monkeypatch.setenv("SPOTCKPT_KEEP_LAST", "0")
+    with pytest.raises(ConfigError, match=r"^SPOTCKPT_KEEP_LAST: must be at least 1, got 0$"):
         Config.load(tmp_path)
     monkeypatch.delenv("SPOTCKPT_KEEP_LAST")
     monkeypatch.setenv("SPOTCKPT_KEEPLAST", "3")
-    with pytest.raises(ConfigError, match="unknown environment variable SPOTCKPT_KEEPLAST"):
+    with pytest.raises(ConfigError, match=r"^SPOTCKPT_KEEPLAST: unknown environment variable"):
         Config.load(tmp_path)
+    monkeypatch.delenv("SPOTCKPT_KEEPLAST")
+    with pytest.raises(ConfigError, match=r"^keyword argument agree_every: must be at least 1"):
+        Config.load(tmp_path, agree_every=0)
+    with pytest.raises(ConfigError, match=r"^interval_steps: must be at least 1"):
+        Config(uri="memory://x", interval_steps=0)
+
+
+SECRET = "hunter2-S3CR3T"
+
+
+def test_errors_and_repr_never_show_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTCKPT_URI", "memory://x")
+    monkeypatch.setenv("SPOTCKPT_STORAGE_OPTIONS", f'{{"aws_secret_access_key": "{SECRET}",')
+    with pytest.raises(ConfigError, match="SPOTCKPT_STORAGE_OPTIONS: must be a JSON object") as a:
+        Config.load(tmp_path)
+    monkeypatch.setenv("SPOTCKPT_STORAGE_OPTIONS", f'["aws_secret_access_key={SECRET}"]')
+    with pytest.raises(ConfigError, match="must be a JSON object, got list") as b:
+        Config.load(tmp_path)
+    monkeypatch.delenv("SPOTCKPT_STORAGE_OPTIONS")
+    (tmp_path / "spotckpt.toml").write_text(f'storage_options = "token={SECRET}"\n')
+    with pytest.raises(ConfigError, match="storage_options: must be a table") as c:
+        Config.load(tmp_path)
+    (tmp_path / "spotckpt.toml").write_text(f'keep_last = "https://user:{SECRET}@host/x"\n')
+    with pytest.raises(ConfigError, match="keep_last: must be int or None") as d:
+        Config.load(tmp_path)
+    (tmp_path / "spotckpt.toml").unlink()
+    config = Config.load(
+        tmp_path,
+        uri=f"s3://user:{SECRET}@bucket/x",
+        storage_options={"aws_secret_access_key": SECRET, "endpoint_url": "http://127.0.0.1:9"},
+    )
+    for text in (str(a.value), str(b.value), str(c.value), str(d.value), repr(config)):
+        assert SECRET not in text, text
+    assert "http://127.0.0.1:9" in repr(config) and "s3://***@bucket/x" in repr(config)
 
 
 def test_missing_uri(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no checkpoint URI"):
+    with pytest.raises(ConfigError, match="no checkpoint URI: pass uri= or set SPOTCKPT_URI"):
         Config.load(tmp_path)
 
 
