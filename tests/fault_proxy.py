@@ -63,7 +63,10 @@ class FaultProxy:
                 for name, value in headers:
                     if name.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
+                upstream_length = {k.lower(): v for k, v in headers}.get("content-length", "0")
+                # a HEAD answer has no body but tells the object's length
+                length = upstream_length if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

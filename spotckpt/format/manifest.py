@@ -9,26 +9,21 @@ unpickled. Everything read from a bucket is validated here before use; a bad man
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from typing import TYPE_CHECKING, Any
 
 from spotckpt.errors import NoCheckpointError
+from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.storage.base import InvalidKeyError, ObjectNotFoundError, ObjectStore, check_key
+
+if TYPE_CHECKING:  # torch loads only for DCP metadata (`Manifest.to_dcp`)
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 FORMAT_VERSION = "spotckpt/1"
 MANIFEST_NAME = "manifest.json"
@@ -37,7 +32,10 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_OBJECTS = 1_000_000
 MAX_ENTRIES = 5_000_000
 MAX_BLOCK_SIZE = 1 << 30
-_STEP_FOLDER = re.compile(r"^step-(\d{9,})$")
+MAX_INT = (1 << 63) - 1  # sizes, offsets, steps and element counts must fit an int64
+MAX_DIMS = 64
+MAX_TILING_CORNERS = 1 << 24  # work bound of the tiling check, summed over all chunks
+_STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
 
 
 class ManifestError(ValueError):
@@ -52,9 +50,17 @@ def step_folder(step: int) -> str:
 
 
 def parse_step_folder(name: str) -> int | None:
-    """The step of a folder name made by `step_folder`, or None for any other name."""
-    match = _STEP_FOLDER.match(name)
-    return int(match.group(1)) if match else None
+    """The step of a folder name made by `step_folder`, or None for any other name.
+
+    Only the canonical spelling counts: ASCII digits, exactly `step_folder`'s zero padding, nothing
+    before or after. Look-alikes (``step-0000000012``, a fullwidth digit, a trailing newline) are
+    other names, not step 12.
+    """
+    match = _STEP_FOLDER.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step <= MAX_INT and step_folder(step) == name else None
 
 
 def manifest_key(step: int) -> str:
@@ -64,11 +70,24 @@ def manifest_key(step: int) -> str:
 
 def read_manifest(store: ObjectStore, step: int) -> Manifest:
     """Fetch and validate the manifest of a committed step; NoCheckpointError if there is none."""
+    return Manifest.from_json(read_manifest_bytes(store, step), expected_step=step)
+
+
+def read_manifest_bytes(store: ObjectStore, step: int) -> bytes:
+    """The raw manifest of a step, refused (ManifestError) by its size before any byte is read."""
+    key = manifest_key(step)
+    info = store.head(key)
+    if info is None:
+        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}")
+    if info.size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"manifest of step {step} is {info.size} bytes, more than the {MAX_MANIFEST_BYTES} "
+            "allowed"
+        )
     try:
-        data = store.get(manifest_key(step))
+        return store.get_range(key, 0, info.size)
     except ObjectNotFoundError:
         raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}") from None
-    return Manifest.from_json(data, expected_step=step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +151,10 @@ class Manifest:
         return sum(o.size for o in self.objects.values())
 
     def to_json(self) -> bytes:
-        """Serialise to UTF-8 JSON."""
+        """Serialise to UTF-8 JSON; ValueError if `user_metadata` is beyond what `from_json` reads
+        (nested too deep, or a number of too many digits)."""
+        metadata = json.dumps({"user_metadata": self.user_metadata}).encode()
+        bounded_json.check_bounds(metadata, "user_metadata")
         document = {
             "format": self.format,
             "step": self.step,
@@ -159,6 +181,16 @@ class Manifest:
 
     def to_dcp(self) -> tuple[Metadata, dict[MetadataIndex, ChunkLocation]]:
         """DCP metadata for a load, and where each stored item's bytes lie."""
+        import torch
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
         state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         locations: dict[MetadataIndex, ChunkLocation] = {}
         for fqn, tensor in self.tensors.items():
@@ -220,17 +252,15 @@ def _get(document: dict[str, Any], name: str, kind: type | tuple[type, ...], whe
 
 
 def _count(document: dict[str, Any], name: str, where: str) -> int:
-    value = _get(document, name, int, where)
-    if isinstance(value, bool) or value < 0:
-        raise _fail(f"{where}: {name!r} must be a non-negative integer, got {value!r}")
-    return int(value)
+    value: int = _get(document, name, int, where)
+    if not 0 <= value <= MAX_INT:
+        raise _fail(f"{where}: {name!r} must be a non-negative integer below 2**63, got {value}")
+    return value
 
 
 def _ints(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
-        raise _fail(f"{where}: expected a list of non-negative integers")
+    if not isinstance(value, list) or not all(type(v) is int and 0 <= v <= MAX_INT for v in value):
+        raise _fail(f"{where}: expected a list of non-negative integers below 2**63")
     return tuple(value)
 
 
@@ -238,9 +268,9 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise _fail(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise _fail(f"manifest is not valid JSON (truncated or corrupt?): {error}") from None
+        document = bounded_json.loads(data, "manifest")
+    except bounded_json.BoundedJSONError as error:
+        raise _fail(str(error)) from None
     if not isinstance(document, dict):
         raise _fail("manifest is not a JSON object")
     version = document.get("format")
@@ -252,14 +282,21 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     block_size = _count(document, "block_size", "manifest")
     if not 0 < block_size <= MAX_BLOCK_SIZE:
         raise _fail(f"manifest block_size {block_size} is out of range")
-    objects = _parse_objects(_get(document, "objects", list, "manifest"))
+    world_size = _count(document, "world_size", "manifest")
+    if world_size < 1:
+        raise _fail(f"manifest world_size must be at least 1, got {world_size}")
+    objects = _parse_objects(_get(document, "objects", list, "manifest"), world_size)
     tensors_json = _get(document, "tensors", dict, "manifest")
     values_json = _get(document, "values", dict, "manifest")
     if len(tensors_json) + len(values_json) > MAX_ENTRIES:
         raise _fail(f"manifest lists more than {MAX_ENTRIES} tensors and values")
+    both = tensors_json.keys() & values_json.keys()
+    if both:
+        raise _fail(f"manifest lists {sorted(both)[0]!r} both as a tensor and as a value")
     tensors = {
         fqn: _parse_tensor(fqn, entry, objects, block_size) for fqn, entry in tensors_json.items()
     }
+    _check_tilings(tensors)
     values = {
         fqn: _parse_location(entry, objects, block_size, f"value {fqn!r}")
         for fqn, entry in values_json.items()
@@ -278,7 +315,7 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         step=step,
         attempt=str(_get(document, "attempt", str, "manifest")),
         created_at=str(_get(document, "created_at", str, "manifest")),
-        world_size=_count(document, "world_size", "manifest"),
+        world_size=world_size,
         block_size=block_size,
         objects=objects,
         tensors=tensors,
@@ -289,7 +326,7 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     )
 
 
-def _parse_objects(entries: list[Any]) -> dict[str, ObjectRecord]:
+def _parse_objects(entries: list[Any], world_size: int) -> dict[str, ObjectRecord]:
     if len(entries) > MAX_OBJECTS:
         raise _fail(f"manifest lists {len(entries)} objects, more than {MAX_OBJECTS}")
     objects: dict[str, ObjectRecord] = {}
@@ -303,11 +340,11 @@ def _parse_objects(entries: list[Any]) -> dict[str, ObjectRecord]:
         crc = _count(entry, "crc32c", where)
         if crc >= 1 << 32:
             raise _fail(f"{where}: crc32c is not a 32-bit value")
+        rank = _count(entry, "rank", where)
+        if rank >= world_size:
+            raise _fail(f"{where}: rank {rank} is not below the world_size of {world_size}")
         objects[key] = ObjectRecord(
-            key=key,
-            size=_count(entry, "size", where),
-            crc32c=crc,
-            rank=_count(entry, "rank", where),
+            key=key, size=_count(entry, "size", where), crc32c=crc, rank=rank
         )
     return objects
 
@@ -328,7 +365,7 @@ def _parse_location(
             f"object {key!r}"
         )
     crcs = _ints(_get(entry, "block_crc32c", list, where), where)
-    if len(crcs) != max(1, math.ceil(length / block_size)) or any(c >= 1 << 32 for c in crcs):
+    if len(crcs) != max(1, -(-length // block_size)) or any(c >= 1 << 32 for c in crcs):
         raise _fail(f"{where}: block_crc32c does not match its length of {length} bytes")
     return ChunkLocation(key=key, offset=offset, length=length, block_crc32c=crcs)
 
@@ -343,27 +380,99 @@ def _parse_tensor(
     if dtype is None:
         raise _fail(f"{where}: unknown dtype {entry.get('dtype')!r}")
     shape = _ints(_get(entry, "shape", list, where), where)
-    chunks = []
-    stored_elements = 0
-    for chunk in _get(entry, "chunks", list, where):
-        if not isinstance(chunk, dict):
-            raise _fail(f"{where}: chunk must be a JSON object")
-        offsets = _ints(_get(chunk, "offsets", list, where), where)
-        sizes = _ints(_get(chunk, "sizes", list, where), where)
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise _fail(f"{where}: chunk rank differs from the tensor's {len(shape)} dimensions")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
-            raise _fail(f"{where}: chunk at {list(offsets)} reaches outside shape {list(shape)}")
-        location = _parse_location(chunk, objects, block_size, where)
-        elements = math.prod(sizes)
-        if location.length != elements * dtype.itemsize:
-            raise _fail(
-                f"{where}: chunk of {elements} {dtype.name} elements has {location.length} bytes"
-            )
-        stored_elements += elements
-        chunks.append(TensorChunk(offsets=offsets, sizes=sizes, location=location))
+    if len(shape) > MAX_DIMS:
+        raise _fail(f"{where}: {len(shape)} dimensions, more than {MAX_DIMS}")
+    if math.prod(shape) > MAX_INT:
+        raise _fail(f"{where}: shape {list(shape)} has 2**63 elements or more")
+    chunks = [
+        _parse_chunk(chunk, shape, dtype.itemsize, objects, block_size, where)
+        for chunk in _get(entry, "chunks", list, where)
+    ]
+    stored_elements = sum(math.prod(c.sizes) for c in chunks)
     if stored_elements != math.prod(shape):
         raise _fail(
             f"{where}: chunks hold {stored_elements} elements, shape needs {math.prod(shape)}"
         )
+    if len({c.offsets for c in chunks}) != len(chunks):
+        raise _fail(f"{where}: two chunks start at the same offsets")
     return TensorRecord(dtype=dtype.name, shape=shape, chunks=tuple(chunks))
+
+
+def _parse_chunk(
+    chunk: Any,
+    shape: tuple[int, ...],
+    itemsize: int,
+    objects: dict[str, ObjectRecord],
+    block_size: int,
+    where: str,
+) -> TensorChunk:
+    if not isinstance(chunk, dict):
+        raise _fail(f"{where}: chunk must be a JSON object")
+    offsets = _ints(_get(chunk, "offsets", list, where), where)
+    sizes = _ints(_get(chunk, "sizes", list, where), where)
+    if len(offsets) != len(shape) or len(sizes) != len(shape):
+        raise _fail(f"{where}: chunk rank differs from the tensor's {len(shape)} dimensions")
+    if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+        raise _fail(
+            f"{where}: chunk at {list(offsets)} of size {list(sizes)} reaches outside shape "
+            f"{list(shape)}"
+        )
+    location = _parse_location(chunk, objects, block_size, where)
+    elements = math.prod(sizes)
+    if location.length != elements * itemsize:
+        raise _fail(
+            f"{where}: chunk at {list(offsets)} of {elements} elements of {itemsize} bytes has "
+            f"{location.length} bytes"
+        )
+    return TensorChunk(offsets=offsets, sizes=sizes, location=location)
+
+
+def _check_tilings(tensors: dict[str, TensorRecord]) -> None:
+    """Every tensor's chunks tile its shape: no overlap, no gap; linear work within one budget.
+
+    A tensor's chunks lie inside its shape and hold as many elements as it has (checked when
+    parsed), so what remains is that no two overlap. Only the chunks that hold elements matter,
+    and only the dimensions along which some of them do not span the whole shape.
+    """
+    checks = []
+    corners = 0
+    for fqn, tensor in tensors.items():
+        boxes = [(c.offsets, c.sizes) for c in tensor.chunks if all(c.sizes)]
+        split = [
+            d
+            for d, extent in enumerate(tensor.shape)
+            if any(offsets[d] or sizes[d] != extent for offsets, sizes in boxes)
+        ]
+        if split:  # else a single chunk holds the whole tensor
+            checks.append((fqn, tensor.shape, boxes, split))
+            corners += len(boxes) << len(split)
+    if corners > MAX_TILING_CORNERS:
+        raise _fail(
+            f"manifest chunks have {corners} corners in all, more than {MAX_TILING_CORNERS}: too "
+            "many chunks split along too many dimensions"
+        )
+    for fqn, shape, boxes, split in checks:
+        if not _tiles(shape, boxes, split):
+            raise _fail(
+                f"tensor {fqn!r}: chunks overlap (and so leave a gap) instead of tiling shape "
+                f"{list(shape)}"
+            )
+
+
+def _tiles(
+    shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], split: list[int]
+) -> bool:
+    """Whether boxes inside `shape`, as many elements as it holds, tile it (along `split`).
+
+    Corner parity: a box's indicator function is a signed sum of the orthants at its corners, and
+    modulo 2 distinct orthants are independent. So the boxes cover each point of the shape an odd
+    number of times exactly when the corners that occur an odd number of times are the shape's
+    own corners. Covered an odd number of times everywhere, by boxes whose element counts add up
+    to the shape's, means covered exactly once.
+    """
+    odd: set[tuple[int, ...]] = set()
+    for offsets, sizes in boxes:
+        odd.symmetric_difference_update(
+            itertools.product(*[(offsets[d], offsets[d] + sizes[d]) for d in split])
+        )
+    return odd == set(itertools.product(*[(0, shape[d]) for d in split]))

@@ -18,13 +18,16 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from spotckpt.checksum import crc32c
+from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_CODE, DType, dtype_of
+from spotckpt.format.manifest import MAX_DIMS
 from spotckpt.storage.base import ObjectStore, ObjectWriter
+
+if TYPE_CHECKING:  # torch loads only where tensors are made or read
+    import torch
 
 MAX_HEADER_BYTES = 100 << 20
 DEFAULT_BLOCK_SIZE = 64 << 10
@@ -60,6 +63,8 @@ class StoredRange:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU tensor as a flat byte view (copies only if not contiguous)."""
+    import torch
+
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
@@ -157,10 +162,12 @@ class SafetensorsHeader:
 
 def parse_header(raw: bytes, object_size: int) -> SafetensorsHeader:
     """Validate a header's JSON (without its 8-byte prefix) against the object's size."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise SafetensorsFormatError(f"safetensors header of {len(raw)} bytes is absurd")
     try:
-        decoded = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SafetensorsFormatError(f"safetensors header is not valid JSON: {error}") from None
+        decoded = bounded_json.loads(raw, "safetensors header")
+    except bounded_json.BoundedJSONError as error:
+        raise SafetensorsFormatError(str(error)) from None
     if not isinstance(decoded, dict):
         raise SafetensorsFormatError("safetensors header is not a JSON object")
     metadata = decoded.pop("__metadata__", {}) or {}
@@ -192,6 +199,8 @@ def _parse_entry(name: str, value: Any, data_start: int) -> HeaderEntry:
         raise SafetensorsFormatError(f"tensor {name!r} has a malformed shape or data_offsets")
     if not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2:
         raise SafetensorsFormatError(f"tensor {name!r} has a malformed shape or data_offsets")
+    if len(shape) > MAX_DIMS:
+        raise SafetensorsFormatError(f"tensor {name!r} has {len(shape)} dimensions")
     begin, end = offsets
     if begin > end or (end - begin) != prod(shape) * dtype.itemsize:
         raise SafetensorsFormatError(f"tensor {name!r}: data_offsets disagree with dtype and shape")
@@ -205,7 +214,10 @@ def _int_list(value: Any) -> bool:
 
 
 def read_header(store: ObjectStore, key: str, object_size: int | None = None) -> SafetensorsHeader:
-    """Fetch and validate a header with two ranged reads (length, then JSON)."""
+    """Fetch and validate a header with two ranged reads (length, then JSON).
+
+    The claimed length is checked against the bound and the object's size before it is read.
+    """
     if object_size is None:
         info = store.head(key)
         if info is None:
@@ -219,7 +231,10 @@ def read_header(store: ObjectStore, key: str, object_size: int | None = None) ->
         raise SafetensorsFormatError(
             f"{key}: header length {length} is absurd for an object of {object_size} bytes"
         )
-    return parse_header(store.get_range(key, 8, length), object_size)
+    raw = store.get_range(key, 8, length)
+    if len(raw) != length:
+        raise SafetensorsFormatError(f"{key}: truncated header, {len(raw)} of {length} bytes")
+    return parse_header(raw, object_size)
 
 
 def read_tensor(store: ObjectStore, key: str, entry: HeaderEntry) -> torch.Tensor:
@@ -234,6 +249,8 @@ def bytes_to_tensor(
     data: bytearray | memoryview, dtype: DType, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """A tensor viewing (not copying) the writable buffer `data`."""
+    import torch
+
     if not len(data):
         return torch.empty(shape, dtype=dtype.torch_dtype)
     flat = torch.frombuffer(data, dtype=torch.uint8)
