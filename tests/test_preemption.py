@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,20 +19,34 @@ import pytest
 
 from spotckpt import PreemptionWatcher
 
+Answer = tuple[int, dict[str, str], bytes]
+WAIT_S = 60.0  # bound of every wait: many times what it takes even on a loaded machine
+SLACK_S = 15.0  # how late a deadline may be read after the notice, on a loaded machine
+HOSTILE = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "request_timeout_s": 1.0}
+
 
 class FakeMetadata:
-    """A loopback HTTP server whose answers a test scripts per path."""
+    """A loopback HTTP server whose answers a test scripts per request.
+
+    `respond` returns (status, headers, body), or None when it dealt with the connection itself
+    (reset it, wrote bytes that are not HTTP). A responder may block on `release` to hang.
+    """
 
     def __init__(
-        self, respond: Callable[[BaseHTTPRequestHandler], tuple[int, dict[str, str], bytes]]
-    ):
+        self, respond: Callable[[BaseHTTPRequestHandler], Answer | None], port: int = 0
+    ) -> None:
         self.requests: list[tuple[str, str, Any]] = []
+        self.release = threading.Event()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 fake.requests.append((self.command, self.path, self.headers))
-                status, headers, body = respond(self)
+                answer = respond(self)
+                if answer is None:
+                    self.close_connection = True
+                    return
+                status, headers, body = answer
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
@@ -43,18 +59,42 @@ class FakeMetadata:
             def log_message(self, *args: Any) -> None:
                 return None
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
     @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    @property
     def address(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"{host}:{port}"
+        return f"127.0.0.1:{self.port}"
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+def _reset(request: BaseHTTPRequestHandler) -> None:
+    """Close the connection with a TCP reset instead of an answer."""
+    request.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    request.connection.close()
+
+
+def _hostile(kind: str, fake: FakeMetadata, request: BaseHTTPRequestHandler) -> Answer | None:
+    """One hostile behaviour: ``500``, ``hang`` (past any timeout), ``reset``, ``not-http``."""
+    if kind == "500":
+        return 500, {}, b"Internal Server Error"
+    if kind == "hang":
+        fake.release.wait(WAIT_S)
+        return None
+    if kind == "reset":
+        _reset(request)
+        return None
+    request.wfile.write(b"THIS IS NOT HTTP\r\n\r\n")
+    return None
 
 
 @pytest.fixture
@@ -65,22 +105,35 @@ def watchers() -> Iterator[list[PreemptionWatcher]]:
         watcher.stop()
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+def _wait_for(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if predicate():
             return True
         time.sleep(0.02)
-    return False
+    return predicate()
+
+
+def _notice(seconds: int) -> bytes:
+    when = datetime.now(timezone.utc) + timedelta(seconds=seconds)
+    return json.dumps({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}).encode()
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "spotckpt.preemption" and r.levelno >= logging.WARNING
+    ]
 
 
 def test_aws_notice_with_token_refresh(
     monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher]
 ) -> None:
-    notice_time = datetime.now(timezone.utc) + timedelta(seconds=90)
+    notice = _notice(600)
     state = {"polls": 0, "tokens": 0}
 
-    def respond(request: BaseHTTPRequestHandler) -> tuple[int, dict[str, str], bytes]:
+    def respond(request: BaseHTTPRequestHandler) -> Answer:
         if request.command == "PUT" and request.path == "/latest/api/token":
             assert request.headers["X-aws-ec2-metadata-token-ttl-seconds"]
             state["tokens"] += 1
@@ -92,13 +145,13 @@ def test_aws_notice_with_token_refresh(
                 return 401, {}, b""  # the token expired: the watcher must fetch a new one
             if state["polls"] < 5:
                 return 404, {}, b"Not Found"
-            body = {"action": "terminate", "time": notice_time.strftime("%Y-%m-%dT%H:%M:%SZ")}
-            return 200, {}, json.dumps(body).encode()
+            return 200, {}, notice
         return 404, {}, b""
 
     server = FakeMetadata(respond)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{server.address}")
-    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.05)
+    # A generous request timeout: on a loaded machine no answer may count as a timed-out one.
+    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.05, request_timeout_s=30)
     watchers.append(watcher.start())
     try:
         assert _wait_for(lambda: watcher.preempted)
@@ -107,15 +160,150 @@ def test_aws_notice_with_token_refresh(
     assert watcher.reason == "aws:terminate"
     assert state["tokens"] == 2
     assert watcher.deadline is not None
-    assert 80 < watcher.deadline - time.monotonic() <= 91
+    assert 600 - WAIT_S < watcher.deadline - time.monotonic() <= 600
     tokens_used = [r[2].get("X-aws-ec2-metadata-token") for r in server.requests if r[0] == "GET"]
-    assert tokens_used[-1] == "token-2"
+    assert tokens_used == ["token-1"] * 3 + ["token-2"] * 2
+
+
+def test_aws_survives_hostile_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    watchers: list[PreemptionWatcher],
+) -> None:
+    """500s, garbage, hangs, resets and non-HTTP bytes, on the token PUT and the GET alike."""
+    caplog.set_level(logging.DEBUG, logger="spotckpt.preemption")
+    token_script = ["500", "reset", "hang", "not-http"]
+    get_script: list[str | bytes] = [
+        *("500", "500"),
+        b"{garbage",
+        *("hang", "hang", "reset", "reset", "not-http"),
+        b"[1, 2]",
+        b"",  # a 404: still no notice
+    ]
+    notice = _notice(600)
+
+    def respond(request: BaseHTTPRequestHandler) -> Answer | None:
+        if request.command == "PUT":
+            if token_script:
+                return _hostile(token_script.pop(0), server, request)
+            return 200, {}, b"good-token"
+        if request.headers.get("X-aws-ec2-metadata-token") != "good-token":
+            return 401, {}, b""
+        if not get_script:
+            return 200, {}, notice
+        step = get_script.pop(0)
+        if isinstance(step, str):
+            return _hostile(step, server, request)
+        return (200, {}, step) if step else (404, {}, b"Not Found")
+
+    server = FakeMetadata(respond)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{server.address}")
+    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.01, **HOSTILE)
+    watchers.append(watcher.start())
+    try:
+        assert _wait_for(lambda: watcher.preempted)
+    finally:
+        server.close()
+    assert not token_script and not get_script
+    assert watcher.reason == "aws:terminate"  # the real notice, not the garbage before it:
+    assert watcher.deadline is not None and watcher.deadline - time.monotonic() > 600 - WAIT_S
+    warnings = _warnings(caplog)
+    assert len(warnings) == len(set(warnings)) < 12  # once per kind of failure, not per try
+    for kind in ("HTTP 500", "malformed instance-action notice", "timed out", "BadStatusLine"):
+        assert sum(kind in w for w in warnings) in (1, 2), (kind, warnings)  # token and GET
+    assert all("notices are off" not in r.getMessage() for r in caplog.records)
+
+
+def test_gce_survives_hostile_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    watchers: list[PreemptionWatcher],
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="spotckpt.preemption")
+    script: list[str | bytes] = [
+        *("500", "500", "hang", "reset", "not-http"),
+        b"maybe",
+        b'{"preempted": true}',
+        b"FALSE",
+    ]
+
+    def respond(request: BaseHTTPRequestHandler) -> Answer | None:
+        if request.headers.get("Metadata-Flavor") != "Google":
+            return 403, {}, b"missing Metadata-Flavor"
+        if not script:
+            return 200, {"ETag": "etag-2"}, b"TRUE"
+        step = script.pop(0)
+        if isinstance(step, str):
+            return _hostile(step, server, request)
+        return 200, {"ETag": "etag-1"}, step
+
+    server = FakeMetadata(respond)
+    monkeypatch.setenv("GCE_METADATA_HOST", server.address)
+    watcher = PreemptionWatcher(signals=(), aws=False, poll_interval_s=1, **HOSTILE)
+    watchers.append(watcher.start())
+    try:
+        assert _wait_for(lambda: watcher.preempted)
+    finally:
+        server.close()
+    assert not script
+    assert watcher.reason == "gce:preempted"
+    warnings = _warnings(caplog)
+    assert len(warnings) == len(set(warnings))
+    for kind in ("HTTP 500", "timed out", "BadStatusLine", "unexpected instance/preempted"):
+        assert sum(kind in w for w in warnings) == 1, (kind, warnings)
+    assert "last_etag=etag-1" in server.requests[-1][1]
+
+
+def test_aws_malformed_notice_that_keeps_coming_is_a_notice(
+    monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher]
+) -> None:
+    def respond(request: BaseHTTPRequestHandler) -> Answer:
+        if request.command == "PUT":
+            return 200, {}, b"token"
+        return 200, {}, b"<html>not a notice</html>"
+
+    server = FakeMetadata(respond)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{server.address}")
+    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.01, **HOSTILE)
+    watchers.append(watcher.start())
+    try:
+        assert _wait_for(lambda: watcher.preempted)
+    finally:
+        server.close()
+    assert watcher.reason == "aws:terminate"
+    gets = [r for r in server.requests if r[0] == "GET"]
+    assert len(gets) == 3  # not taken at the first bad answer, nor ignored for ever
+    assert watcher.deadline is not None and watcher.deadline - time.monotonic() <= 120
+
+
+def test_service_gone_after_start_up_is_retried(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    watchers: list[PreemptionWatcher],
+) -> None:
+    """Connection refused after the service has answered is an outage, not "off this cloud"."""
+    caplog.set_level(logging.DEBUG, logger="spotckpt.preemption")
+    first = FakeMetadata(lambda r: (200, {}, b"t") if r.command == "PUT" else (404, {}, b""))
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{first.address}")
+    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.01, **HOSTILE)
+    watchers.append(watcher.start())
+    assert _wait_for(lambda: len(first.requests) >= 3)
+    first.close()
+    assert _wait_for(lambda: any("ConnectionRefusedError" in w for w in _warnings(caplog)))
+    notice = _notice(600)
+    second = FakeMetadata(lambda r: (200, {}, b"t" if r.command == "PUT" else notice), first.port)
+    try:
+        assert _wait_for(lambda: watcher.preempted)
+    finally:
+        second.close()
+    assert watcher.reason == "aws:terminate"
+    assert any("answers again" in r.getMessage() for r in caplog.records)
 
 
 def test_gce_notice_by_wait_for_change(
     monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher]
 ) -> None:
-    def respond(request: BaseHTTPRequestHandler) -> tuple[int, dict[str, str], bytes]:
+    def respond(request: BaseHTTPRequestHandler) -> Answer:
         if request.headers.get("Metadata-Flavor") != "Google":
             return 403, {}, b"missing Metadata-Flavor"
         if not request.path.startswith(
@@ -123,20 +311,20 @@ def test_gce_notice_by_wait_for_change(
         ):
             return 404, {}, b""
         if "last_etag=etag-1" in request.path:
-            time.sleep(0.2)  # the long poll returns when the value changes
+            time.sleep(0.2)  # the long poll is held until the value changes
             return 200, {"ETag": "etag-2"}, b"TRUE"
         return 200, {"ETag": "etag-1"}, b"FALSE"
 
     server = FakeMetadata(respond)
     monkeypatch.setenv("GCE_METADATA_HOST", server.address)
-    watcher = PreemptionWatcher(signals=(), aws=False)
+    watcher = PreemptionWatcher(signals=(), aws=False, request_timeout_s=30)
     watchers.append(watcher.start())
     try:
         assert _wait_for(lambda: watcher.preempted)
     finally:
         server.close()
     assert watcher.reason == "gce:preempted"
-    assert watcher.deadline is not None and 25 < watcher.deadline - time.monotonic() <= 30
+    assert watcher.deadline is not None and 30 - SLACK_S < watcher.deadline - time.monotonic() <= 30
     assert len(server.requests) == 2
 
 
@@ -150,7 +338,8 @@ def test_no_metadata_service_is_quiet(
     caplog.set_level(logging.DEBUG, logger="spotckpt")
     watcher = PreemptionWatcher(signals=(), poll_interval_s=0.01)
     watchers.append(watcher.start())
-    time.sleep(0.5)
+    for thread in watcher._threads:
+        thread.join(WAIT_S)
     assert not watcher.preempted
     assert all(not t.is_alive() for t in watcher._threads)
     messages = [r.getMessage() for r in caplog.records]
@@ -162,8 +351,8 @@ def test_no_metadata_service_is_quiet(
 def test_off_cloud_pollers_do_not_start(
     monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher]
 ) -> None:
-    monkeypatch.delenv("AWS_EC2_METADATA_SERVICE_ENDPOINT")
-    monkeypatch.delenv("GCE_METADATA_HOST")
+    monkeypatch.delenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", raising=False)
+    monkeypatch.delenv("GCE_METADATA_HOST", raising=False)
     monkeypatch.setattr("spotckpt.preemption._DMI", __import__("pathlib").Path("/nonexistent"))
     watcher = PreemptionWatcher(signals=())
     watchers.append(watcher.start())
@@ -179,12 +368,13 @@ def test_signals_are_recorded_and_chained(watchers: list[PreemptionWatcher]) -> 
         )
         watchers.append(watcher.start())
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert _wait_for(lambda: watcher.preempted, 2)
+        assert _wait_for(lambda: watcher.preempted)
         assert watcher.reason == "SIGUSR1" and seen == [signal.SIGUSR1]
-        assert watcher.deadline is not None and 15 < watcher.deadline - time.monotonic() <= 20
+        assert watcher.deadline is not None
+        assert 20 - SLACK_S < watcher.deadline - time.monotonic() <= 20
         watcher.stop()
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert _wait_for(lambda: len(seen) == 2, 2)  # the previous handler is back
+        assert _wait_for(lambda: len(seen) == 2)  # the previous handler is back
     finally:
         signal.signal(signal.SIGUSR1, previous)
 

@@ -31,6 +31,10 @@ Design choices:
   request on its own; a chunk is retried after asking the server how many bytes it has
   (``recover()``) and resumes from there, so no byte is stored twice or skipped. 401/403, 404
   and 412 fail at once.
+- Reads: one media GET per attempt through the store's session, the body read with `read_body`,
+  so the policy's ``deadline_s`` bounds the whole read even when the answer trickles in (the
+  library's download reads fixed-size chunks and would wait for each to fill). A whole-object
+  read checks the CRC32C of ``X-Goog-Hash``; a mismatch is retried as damage in transit.
 - Credentials: Application Default Credentials (``google.auth.default``), or a key file given as
   ``credentials_file``, or anonymous (``anonymous=True``, and by default when the endpoint comes
   from ``STORAGE_EMULATOR_HOST``). The endpoint is ``endpoint_url``, else
@@ -45,6 +49,7 @@ from __future__ import annotations
 import base64
 import builtins
 import functools
+import json
 import logging
 import os
 import re
@@ -81,7 +86,7 @@ from spotckpt.storage.base import (
     UploadInfo,
     check_key,
 )
-from spotckpt.storage.retry import RetryPolicy
+from spotckpt.storage.retry import Deadline, RetryPolicy, read_body
 
 log = logging.getLogger("spotckpt.storage")
 T = TypeVar("T")
@@ -109,6 +114,7 @@ _TRANSIENT_ERRORS = (
     TimeoutError,
 )
 _HTTP_ERRORS = (api_exceptions.GoogleAPICallError, InvalidResponse, DataCorruption)
+MAX_ERROR_BODY = 64 * KIB
 
 
 def http_status(error: BaseException) -> int | None:
@@ -178,6 +184,14 @@ def translate_error(error: BaseException, what: str) -> StorageError:
     if status in (401, 403):
         return PermissionDeniedError(f"{what}: permission denied (HTTP {status}) {message}")
     return StorageError(f"{what}: HTTP {status} {message}".rstrip())
+
+
+def _check_crc(response: requests.Response, data: bytes) -> None:
+    """Raise DataCorruption when the answer's ``X-Goog-Hash`` CRC32C does not match `data`."""
+    for part in response.headers.get("X-Goog-Hash", "").split(","):
+        name, _, value = part.strip().partition("=")
+        if name == "crc32c" and value != crc32c_b64(data):
+            raise DataCorruption(response, f"CRC32C {value} expected, {crc32c_b64(data)} read")
 
 
 def _crc_b64(value: int) -> str:
@@ -564,7 +578,11 @@ class GCSStore:
             client_options={"api_endpoint": self.endpoint},
         )
         self._bucket = self.client.bucket(bucket)
-        self.timeout = (options.connect_timeout_s, options.read_timeout_s)
+        deadline_s = options.retry.deadline_s
+        self.timeout = (
+            min(options.connect_timeout_s, deadline_s),
+            min(options.read_timeout_s, deadline_s),
+        )
         self.pool = ThreadPoolExecutor(options.max_concurrency, thread_name_prefix="spotckpt-gcs")
 
     @property
@@ -600,10 +618,11 @@ class GCSStore:
         what: str,
         fn: Callable[[], T],
         transient: Callable[[BaseException], bool] = is_transient,
+        deadline: Deadline | None = None,
     ) -> T:
         """Run one request under the retry policy; errors become the storage layer's."""
         try:
-            return self.options.retry.call(fn, transient, what)
+            return self.options.retry.call(fn, transient, what, deadline)
         except StorageError:
             raise
         except _HTTP_ERRORS as error:
@@ -691,45 +710,74 @@ class GCSStore:
             lambda: self._bucket.get_blob(name, timeout=self.timeout, retry=None),
         )
 
+    def media_url(self, key: str) -> str:
+        """The JSON API download URL of an object."""
+        bucket, name = quote(self.bucket, safe=""), quote(self.full_name(key), safe="")
+        return f"{self.endpoint}/download/storage/v1/b/{bucket}/o/{name}?alt=media"
+
+    def _download(self, key: str, deadline: Deadline, first: int, last: int | None) -> bytes:
+        """One media GET of bytes `first`..`last` (None: the whole object), deadline-bound."""
+        headers = {"Accept-Encoding": "gzip"}  # with a raw read: the stored bytes as they are
+        if last is not None:
+            headers["Range"] = f"bytes={first}-{last}"
+        left = deadline.check("sending the request")
+        timeout = (min(self.timeout[0], left), min(self.timeout[1], left))
+        response = self.session.get(
+            self.media_url(key), headers=headers, stream=True, timeout=timeout
+        )
+        with response:
+            status = response.status_code
+            if last is not None and status == 416:
+                return b""  # the range starts at or past the end
+            if status not in (200, 206):
+                raise self._error_answer(response, deadline)
+            expected = int(response.headers.get("Content-Length", -1))
+            data = read_body(response.raw, deadline, self.timeout[1], expected)
+        if last is None:
+            _check_crc(response, data)
+        elif status == 200:  # the server ignored the range
+            data = data[first : last + 1]
+        return data
+
+    def _error_answer(
+        self, response: requests.Response, deadline: Deadline
+    ) -> api_exceptions.GoogleAPICallError:
+        """The error for a failed media GET, with the server's message (read under deadline)."""
+        body = read_body(response.raw, deadline, self.timeout[1])[:MAX_ERROR_BODY]
+        try:
+            parsed = json.loads(body)
+            message = (
+                str(parsed.get("error", {}).get("message", "")) if isinstance(parsed, dict) else ""
+            )
+        except ValueError:
+            message = ""
+        message = message or str(response.reason or "")
+        return api_exceptions.from_http_status(
+            response.status_code, message, errors=[{"message": message}] if message else []
+        )
+
     def get(self, key: str) -> bytes:
         """Read a whole object, checking its CRC32C; raises ObjectNotFoundError."""
-        name = self.full_name(key)
-
-        def fetch() -> bytes:
-            blob = self._bucket.blob(name)
-            return bytes(
-                blob.download_as_bytes(
-                    raw_download=True, checksum="crc32c", timeout=self.timeout, retry=None
-                )
-            )
-
-        return self.call(f"get {self.where(key)}", fetch, _is_transient_read)
+        self.full_name(key)
+        what = f"get {self.where(key)}"
+        deadline = self.options.retry.deadline(what)
+        return self.call(
+            what, lambda: self._download(key, deadline, 0, None), _is_transient_read, deadline
+        )
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Read `length` bytes from `start`; short or empty past the end of the object."""
         if start < 0 or length < 0:
             raise ValueError("range start and length must be non-negative")
-        name = self.full_name(key)
+        self.full_name(key)
         if length == 0:
             return b""
-
-        def fetch() -> bytes:
-            blob = self._bucket.blob(name)
-            try:
-                data = blob.download_as_bytes(
-                    start=start,
-                    end=start + length - 1,
-                    raw_download=True,
-                    checksum=None,
-                    timeout=self.timeout,
-                    retry=None,
-                )
-            except api_exceptions.RequestRangeNotSatisfiable:
-                return b""  # the range starts at or past the end
-            return bytes(data[:length])
-
-        what = f"get bytes {start}-{start + length - 1} of {self.where(key)}"
-        return self.call(what, fetch)
+        last = start + length - 1
+        what = f"get bytes {start}-{last} of {self.where(key)}"
+        deadline = self.options.retry.deadline(what)
+        return self.call(
+            what, lambda: self._download(key, deadline, start, last), deadline=deadline
+        )
 
     def head(self, key: str) -> ObjectInfo | None:
         """The object's size and time, or None when it does not exist."""

@@ -10,6 +10,9 @@ Design choices:
 - botocore's own retries are switched off; every request, each part on its own, is retried by a
   `RetryPolicy` (jittered exponential back-off with a total deadline) on throttling, 5xx,
   timeouts and connection errors. 403, 404 and 412 fail at once.
+- The policy's ``deadline_s`` bounds a whole read, body included: botocore's read timeout is per
+  socket read, so a body that trickles in would never trip it. Bodies are read with
+  `read_body`, which stops at the deadline; connect and read timeouts are never longer than it.
 - CRC32C of each part is computed with google-crc32c and sent to S3, which verifies it; botocore
   is told not to add checksums of its own (that would hash every byte a second time).
 """
@@ -43,7 +46,7 @@ from spotckpt.storage.base import (
     UploadInfo,
     check_key,
 )
-from spotckpt.storage.retry import RetryPolicy
+from spotckpt.storage.retry import Deadline, RetryPolicy, read_body
 
 log = logging.getLogger("spotckpt.storage")
 T = TypeVar("T")
@@ -262,8 +265,8 @@ class S3Store:
         config = botocore.config.Config(
             max_pool_connections=options.max_concurrency * 2 + 4,
             retries={"max_attempts": 1, "mode": "standard"},
-            connect_timeout=options.connect_timeout_s,
-            read_timeout=options.read_timeout_s,
+            connect_timeout=min(options.connect_timeout_s, options.retry.deadline_s),
+            read_timeout=min(options.read_timeout_s, options.retry.deadline_s),
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             s3={"addressing_style": options.addressing_style},
@@ -287,9 +290,9 @@ class S3Store:
     def _relative(self, full_key: str) -> str:
         return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, fn: Callable[[], T], deadline: Deadline | None = None) -> T:
         try:
-            return self.options.retry.call(fn, is_transient, what)
+            return self.options.retry.call(fn, is_transient, what, deadline)
         except botocore.exceptions.ClientError as error:
             raise translate_error(error, what) from None
         except _TRANSIENT_ERRORS as error:
@@ -371,12 +374,21 @@ class S3Store:
 
     # Reads ----------------------------------------------------------------------------------
 
+    def _read_body(self, response: dict[str, Any], deadline: Deadline) -> bytes:
+        """A GetObject answer's body, read before the operation's deadline."""
+        expected = int(response.get("ContentLength", -1))
+        with response["Body"] as raw:  # the urllib3 response under botocore's wrapper
+            return read_body(raw, deadline, self.options.read_timeout_s, expected)
+
     def get(self, key: str) -> bytes:
+        what = f"get {self.uri}/{key}"
+        deadline = self.options.retry.deadline(what)
+
         def fetch() -> bytes:
             response = self.client.get_object(Bucket=self.bucket, Key=self._full(key))
-            return bytes(response["Body"].read())
+            return self._read_body(response, deadline)
 
-        return self._call(f"get {self.uri}/{key}", fetch)
+        return self._call(what, fetch, deadline)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
@@ -384,6 +396,8 @@ class S3Store:
         if length == 0:
             return b""
         byte_range = f"bytes={start}-{start + length - 1}"
+        what = f"get {byte_range} of {self.uri}/{key}"
+        deadline = self.options.retry.deadline(what)
 
         def fetch() -> bytes:
             try:
@@ -394,9 +408,9 @@ class S3Store:
                 if _error_code(error) == ("InvalidRange", 416):
                     return b""
                 raise
-            return bytes(response["Body"].read())
+            return self._read_body(response, deadline)
 
-        return self._call(f"get {byte_range} of {self.uri}/{key}", fetch)
+        return self._call(what, fetch, deadline)
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
