@@ -14,11 +14,9 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -27,6 +25,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from spotckpt.config import Config
 from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats
+from spotckpt.distributed import Collective, RankProgress
 from spotckpt.errors import (
     CheckpointAlreadyCommittedError,
     CheckpointError,
@@ -117,61 +116,6 @@ def _single_process_quiet(single: bool) -> Iterator[None]:
         yield
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-class RankProgress:
-    """Per-save markers in the process group's key-value store, to name a dead or hung rank.
-
-    Each rank marks ``written`` when its objects are stored, or ``failed`` when it sees the save
-    fail. After a collective error the survivors wait a little for every rank to leave a marker;
-    the ranks that leave none within `grace_s` died or hung, and the error names them.
-    """
-
-    def __init__(self, prefix: str, world_size: int, grace_s: float = 10.0) -> None:
-        self.prefix = prefix
-        self.world_size = world_size
-        self.grace_s = grace_s
-
-    def _mark(self, what: str) -> None:
-        kv = _kv_store()
-        if kv is not None:
-            kv.set(f"{self.prefix}/{dist.get_rank()}/{what}", "1")
-
-    def mark_written(self) -> None:
-        """Record that this rank's objects are written."""
-        self._mark("written")
-
-    def silent_ranks(self) -> list[int]:
-        """Mark this rank as failed, then return the ranks that left no marker in time."""
-        kv = _kv_store()
-        if kv is None:
-            return []
-        try:
-            self._mark("failed")
-            deadline = time.monotonic() + self.grace_s
-            while True:
-                silent = [r for r in range(self.world_size) if not self._marked(kv, r)]
-                if not silent or time.monotonic() > deadline:
-                    return silent
-                time.sleep(0.1)
-        except (RuntimeError, TimeoutError):
-            return []
-
-    def _marked(self, kv: Any, rank: int) -> bool:
-        return any(kv.check([f"{self.prefix}/{rank}/{w}"]) for w in ("written", "failed"))
-
-
-def _kv_store() -> Any:
-    if not _distributed():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError):
-        return None
-
-
 class CheckpointManager:
     """Saves and restores training state under one checkpoint root URI.
 
@@ -210,13 +154,10 @@ class CheckpointManager:
         self.prefix_spread = prefix_spread
         self.agree_every = agree_every
         self.store = store if store is not None else open_store(uri, **dict(storage_options or {}))
-        self.rank = dist.get_rank() if _distributed() else 0
-        self.world_size = dist.get_world_size() if _distributed() else 1
-        self.group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout_s))
-            if _distributed()
-            else None
-        )
+        self.collective = Collective(collective_timeout_s)
+        self.rank = self.collective.rank
+        self.world_size = self.collective.world_size
+        self.group = self.collective.group
         self.watcher = self._make_watcher(preemption, save_budget_s)
         self._pending: Future[Any] | None = None
         self._pending_step: int | None = None
@@ -327,10 +268,10 @@ class CheckpointManager:
                 raise
             silent = self._progress.silent_ranks()
             self._discard_attempt(step, writer)
+            log.debug("save of step %d: collective failed: %r", step, error)
             raise SaveFailedError(
-                f"save of step {step} failed: rank(s) {silent or 'unknown'} did not finish "
-                f"writing (process died or hung); nothing was committed. Cause: "
-                f"{type(error).__name__}: {str(error)[:300]}"
+                f"save of step {step} failed: {_who_failed(silent)} did not finish writing "
+                f"(process died or hung); nothing was committed"
             ) from error
         except BaseException:
             self._discard_attempt(step, writer)
@@ -405,7 +346,7 @@ class CheckpointManager:
             return local
         if step % self.agree_every != 0:
             return False
-        return self._reduce_flag(local, dist.ReduceOp.MAX)
+        return self.collective.any(local)
 
     def _emergency_save(
         self,
@@ -426,7 +367,7 @@ class CheckpointManager:
         started = time.monotonic()
         pending = self._pending_step
         self.wait()  # an in-flight upload is closest to done: let it commit first
-        if pending != step and self._all_agree(self._time_for_another_save(deadline)):
+        if pending != step and self.collective.all(self._time_for_another_save(deadline)):
             self.save(step, state, blocking=True, user_metadata=user_metadata)
             committed = step
         else:
@@ -442,15 +383,6 @@ class CheckpointManager:
         )
         self._stop = True
         release_worker_shields()  # the save is in: loader workers may now be shut down
-
-    def _all_agree(self, local: bool) -> bool:
-        """True only if `local` is true on every rank (so all ranks take the same branch)."""
-        return local if self.group is None else self._reduce_flag(local, dist.ReduceOp.MIN)
-
-    def _reduce_flag(self, local: bool, op: Any) -> bool:
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=op, group=self.group)
-        return bool(flag.item())
 
     def _time_for_another_save(self, deadline: float | None) -> bool:
         """Whether the predicted save time (the last one's, plus 20 %) fits before `deadline`."""
@@ -499,7 +431,7 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        candidates = self._broadcast(
+        candidates = self.collective.broadcast(
             self._restore_candidates(step) if self.is_coordinator else None
         )
         for index, candidate in enumerate(candidates):
@@ -527,7 +459,7 @@ class CheckpointManager:
 
     def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
         data = read_manifest_bytes(self.store, step) if self.is_coordinator else None
-        data = self._broadcast(data)
+        data = self.collective.broadcast(data)
         manifest = Manifest.from_json(data, expected_step=step)
         if isinstance(state, TrainState) and state.rng is not None:
             state.rng.source_rank = (
@@ -563,13 +495,6 @@ class CheckpointManager:
             reader.stats.bytes_read,
             reader.stats.bytes_needed,
         )
-
-    def _broadcast(self, value: Any) -> Any:
-        if self.group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
 
     # Maintenance --------------------------------------------------------------------------
 
@@ -622,6 +547,12 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _who_failed(silent: list[int] | None) -> str:
+    if silent:
+        return f"rank(s) {silent}"
+    return "a rank (which one could not be told: the rank markers were unreachable)"
 
 
 def _failures(error: CheckpointException) -> dict[int, BaseException]:

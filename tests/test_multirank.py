@@ -122,7 +122,9 @@ def test_killed_rank_fails_the_others_within_the_bound(
         assert results[rank].returncode == 0, results[rank].stdout[-3000:]
         report = json.loads((tmp_path / f"error-{rank}.txt").read_text())
         assert "rank(s) [2] did not finish writing" in report["error"]
-        assert report["seconds"] < bound + 10
+        assert not any(raw in report["error"] for raw in ("gloo", "GLHF", "Connection", "[/"))
+        # The collective timeout, the marker grace (30 s) and a margin for a loaded machine.
+        assert report["seconds"] < bound + 30 + 30
     store = open_store(s3_uri)
     assert not store.exists(manifest_key(5))
     assert "Uploads" not in s3_client.list_multipart_uploads(Bucket=s3_uri.split("/")[2])

@@ -1,0 +1,129 @@
+"""torch.distributed plumbing of the manager: one gloo group, flag agreement, broadcast, markers.
+
+Everything here is a no-op for a single process (no initialised process group), so the manager
+calls it unconditionally. Collectives run on a gloo group of their own with the manager's
+timeout, so a dead rank fails them in bounded time even when training uses NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("spotckpt")
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+class Collective:
+    """This process's place in the job and the collectives the manager needs."""
+
+    def __init__(self, timeout_s: float) -> None:
+        distributed = is_distributed()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            if distributed
+            else None
+        )
+
+    @property
+    def single(self) -> bool:
+        """True without a process group: every collective is the identity."""
+        return self.group is None
+
+    def any(self, local: bool) -> bool:
+        """True on every rank if `local` is true on any rank."""
+        return self._reduce(local, dist.ReduceOp.MAX)
+
+    def all(self, local: bool) -> bool:
+        """True on every rank only if `local` is true on every rank."""
+        return self._reduce(local, dist.ReduceOp.MIN)
+
+    def _reduce(self, local: bool, op: Any) -> bool:
+        if self.group is None:
+            return local
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=op, group=self.group)
+        return bool(flag.item())
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (pickled by torch between our own processes only)."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class RankProgress:
+    """Per-save markers in the process group's key-value store, to name a dead or hung rank.
+
+    Each rank marks ``written`` when its objects are stored, or ``failed`` when it sees the save
+    fail. After a collective error the survivors wait for every rank to leave a marker; the ranks
+    that leave none within `grace_s` died or hung. Each survivor then marks ``reported``, and
+    rank 0, which hosts the store in a torchrun job, waits for the other survivors' reports
+    before it returns, so that its exit cannot take the store away from a slower survivor.
+    """
+
+    def __init__(self, prefix: str, world_size: int, grace_s: float = 30.0) -> None:
+        self.prefix = prefix
+        self.world_size = world_size
+        self.grace_s = grace_s
+
+    def _key(self, rank: int, what: str) -> str:
+        return f"{self.prefix}/{rank}/{what}"
+
+    def mark_written(self) -> None:
+        """Record that this rank's objects are written."""
+        kv = _kv_store()
+        if kv is not None:
+            kv.set(self._key(dist.get_rank(), "written"), "1")
+
+    def silent_ranks(self) -> list[int] | None:
+        """Mark this rank as failed; return the ranks that left no marker in time.
+
+        None when the store itself could not be reached (then nobody can tell which rank).
+        """
+        kv = _kv_store()
+        if kv is None:
+            return None
+        rank = dist.get_rank()
+        try:
+            kv.set(self._key(rank, "failed"), "1")
+            silent = self._wait(kv, ("written", "failed"), range(self.world_size))
+            kv.set(self._key(rank, "reported"), "1")
+            if rank == 0:
+                others = [r for r in range(1, self.world_size) if r not in silent]
+                self._wait(kv, ("reported",), others)
+            return silent
+        except (RuntimeError, TimeoutError) as error:  # DistStoreError derives from RuntimeError
+            log.debug("rank markers unavailable: %s", error)
+            return None
+
+    def _wait(self, kv: Any, marks: tuple[str, ...], ranks: Any) -> list[int]:
+        """The ranks among `ranks` that have none of `marks` once all have, or after grace_s."""
+        deadline = time.monotonic() + self.grace_s
+        while True:
+            missing = [r for r in ranks if not any(kv.check([self._key(r, m)]) for m in marks)]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+
+
+def _kv_store() -> Any:
+    if not is_distributed():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None
