@@ -8,6 +8,7 @@ else
 PY := .venv/bin/python
 endif
 STAMP := $(dir $(PY)).spotckpt-installed
+BENCH_STAMP := $(dir $(PY)).spotckpt-bench-installed
 # checkov pins versions that clash with the project's, so it lives in a venv of its own.
 CHECKOV_VENV := .venv-checkov
 CHECKOV := $(CHECKOV_VENV)/bin/checkov
@@ -16,15 +17,22 @@ PYTEST_ARGS ?= -m "not slow"
 .PHONY: help setup demo test test-all lint bench bench-smoke
 
 help:
-	@echo "make demo    spot-eviction demo against an embedded S3 server"
-	@echo "make test    the test suite (what CI runs)"
-	@echo "make lint    ruff and mypy"
-	@echo "make bench   side-by-side benchmarks (slow)"
+	@echo "make setup        create .venv (unless a virtual environment is active), install"
+	@echo "make demo         spot-eviction demo against an embedded S3 server"
+	@echo "                  (SPOTCKPT_URI=s3://... or a folder: use that store instead)"
+	@echo "make test         the test suite, without the slow campaigns"
+	@echo "make test-all     the test suite with the slow campaigns"
+	@echo "make lint         ruff format --check, ruff check, mypy"
+	@echo "make bench        side-by-side benchmarks (about 20 minutes)"
+	@echo "make bench-smoke  the benchmarks at small sizes, one repetition (about a minute)"
+	@echo "CI (bash .ci/run): make lint, make test, make demo on S3 and on a local folder"
 
 $(PY):
 	python3 -m venv $(dir $(PY))..
 
-# torch is pinned to 2.13.0 only where no torch is installed: an unpinned torch pulls a CUDA build.
+# torch==2.13.0 is installed only where no torch is installed (pinned, so that every machine
+# runs the version CI runs). Which build that is depends on the index pip uses: PyPI's Linux
+# wheel is the CUDA one; install the CPU wheel first to avoid it (see README.md).
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
@@ -32,6 +40,10 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	touch $@
 
 setup: $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
+	touch $@
 
 $(CHECKOV):
 	python3 -m venv $(CHECKOV_VENV)
@@ -51,6 +63,8 @@ lint: setup
 	$(PY) -m ruff check spotckpt tests benchmarks examples
 	$(PY) -m mypy spotckpt
 
-bench: setup
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py
+
+bench-smoke: $(BENCH_STAMP)
+	$(PY) benchmarks/run.py --quick

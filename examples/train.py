@@ -4,11 +4,12 @@ Read this top to bottom: data, model, then the training loop, which is ordinary 
 spotckpt calls (`from_config`, `restore`, `maybe_save`, `should_stop`).
 
     SPOTCKPT_URI=s3://bucket/runs/tiny python examples/train.py --steps 200
-    torchrun --nproc-per-node=2 examples/train.py --steps 200
+    SPOTCKPT_URI=/tmp/ckpt-ddp torchrun --standalone --nproc-per-node=2 examples/train.py
 
-On SIGTERM (or a cloud eviction notice) it commits a checkpoint of the current step and exits with
-status 75 (`spotckpt.PREEMPTED_EXIT_CODE`); started again, it continues from there, producing
-exactly the losses and final weights that an uninterrupted run produces.
+Rank 0 logs the loss every `--log-every` steps (default 10). On SIGTERM (or a cloud eviction
+notice) it commits a checkpoint of the current step and exits with status 75
+(`spotckpt.PREEMPTED_EXIT_CODE`); started again, it continues from there, producing exactly the
+losses and final weights that an uninterrupted run produces.
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="data-loader worker processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async-save", action="store_true", help="upload in the background")
+    parser.add_argument(
+        "--log-every", type=int, default=10, help="log the loss every N steps on rank 0 (0: never)"
+    )
     parser.add_argument("--loss-log", type=Path, help="append one JSON line per step here")
     parser.add_argument("--digest-file", type=Path, help="write the final weights' digest here")
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (demo)")
@@ -249,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        if rank == 0 and args.log_every > 0 and step % args.log_every == 0:
+            log.info("step %d: loss %.4f", step, total)
         if rank == 0 and args.loss_log:
             with open(args.loss_log, "a") as out:
                 out.write(json.dumps({"step": step, "loss": float(total).hex()}) + "\n")
