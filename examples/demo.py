@@ -93,7 +93,11 @@ def embedded_s3() -> Iterator[str]:
 
 
 def offline_environment() -> None:
-    """Credentials for the loopback server only, and no cloud metadata lookups off a cloud."""
+    """Placeholder credentials for the embedded loopback server, and no metadata lookups.
+
+    Used only when the demo starts its own server: with SPOTCKPT_URI naming a real bucket, the
+    usual credential chain (profile, IRSA, instance role) applies untouched.
+    """
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -246,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--async-save", action="store_true", help="upload in the background")
     args = parser.parse_args(argv)
-    offline_environment()
+    if not os.environ.get("SPOTCKPT_URI"):
+        offline_environment()
     work = Path(tempfile.mkdtemp(prefix="spotckpt-demo-"))
     try:
         code = demo(args, work)
