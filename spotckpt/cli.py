@@ -29,17 +29,12 @@ from urllib.parse import unquote, urlsplit
 
 import click
 
+from spotckpt.catalog import ATTEMPT_PREFIX, Catalog, Scan, attempt_folders, parse_step_folder
 from spotckpt.config import Config, ConfigError, MissingURIError
-from spotckpt.errors import CorruptCheckpointError, NoCheckpointError
+from spotckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError
 from spotckpt.format.dtypes import BY_NAME
-from spotckpt.format.manifest import (
-    Manifest,
-    ManifestError,
-    TensorRecord,
-    manifest_key,
-    read_manifest,
-)
-from spotckpt.gc import StepFolder, attempt_folders, collect_garbage, scan_root
+from spotckpt.format.manifest import Manifest, TensorRecord
+from spotckpt.gc import collect_garbage
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
 from spotckpt.storage.base import (
     ObjectNotFoundError,
@@ -262,16 +257,12 @@ def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
 
 
 def _resolve_step(store: ObjectStore, step: int | None) -> int:
-    if step is not None:
-        if not store.exists(manifest_key(step)):
+    try:
+        return Catalog(store).resolve(step)
+    except NoCheckpointError:
+        if step is not None:
             _probe_root(store)
-            raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}")
-        return step
-    steps, _uploads = scan_root(store, with_uploads=False)
-    committed = [s for s, folder in steps.items() if folder.has_manifest]
-    if not committed:
-        raise NoCheckpointError(f"no committed checkpoint at {store.uri}")
-    return max(committed)
+        raise
 
 
 # Shared options -----------------------------------------------------------------------------------
@@ -341,11 +332,14 @@ def ls_command(
 ) -> None:
     """List committed checkpoints (with --all, also unfinished attempts and uploads)."""
     with _opened(uri, storage_options) as store:
-        steps, uploads = scan_root(store, with_uploads=show_all)
-        rows = _committed_rows(store, steps)
+        catalog = Catalog(store)
+        scan = catalog.scan(with_uploads=show_all)
+        rows = _committed_rows(catalog, scan)
         if show_all:
-            rows += _uncommitted_rows(store, steps)
-            rows += [_upload_row(u) for u in uploads]
+            rows += _uncommitted_rows(catalog, scan)
+            rows += _quarantined_rows(catalog, scan)
+            rows += [_upload_row(u) for u in scan.uploads]
+            rows += [_ignored_row(name) for name in scan.look_alikes]
         rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["status"]))
         if as_json:
             _emit_json({"uri": store.uri, "checkpoints": rows})
@@ -359,13 +353,11 @@ def ls_command(
 _LS_HEADERS = ("STEP", "STATUS", "CREATED (UTC)", "SIZE", "WORLD", "OBJECTS", "ATTEMPT")
 
 
-def _committed_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[dict[str, Any]]:
+def _committed_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
     rows = []
-    for step, folder in sorted(steps.items()):
-        if not folder.has_manifest:
-            continue
+    for step in scan.committed:
         try:
-            manifest = read_manifest(store, step)
+            manifest = catalog.read_manifest(step)
         except ManifestError as error:
             rows.append(_row(step, "invalid", None, None, None, None, None, _redact(str(error))))
             continue
@@ -383,15 +375,17 @@ def _committed_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[di
     return rows
 
 
-def _uncommitted_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[dict[str, Any]]:
+def _uncommitted_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
     rows = []
-    for step, folder in sorted(steps.items()):
+    for step, folder in sorted(scan.steps.items()):
         referenced: set[str] = set()
         if folder.has_manifest:
             try:
-                referenced = attempt_folders(read_manifest(store, step))
+                referenced = attempt_folders(catalog.read_manifest(step))
             except (ManifestError, NoCheckpointError):
                 continue
+        if folder.quarantined:
+            referenced |= catalog.quarantined_attempts(step)
         for name, group in sorted(folder.attempts.items()):
             if name in referenced:
                 continue
@@ -404,15 +398,32 @@ def _uncommitted_rows(store: ObjectStore, steps: dict[int, StepFolder]) -> list[
                     sum(o.size for o in group.objects),
                     None,
                     len(group.objects),
-                    name.removeprefix("a-"),
+                    name.removeprefix(ATTEMPT_PREFIX),
                 )
             )
     return rows
 
 
+def _quarantined_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
+    rows = []
+    for step, folder in sorted(scan.steps.items()):
+        for record in folder.quarantined:
+            reason = catalog.quarantine_reason(step, record)
+            row = _row(step, "quarantined", None, None, None, None, record)
+            row["error"] = _redact(str(reason.get("reason", "reason unreadable")))
+            rows.append(row)
+    return rows
+
+
+def _ignored_row(name: str) -> dict[str, Any]:
+    row = _row(None, "ignored", None, None, None, None, None)
+    row["key"] = name
+    row["error"] = "not a canonical step folder name (look-alike); never read"
+    return row
+
+
 def _upload_row(upload: UploadInfo) -> dict[str, Any]:
-    step_text = upload.key.partition("/")[0].removeprefix("step-")
-    step = int(step_text) if step_text.isdigit() else None
+    step = parse_step_folder(upload.key.partition("/")[0])
     row = _row(step, "upload", _iso(upload.initiated), None, None, None, None)
     row["key"] = upload.key
     return row
@@ -446,9 +457,9 @@ def _ls_cells(row: dict[str, Any]) -> list[str]:
     def text(value: Any) -> str:
         return "-" if value is None else str(value)
 
-    attempt = row["attempt"] if row["status"] != "upload" else row["key"]
-    if row["status"] == "invalid":
-        attempt = row["error"]
+    attempt = row["attempt"] if row["status"] not in ("upload", "ignored") else row["key"]
+    if row["status"] in ("invalid", "quarantined", "ignored"):
+        attempt = f"{attempt}: {row['error']}" if attempt else row["error"]
     return [
         text(row["step"]),
         row["status"],
@@ -478,7 +489,7 @@ def inspect_command(
 ) -> None:
     """Summarise a checkpoint's manifest: tensors, sharding, metadata."""
     with _opened(uri, storage_options) as store:
-        manifest = read_manifest(store, _resolve_step(store, step))
+        manifest = Catalog(store).read_manifest(_resolve_step(store, step))
         tensors = {n: t for n, t in manifest.tensors.items() if n.startswith(name_filter)}
         if as_json:
             _emit_json(_inspect_json(store, manifest, tensors))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from spotckpt.errors import CheckpointError
 from spotckpt.redact import redact, secret_values
 
 if sys.version_info >= (3, 11):
@@ -30,7 +31,7 @@ _CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
 _MAX_SHOWN = 60
 
 
-class ConfigError(ValueError):
+class ConfigError(CheckpointError, ValueError):
     """A configuration value is unknown, of the wrong type, or missing."""
 
 
@@ -39,14 +40,27 @@ class MissingURIError(ConfigError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
-    """Everything `CheckpointManager.from_config` needs."""
+class Settings:
+    """The manager's settings: the one declaration of their names, types and defaults.
 
-    uri: str
+    `CheckpointManager`'s keyword arguments are these fields, and `Config` is these plus the
+    URI, so the two can never disagree. Validated on construction (ConfigError, a ValueError).
+
+    - `keep_last`: committed checkpoints to keep (None: all); the newest is never deleted.
+    - `interval_steps`: `maybe_save` saves when ``step % interval_steps == 0`` (None: never).
+    - `async_save`: stage to CPU memory and upload in the background.
+    - `preemption`: True to watch signals and cloud notices, False not to, or a watcher.
+    - `prefix_spread`: spread rank objects over 4096 key prefixes (S3 request-rate partitions).
+    - `collective_timeout_s`: bound on every collective of the manager's own gloo group.
+    - `agree_every`: with several ranks, agree on the preemption flag every N steps.
+    - `save_budget_s`: time an emergency save may take after a signal.
+    - `storage_options`: back-end options, e.g. ``endpoint_url``; never logged.
+    """
+
     keep_last: int | None = 3
     interval_steps: int | None = None
     async_save: bool = False
-    preemption: bool = True
+    preemption: Any = True
     prefix_spread: bool = False
     collective_timeout_s: float = 300.0
     agree_every: int = 1
@@ -55,13 +69,29 @@ class Config:
 
     def __post_init__(self) -> None:
         for setting in fields(self):
-            problem = _problem(setting.name, getattr(self, setting.name))
+            value = getattr(self, setting.name)
+            if setting.name == "preemption" and not isinstance(value, bool):
+                if not hasattr(value, "preempted"):
+                    raise ConfigError("preemption: must be bool or a PreemptionWatcher")
+                continue
+            problem = _problem(setting.name, value)
             if problem is not None:
                 raise ConfigError(redact(f"{setting.name}: {problem}"))
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
-        return redact(f"Config({shown})", secret_values(self.storage_options))
+        return redact(f"{type(self).__name__}({shown})", secret_values(self.storage_options))
+
+    def manager_kwargs(self) -> dict[str, Any]:
+        """The settings as CheckpointManager keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(Settings)}
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)  # Settings' redacting repr
+class Config(Settings):
+    """The checkpoint URI and the manager's `Settings`, from kwargs, env or a TOML file."""
+
+    uri: str
 
     @classmethod
     def load(cls, cwd: str | Path | None = None, **overrides: Any) -> Config:
@@ -79,10 +109,6 @@ class Config:
                 "no checkpoint URI: pass uri= or set SPOTCKPT_URI (or put uri in spotckpt.toml)"
             )
         return cls(**merged)
-
-    def manager_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for CheckpointManager (everything but the URI)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "uri"}
 
 
 _TYPES: dict[str, tuple[type, ...]] = {

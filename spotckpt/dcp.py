@@ -15,12 +15,9 @@ values are unpickled only with ``torch.load(weights_only=True)``, whatever plann
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
-import json
 import logging
 import math
-import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -47,18 +44,16 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotckpt.checksum import crc32c
-from spotckpt.errors import CheckpointAlreadyCommittedError, CorruptCheckpointError
+from spotckpt.catalog import Catalog, new_attempt_id, rank_object_key, step_folder, step_key
+from spotckpt.chunks import ChunkReader
+from spotckpt.errors import CorruptCheckpointError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.manifest import (
-    LATEST_NAME,
     ChunkLocation,
     Manifest,
     ObjectRecord,
     TensorChunk,
     TensorRecord,
-    manifest_key,
-    step_folder,
 )
 from spotckpt.format.safetensors_io import (
     DEFAULT_BLOCK_SIZE,
@@ -66,7 +61,7 @@ from spotckpt.format.safetensors_io import (
     TensorSpec,
     tensor_bytes,
 )
-from spotckpt.storage.base import AlreadyExistsError, ObjectNotFoundError, ObjectStore
+from spotckpt.storage.base import ObjectStore
 from spotckpt.values import UnsupportedValueError, ValueLoadError, load_plain
 
 log = logging.getLogger("spotckpt")
@@ -87,20 +82,6 @@ class WrittenItem:
 
     location: ChunkLocation
     record: ObjectRecord
-
-
-def rank_object_key(attempt: str, rank: int, prefix_spread: bool) -> str:
-    """Key of a rank's object relative to the step folder; spread over 4096 prefixes if asked."""
-    name = f"r{rank:05d}-000.safetensors"
-    if not prefix_spread:
-        return f"a-{attempt}/{name}"
-    spread = hashlib.sha256(f"{attempt}/{rank}".encode()).hexdigest()[:3]
-    return f"a-{attempt}/{spread}/{name}"
-
-
-def new_attempt_id() -> str:
-    """A unique id for one save attempt."""
-    return uuid.uuid4().hex[:16]
 
 
 def _item_name(item: WriteItem) -> str:
@@ -128,6 +109,7 @@ class ObjectStoreWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.store = store
+        self.catalog = Catalog(store)
         self.step = step
         self.block_size = block_size
         self.prefix_spread = prefix_spread
@@ -151,11 +133,7 @@ class ObjectStoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if self.store.exists(manifest_key(self.step)):
-            raise CheckpointAlreadyCommittedError(
-                f"step {self.step} is already committed at {self.store.uri}/"
-                f"{manifest_key(self.step)}; a committed checkpoint is never overwritten"
-            )
+        self.catalog.check_not_committed(self.step)
         attempt = new_attempt_id()
         return [
             dataclasses.replace(
@@ -190,7 +168,7 @@ class ObjectStoreWriter(StorageWriter):
         ordered = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
         specs = [self._spec(item, values) for item in ordered]
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
-        writer = self.store.open_writer(f"{step_folder(self.step)}/{key}")
+        writer = self.store.open_writer(step_key(self.step, key))
         ranges = []
         with writer:
             stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
@@ -229,16 +207,8 @@ class ObjectStoreWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         manifest = self.build_manifest(metadata, results)
-        try:
-            self.store.put(manifest_key(self.step), manifest.to_json(), create_only=True)
-        except AlreadyExistsError:
-            if not self._committed_by_us(manifest.attempt):
-                raise CheckpointAlreadyCommittedError(
-                    f"step {self.step} was already committed by another writer while this one "
-                    f"was saving; this attempt ({manifest.attempt}) is discarded"
-                ) from None
-        self.manifest = manifest
-        self._update_latest_hint()
+        self.catalog.commit(manifest, manifest.to_json())
+        self.manifest = manifest  # committed: nothing after this point may undo it
 
     def build_manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> Manifest:
         """Turn DCP's global metadata and every rank's results into the manifest."""
@@ -279,23 +249,6 @@ class ObjectStoreWriter(StorageWriter):
             user_metadata=self.user_metadata,
             planner_data=planner_data,
         )
-
-    def _committed_by_us(self, attempt: str) -> bool:
-        """After a 412: was the existing manifest ours (a retried put whose answer was lost)?"""
-        try:
-            existing = json.loads(self.store.get(manifest_key(self.step)))
-        except (ObjectNotFoundError, ValueError):
-            return False
-        return isinstance(existing, dict) and existing.get("attempt") == attempt
-
-    def _update_latest_hint(self) -> None:
-        try:
-            current = json.loads(self.store.get(LATEST_NAME)).get("step", -1)
-        except (ObjectNotFoundError, ValueError, AttributeError):
-            current = -1
-        if isinstance(current, int) and current > self.step:
-            return
-        self.store.put(LATEST_NAME, json.dumps({"step": self.step}).encode())
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.store.uri}/{step_folder(self.step)}")
@@ -384,6 +337,12 @@ class ObjectStoreReader(StorageReader):
         self.max_parallel_reads = max_parallel_reads
         self.max_read_bytes = max_read_bytes
         self.coalesce_gap = coalesce_gap
+        self.chunks = ChunkReader(
+            store,
+            self.folder,
+            manifest.block_size,
+            {key: record.size for key, record in manifest.objects.items()},
+        )
         self.metadata, self.locations = manifest.to_dcp()
         self.chunk_sizes = {
             MetadataIndex(fqn, torch.Size(chunk.offsets)): (tensor.dtype, chunk.sizes)
@@ -447,12 +406,11 @@ class ObjectStoreReader(StorageReader):
             wanted_start, wanted_end = _element_span(
                 sizes, item.storage_offsets, item.lengths, BY_NAME[dtype].itemsize
             )
-        block = self.manifest.block_size
-        first_block = wanted_start // block
-        start = first_block * block
-        end = min(location.length, math.ceil(wanted_end / block) * block) if wanted_end else 0
+        span = self.chunks.span(location, wanted_start, wanted_end)
         self.stats.bytes_needed += wanted_end - wanted_start
-        return _Need(item, location, start, end, first_block, wanted_start, wanted_end)
+        return _Need(
+            item, location, span.start, span.end, span.first_block, wanted_start, wanted_end
+        )
 
     def _plan_fetches(self, needs: list[_Need]) -> list[_Fetch]:
         fetches: list[_Fetch] = []
@@ -474,29 +432,17 @@ class ObjectStoreReader(StorageReader):
         return fetches
 
     def _fetch(self, fetch: _Fetch) -> bytes:
-        key = f"{self.folder}/{fetch.key}"
-        length = fetch.end - fetch.start
-        try:
-            data = self.store.get_range(key, fetch.start, length)
-        except ObjectNotFoundError:
-            names = ", ".join(sorted({n.request.storage_index.fqn for n in fetch.needs})[:3])
-            raise CorruptCheckpointError(
-                f"object {key} of step {self.manifest.step} is missing (needed for {names})"
-            ) from None
-        if len(data) != length:
-            raise CorruptCheckpointError(
-                f"object {key} of step {self.manifest.step} is truncated: bytes "
-                f"{fetch.start}..{fetch.end} asked, {len(data)} returned"
-            )
-        self.stats.bytes_read += length
+        names = [need.request.storage_index.fqn for need in fetch.needs]
+        data = self.chunks.read(fetch.key, fetch.start, fetch.end, names)
+        self.stats.bytes_read += len(data)
         self.stats.requests += 1
         return data
 
     def _deliver(self, need: _Need, buffer: bytes, buffer_start: int, planner: LoadPlanner) -> None:
         base = need.location.offset + need.start - buffer_start
         view = memoryview(buffer)[base : base + need.end - need.start]
-        _verify_blocks(view, need, self.manifest.block_size, self.folder)
         item = need.request
+        self.chunks.verify(view, need.location, need.first_block, item.storage_index.fqn)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, _safe_value_stream(view, item.storage_index.fqn))
             return
@@ -555,19 +501,6 @@ def _strided_view(
         raw = raw.clone()
     flat = raw.view(dtype)
     return flat.as_strided(tuple(lengths), _row_major_strides(sizes), flat.storage_offset())
-
-
-def _verify_blocks(view: memoryview, need: _Need, block_size: int, folder: str) -> None:
-    expected = need.location.block_crc32c
-    for i, start in enumerate(range(0, view.nbytes, block_size)):
-        index = need.first_block + i
-        actual = crc32c(view[start : start + block_size])
-        if index >= len(expected) or actual != expected[index]:
-            raise CorruptCheckpointError(
-                f"CRC32C mismatch in {folder}/{need.location.key} at bytes "
-                f"{need.location.offset + need.start + start}.. (block {index} of "
-                f"{need.request.storage_index.fqn!r}): the stored data is corrupt"
-            )
 
 
 def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:

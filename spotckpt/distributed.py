@@ -9,18 +9,36 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger("spotckpt")
+T = TypeVar("T")
 
 
 def is_distributed() -> bool:
     """Whether a default process group is initialised."""
     return dist.is_available() and dist.is_initialized()
+
+
+class RankZeroOnly(logging.Filter):
+    """Keeps a record of the manager's logger on rank 0 only, unless it is about this rank.
+
+    Every rank runs the same saves and restores, so their lines would repeat world-size times;
+    a line about this rank alone is logged with ``extra={"this_rank": True}``.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return bool(getattr(record, "this_rank", False))
+
+
+_RANK_ZERO_ONLY = RankZeroOnly()
+THIS_RANK = {"this_rank": True}
+"""``extra=`` for a log line that only this rank can tell (shown on every rank)."""
 
 
 class Collective:
@@ -29,6 +47,8 @@ class Collective:
     def __init__(self, timeout_s: float) -> None:
         distributed = is_distributed()
         self.rank = dist.get_rank() if distributed else 0
+        if self.rank != 0 and _RANK_ZERO_ONLY not in log.filters:
+            log.addFilter(_RANK_ZERO_ONLY)
         self.world_size = dist.get_world_size() if distributed else 1
         self.group = (
             dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -63,6 +83,24 @@ class Collective:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def run_on_coordinator(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on rank 0 only; every rank returns its result or raises its error.
+
+        A coordinator-only failure would otherwise leave the other ranks waiting forever.
+        """
+        if self.group is None:
+            return fn()
+        outcome: tuple[bool, Any] = (True, None)
+        if self.rank == 0:
+            try:
+                outcome = (True, fn())
+            except Exception as error:  # every rank raises it below
+                outcome = (False, error)
+        ok, value = self.broadcast(outcome)
+        if not ok:
+            raise value
+        return cast(T, value)
 
 
 class RankProgress:

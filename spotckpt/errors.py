@@ -1,20 +1,55 @@
-"""Exceptions that spotckpt raises to its users."""
+"""Every exception spotckpt raises to its users, under one root: `CheckpointError`.
+
+This module imports nothing of spotckpt, so every layer (storage included, which knows nothing
+of torch or manifests) can raise these. The storage errors also derive from the matching
+built-in ones (FileNotFoundError, FileExistsError, PermissionError) so that generic handlers work.
+"""
 
 from __future__ import annotations
 
-from spotckpt.storage.base import AlreadyExistsError, StorageError
-
 
 class CheckpointError(Exception):
-    """Base of the checkpoint-level errors."""
+    """Root of every error spotckpt raises."""
 
 
-class CheckpointAlreadyCommittedError(CheckpointError, AlreadyExistsError):
+class StorageError(CheckpointError):
+    """A storage operation failed for a reason that retrying will not fix."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist."""
+
+
+class AlreadyExistsError(StorageError, FileExistsError):
+    """A create-only write found the object already there (HTTP 412 on object stores)."""
+
+
+class PermissionDeniedError(StorageError, PermissionError):
+    """The credentials in use may not perform this operation (HTTP 403)."""
+
+
+class InvalidKeyError(StorageError, ValueError):
+    """A key is not a plain relative path inside the store's root."""
+
+
+class CheckpointAlreadyCommittedError(AlreadyExistsError):
     """A manifest for this step exists already: the step was committed by an earlier save."""
 
 
-class CorruptCheckpointError(CheckpointError, StorageError):
+class CorruptCheckpointError(StorageError):
     """Stored bytes disagree with the manifest: a CRC mismatch, a truncated or missing object."""
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A manifest is malformed, inconsistent or of an unknown format."""
+
+
+class UnknownFormatError(ManifestError):
+    """A manifest of a format this version does not read (perhaps written by a newer one).
+
+    Unlike other manifest errors it says nothing about the checkpoint's health, so restore
+    skips such a step without quarantining it.
+    """
 
 
 class NoCheckpointError(CheckpointError, LookupError):

@@ -28,24 +28,21 @@ from typing import Any
 
 import torch
 
-from spotckpt.errors import CorruptCheckpointError
+from spotckpt.catalog import Catalog, step_folder
+from spotckpt.chunks import ChunkReader
 from spotckpt.format.dtypes import BY_NAME, DType, dtype_of
 from spotckpt.format.manifest import (
-    ChunkLocation,
     Manifest,
     TensorChunk,
     TensorRecord,
-    read_manifest,
-    step_folder,
 )
 from spotckpt.format.safetensors_io import (
     SafetensorsStreamWriter,
     TensorSpec,
-    block_crcs,
     bytes_to_tensor,
     tensor_bytes,
 )
-from spotckpt.storage.base import AlreadyExistsError, ObjectNotFoundError, ObjectStore, open_store
+from spotckpt.storage.base import AlreadyExistsError, ObjectStore, open_store
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -106,13 +103,13 @@ def export_hf(
 
     Raises NoCheckpointError for a step without a manifest, ValueError when no tensor matches
     `prefix`, AlreadyExistsError when `out` holds an export and `overwrite` is off, and
-    CorruptCheckpointError when stored bytes fail their CRC32C.
+    CorruptCheckpointError when a stored object is missing, truncated or fails its CRC32Cs.
     """
     if max_shard_size < 1:
         raise ValueError("max_shard_size must be positive")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"export dtype must be a floating-point type, got {dtype}")
-    manifest = read_manifest(store, step)
+    manifest = Catalog(store).read_manifest(step)
     items = select_tensors(manifest, prefix, strip_prefix, dtype)
     shards = plan_shards([i.spec for i in items], max_shard_size)
     out_store = open_store(out) if isinstance(out, str) else out
@@ -121,7 +118,7 @@ def export_hf(
         names = shard_names(len(shards))
         report = ExportReport(step=step, out_uri=out_store.uri, tensors=len(items))
         report.total_size = sum(i.spec.nbytes for i in items)
-        reader = _ChunkReader(store, manifest, read_ahead_bytes, max_parallel_reads)
+        reader = _TensorStream(store, manifest, read_ahead_bytes, max_parallel_reads)
         tensors = reader.tensors(items)
         done = 0
         try:
@@ -232,15 +229,18 @@ def _write_shard(
     return done
 
 
-class _ChunkReader:
-    """Fetches stored chunks in export order with a bounded read-ahead, verifying their CRCs."""
+class _TensorStream:
+    """Assembles whole tensors in export order from verified chunks, with a bounded read-ahead."""
 
     def __init__(
         self, store: ObjectStore, manifest: Manifest, read_ahead_bytes: int, workers: int
     ) -> None:
-        self.store = store
-        self.folder = step_folder(manifest.step)
-        self.block_size = manifest.block_size
+        self.chunks = ChunkReader(
+            store,
+            step_folder(manifest.step),
+            manifest.block_size,
+            {key: record.size for key, record in manifest.objects.items()},
+        )
         self.read_ahead_bytes = read_ahead_bytes
         self.workers = workers
 
@@ -251,6 +251,8 @@ class _ChunkReader:
         fetched = self._prefetch(pool, jobs)
         try:
             for item in items:
+                for chunk in item.record.chunks:  # a forged shape is refused, not allocated
+                    self.chunks.check_chunk(chunk.location, item.source)
                 stored = BY_NAME[item.record.dtype]
                 whole = torch.empty(item.record.shape, dtype=stored.torch_dtype)
                 for chunk in item.record.chunks:
@@ -278,46 +280,20 @@ class _ChunkReader:
             yield pending.popleft()[1].result()
 
     def _read_chunk(self, source: str, chunk: TensorChunk, stored: DType) -> torch.Tensor:
+        """One chunk as a tensor, read in verified pieces of whole blocks."""
         location = chunk.location
+        self.chunks.check_chunk(location, source)
         buffer = bytearray(location.length)
-        step = max(1, _READ_PIECE // self.block_size) * self.block_size
-        key = f"{self.folder}/{location.key}"
+        block_size = self.chunks.block_size
+        step = max(1, _READ_PIECE // block_size) * block_size
         for start in range(0, location.length, step):
-            piece = self._fetch(source, location, start, min(step, location.length - start))
-            _check_blocks(piece, location, start, self.block_size, key, source)
+            piece, _ = self.chunks.read_chunk(
+                location, source, start, min(start + step, location.length)
+            )
             buffer[start : start + len(piece)] = piece
         if not location.length:
-            _check_blocks(b"", location, 0, self.block_size, key, source)
+            self.chunks.verify(b"", location, 0, source)
         return bytes_to_tensor(buffer, stored, chunk.sizes)
-
-    def _fetch(self, source: str, location: ChunkLocation, start: int, length: int) -> bytes:
-        key = f"{self.folder}/{location.key}"
-        try:
-            data = self.store.get_range(key, location.offset + start, length)
-        except ObjectNotFoundError:
-            raise CorruptCheckpointError(f"object {key} is missing (it holds {source!r})") from None
-        if len(data) != length:
-            raise CorruptCheckpointError(
-                f"object {key} is truncated: {source!r} needs bytes up to "
-                f"{location.offset + start + length}, the object ended before"
-            )
-        return data
-
-
-def _check_blocks(
-    piece: bytes, location: ChunkLocation, start: int, block_size: int, key: str, source: str
-) -> None:
-    """Compare the CRC32C of each block of `piece`, read from `start` in the chunk, with the
-    manifest's."""
-    first = start // block_size
-    actual = block_crcs(piece, block_size)
-    expected = location.block_crc32c[first : first + len(actual)]
-    for index, (got, want) in enumerate(zip(actual, expected, strict=True), start=first):
-        if got != want:
-            raise CorruptCheckpointError(
-                f"CRC32C mismatch in {key} at bytes {location.offset + index * block_size}.. "
-                f"(block {index} of {source!r}): the stored data is corrupt"
-            )
 
 
 def _slices(chunk: TensorChunk) -> tuple[slice, ...]:

@@ -7,28 +7,24 @@ What is collected, from one listing of the checkpoint root:
 - with `keep_last`, committed checkpoints older than the newest `keep_last` ones (the manifest is
   deleted first, so a checkpoint is never half-visible; the newest committed one never goes).
 
-Anything whose newest object (or open upload) is younger than `safety_age_s` is left alone: it may
-belong to a save that is still writing. Just before an uncommitted folder is deleted its manifest
-is looked for again, so a save that commits meanwhile keeps its objects.
+Anything whose newest activity (an object's write, an open upload's latest part) is younger
+than `safety_age_s` is left alone: it may belong to a save that is still writing, however long
+ago it started. Just before an uncommitted attempt is deleted its step's manifest is looked for
+again, so a save that commits meanwhile keeps its objects. Never touched: quarantined records and
+the attempts they hold, look-alike folders (reported), the newest committed checkpoint.
+The layout itself is the catalog's (`spotckpt.catalog`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spotckpt.format.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ManifestError,
-    manifest_key,
-    parse_step_folder,
-    step_folder,
-)
-from spotckpt.storage.base import ObjectInfo, ObjectNotFoundError, ObjectStore, UploadInfo
+from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, parse_step_folder
+from spotckpt.errors import ManifestError, ObjectNotFoundError
+from spotckpt.storage.base import ObjectStore, UploadInfo
 
 log = logging.getLogger("spotckpt")
 
@@ -79,33 +75,6 @@ class GcReport:
         }
 
 
-@dataclass
-class ObjectGroup:
-    """Objects under one prefix, with the time of the newest activity there."""
-
-    prefix: str
-    objects: list[ObjectInfo] = field(default_factory=list)
-    uploads: list[UploadInfo] = field(default_factory=list)
-
-    def newest(self) -> datetime | None:
-        """Newest modification or upload start; None if any time is unknown (never old)."""
-        times = [o.last_modified for o in self.objects] + [u.initiated for u in self.uploads]
-        if not times or any(t is None for t in times):
-            return None
-        return max(_aware(t) for t in times if t is not None)
-
-
-@dataclass
-class StepFolder:
-    """One step folder: its manifest (if any) and its objects by attempt."""
-
-    step: int
-    has_manifest: bool = False
-    attempts: dict[str, ObjectGroup] = field(default_factory=dict)
-    everything: list[ObjectInfo] = field(default_factory=list)
-    uploads: list[UploadInfo] = field(default_factory=list)
-
-
 def collect_garbage(
     store: ObjectStore,
     *,
@@ -121,76 +90,28 @@ def collect_garbage(
         raise ValueError("safety_age_s must not be negative")
     now = _aware(now) if now is not None else datetime.now(timezone.utc)
     report = GcReport(dry_run=dry_run)
-    steps, uploads = scan_root(store)
-    committed = sorted(s for s, info in steps.items() if info.has_manifest)
+    catalog = Catalog(store)
+    scan = catalog.scan()
+    report.kept.extend(f"{name}/ (not a canonical step folder)" for name in scan.look_alikes)
+    committed = scan.committed
     retired = set(committed[:-keep_last]) if keep_last is not None else set()
     for step in sorted(retired):
-        _retire(store, steps[step], report)
-    for step, info in sorted(steps.items()):
+        _retire(catalog, scan.steps[step], committed[-1], report)
+    for step, info in sorted(scan.steps.items()):
         if step in retired:
             continue
+        for record in info.quarantined:
+            report.kept.append(f"{info.folder}/{record}/ (quarantined for inspection)")
         if info.has_manifest:
-            _collect_attempts(store, info, now, safety_age_s, report)
+            _collect_attempts(catalog, info, now, safety_age_s, report)
         else:
-            _collect_uncommitted(store, info, now, safety_age_s, report)
-    _abort_uploads(store, uploads, now, safety_age_s, report)
+            _collect_uncommitted(catalog, info, now, safety_age_s, report)
+    _abort_uploads(store, scan.uploads, now, safety_age_s, report)
     return report
 
 
 def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
-
-
-def scan_root(
-    store: ObjectStore, *, with_uploads: bool = True
-) -> tuple[dict[int, StepFolder], list[UploadInfo]]:
-    """Step folders by step (from one listing), and the unfinished uploads under the root
-    (not asked for, and empty, unless `with_uploads`)."""
-    uploads = store.list_uploads("") if with_uploads else []
-    return _group(store.list("step-"), uploads), uploads
-
-
-def _group(objects: Iterable[ObjectInfo], uploads: list[UploadInfo]) -> dict[int, StepFolder]:
-    steps: dict[int, StepFolder] = {}
-    for info in objects:
-        entry = _step_entry(steps, info.key)
-        if entry is None:
-            continue
-        entry.everything.append(info)
-        rest = info.key.partition("/")[2]
-        if rest == MANIFEST_NAME:
-            entry.has_manifest = True
-        attempt = _attempt_of(rest)
-        if attempt is not None:
-            _attempt_group(entry, attempt).objects.append(info)
-    for upload in uploads:
-        entry = _step_entry(steps, upload.key)
-        if entry is None:
-            continue
-        entry.uploads.append(upload)
-        attempt = _attempt_of(upload.key.partition("/")[2])
-        if attempt is not None:
-            _attempt_group(entry, attempt).uploads.append(upload)
-    return steps
-
-
-def _step_entry(steps: dict[int, StepFolder], key: str) -> StepFolder | None:
-    folder, slash, _rest = key.partition("/")
-    step = parse_step_folder(folder)
-    if step is None or not slash:
-        return None
-    return steps.setdefault(step, StepFolder(step))
-
-
-def _attempt_of(rest: str) -> str | None:
-    """The attempt folder name (``a-<id>``) of a key relative to its step folder."""
-    head, slash, _tail = rest.partition("/")
-    return head if slash and head.startswith("a-") else None
-
-
-def _attempt_group(entry: StepFolder, attempt: str) -> ObjectGroup:
-    prefix = f"{step_folder(entry.step)}/{attempt}/"
-    return entry.attempts.setdefault(attempt, ObjectGroup(prefix))
 
 
 def _age_s(group: ObjectGroup, now: datetime) -> float | None:
@@ -202,32 +123,19 @@ def _old_enough(age: float | None, safety_age_s: float) -> bool:
     return age is not None and age >= safety_age_s
 
 
-def _referenced_attempts(store: ObjectStore, step: int) -> set[str]:
-    """The attempt folders (``a-<id>``) a step's manifest references.
-
-    A manifest that does not validate raises ManifestError: its folder is then left alone.
-    """
-    return attempt_folders(Manifest.from_json(store.get(manifest_key(step)), expected_step=step))
-
-
-def attempt_folders(manifest: Manifest) -> set[str]:
-    """The attempt folders (``a-<id>``) whose objects a manifest references."""
-    return {key.partition("/")[0] for key in manifest.objects} | {f"a-{manifest.attempt}"}
-
-
 def _collect_attempts(
-    store: ObjectStore, info: StepFolder, now: datetime, safety_age_s: float, report: GcReport
+    catalog: Catalog, info: StepFolder, now: datetime, safety_age_s: float, report: GcReport
 ) -> None:
     try:
-        referenced = _referenced_attempts(store, info.step)
+        referenced = catalog.referenced_attempts(info.step)
     except ManifestError as error:
-        report.kept.append(f"{step_folder(info.step)}/ (manifest does not validate: {error})")
+        report.kept.append(f"{info.folder}/ (manifest does not validate: {error})")
         log.warning(
             "gc: leaving step %d alone, its manifest does not validate: %s", info.step, error
         )
         return
     except ObjectNotFoundError:
-        report.kept.append(f"{step_folder(info.step)}/ (manifest deleted while gc ran)")
+        report.kept.append(f"{info.folder}/ (manifest deleted while gc ran)")
         return
     for attempt, group in sorted(info.attempts.items()):
         if attempt in referenced:
@@ -236,24 +144,32 @@ def _collect_attempts(
         if not _old_enough(age, safety_age_s):
             _keep(report, group.prefix, age, safety_age_s)
             continue
-        _delete_group(store, "attempt", group, age, info.step, report)
+        _delete_group(catalog, "attempt", group, age, info.step, report)
 
 
 def _collect_uncommitted(
-    store: ObjectStore, info: StepFolder, now: datetime, safety_age_s: float, report: GcReport
+    catalog: Catalog, info: StepFolder, now: datetime, safety_age_s: float, report: GcReport
 ) -> None:
-    group = ObjectGroup(f"{step_folder(info.step)}/", info.everything, info.uploads)
-    age = _age_s(group, now)
-    if not _old_enough(age, safety_age_s):
-        _keep(report, group.prefix, age, safety_age_s)
-        return
-    if not group.objects:
-        return  # only open uploads: aborted below, with the others
-    if store.exists(manifest_key(info.step)):
-        report.kept.append(f"{group.prefix} (committed while gc ran)")
-        log.info("gc: step %d committed while gc ran; left alone", info.step)
-        return
-    _delete_group(store, "uncommitted", group, age, info.step, report)
+    """A step folder without a manifest: a save that never committed, or a quarantined step.
+
+    Quarantine records and the attempt folders they name are kept for inspection.
+    """
+    held = catalog.quarantined_attempts(info.step) if info.quarantined else set()
+    for attempt, group in sorted(info.attempts.items()):
+        if attempt in held:
+            report.kept.append(f"{group.prefix} (held by a quarantine record)")
+            continue
+        age = _age_s(group, now)
+        if not _old_enough(age, safety_age_s):
+            _keep(report, group.prefix, age, safety_age_s)
+            continue
+        if not group.objects:
+            continue  # only open uploads: aborted below, with the others
+        if catalog.is_committed(info.step):
+            report.kept.append(f"{group.prefix} (committed while gc ran)")
+            log.info("gc: step %d committed while gc ran; left alone", info.step)
+            return
+        _delete_group(catalog, "uncommitted", group, age, info.step, report)
 
 
 def _keep(report: GcReport, prefix: str, age: float | None, safety_age_s: float) -> None:
@@ -267,7 +183,7 @@ def _keep(report: GcReport, prefix: str, age: float | None, safety_age_s: float)
 
 
 def _delete_group(
-    store: ObjectStore,
+    catalog: Catalog,
     kind: str,
     group: ObjectGroup,
     age: float | None,
@@ -277,13 +193,13 @@ def _delete_group(
     keys = [o.key for o in group.objects]
     action = GcAction(kind, group.prefix, len(keys), sum(o.size for o in group.objects), age, step)
     if not report.dry_run and keys:
-        store.delete_many(keys)
+        catalog.store.delete_many(keys)
     _record(report, action)
 
 
-def _retire(store: ObjectStore, info: StepFolder, report: GcReport) -> None:
-    """Retention: delete a committed checkpoint, manifest first."""
-    folder = f"{step_folder(info.step)}/"
+def _retire(catalog: Catalog, info: StepFolder, newest: int, report: GcReport) -> None:
+    """Retention: delete a committed checkpoint, manifest first; never the newest."""
+    folder = f"{info.folder}/"
     action = GcAction(
         "retention",
         folder,
@@ -293,8 +209,7 @@ def _retire(store: ObjectStore, info: StepFolder, report: GcReport) -> None:
         info.step,
     )
     if not report.dry_run:
-        store.delete_many([manifest_key(info.step)])
-        store.delete_many([o.key for o in store.list(folder)])
+        catalog.delete_step(info.step, newest=newest)
     _record(report, action)
 
 
@@ -306,7 +221,8 @@ def _abort_uploads(
     report: GcReport,
 ) -> None:
     for upload in uploads:
-        age = None if upload.initiated is None else (now - _aware(upload.initiated)).total_seconds()
+        active = upload.last_activity or upload.initiated
+        age = None if active is None else (now - _aware(active)).total_seconds()
         if not _old_enough(age, safety_age_s):
             _keep(report, f"upload {upload.key}", age, safety_age_s)
             continue

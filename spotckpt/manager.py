@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,26 +23,20 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from spotckpt.config import Config
+from spotckpt.catalog import Catalog
+from spotckpt.config import Config, Settings
 from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats
-from spotckpt.distributed import Collective, RankProgress
+from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.errors import (
     CheckpointAlreadyCommittedError,
     CheckpointError,
     CorruptCheckpointError,
+    ManifestError,
     NoCheckpointError,
     SaveFailedError,
+    UnknownFormatError,
 )
-from spotckpt.format.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ManifestError,
-    manifest_key,
-    parse_step_folder,
-    read_manifest,
-    read_manifest_bytes,
-    step_folder,
-)
+from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.state import (
@@ -107,58 +101,32 @@ def _some(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-@contextlib.contextmanager
-def _single_process_quiet(single: bool) -> Iterator[None]:
-    """DCP warns on every call without a process group; that is the normal case here."""
-    with warnings.catch_warnings():
-        if single:
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
-
-
 class CheckpointManager:
     """Saves and restores training state under one checkpoint root URI.
 
-    See README.md for the full tour. Key arguments: `keep_last` (retention, committed
-    checkpoints only), `interval_steps` (cadence of `maybe_save`), `async_save` (stage to CPU and
-    upload in the background), `preemption` (True: create and start a `PreemptionWatcher`; or
-    pass one), `save_budget_s` (time an emergency save may take after a signal),
-    `storage_options` (back-end settings such as ``endpoint_url``).
+    The keyword arguments are the fields of `spotckpt.config.Settings` (`keep_last=3`,
+    `interval_steps`, `async_save`, `preemption`, `storage_options`, ...), declared and validated
+    there once for the manager and `Config` alike; `store` passes an already open store.
     """
 
-    def __init__(
-        self,
-        uri: str,
-        *,
-        keep_last: int | None = None,
-        interval_steps: int | None = None,
-        async_save: bool = False,
-        preemption: bool | PreemptionWatcher = True,
-        storage_options: Mapping[str, Any] | None = None,
-        prefix_spread: bool = False,
-        collective_timeout_s: float = 300.0,
-        agree_every: int = 1,
-        save_budget_s: float = 25.0,
-        store: ObjectStore | None = None,
-    ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be at least 1 (or None to keep everything)")
-        if interval_steps is not None and interval_steps < 1:
-            raise ValueError("interval_steps must be at least 1 (or None)")
-        if agree_every < 1:
-            raise ValueError("agree_every must be at least 1")
+    def __init__(self, uri: str, *, store: ObjectStore | None = None, **settings: Any) -> None:
+        self.settings = Settings(**settings)
         self.uri = uri
-        self.keep_last = keep_last
-        self.interval_steps = interval_steps
-        self.async_save = async_save
-        self.prefix_spread = prefix_spread
-        self.agree_every = agree_every
+        self.keep_last = self.settings.keep_last
+        self.interval_steps = self.settings.interval_steps
+        self.async_save = self.settings.async_save
+        self.prefix_spread = self.settings.prefix_spread
+        self.agree_every = self.settings.agree_every
+        storage_options = self.settings.storage_options
         self.store = store if store is not None else open_store(uri, **dict(storage_options or {}))
-        self.collective = Collective(collective_timeout_s)
+        self.catalog = Catalog(self.store)
+        self.collective = Collective(self.settings.collective_timeout_s)
         self.rank = self.collective.rank
         self.world_size = self.collective.world_size
         self.group = self.collective.group
-        self.watcher = self._make_watcher(preemption, save_budget_s)
+        if self.group is None:  # DCP warns on every single-process call, even in its threads
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        self.watcher = self._make_watcher(self.settings.preemption, self.settings.save_budget_s)
         self._pending: Future[Any] | None = None
         self._pending_step: int | None = None
         self._pending_writer: ObjectStoreWriter | None = None
@@ -227,14 +195,13 @@ class CheckpointManager:
             self.last_save_seconds = time.monotonic() - started
             log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
             return
-        with _single_process_quiet(self.group is None):
-            response = dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                process_group=self.group,
-                async_stager=self._async_stager(),
-                no_dist=self.group is None,
-            )
+        response = dcp.async_save(
+            state_dict,
+            storage_writer=writer,
+            process_group=self.group,
+            async_stager=self._async_stager(),
+            no_dist=self.group is None,
+        )
         upload = response.upload_completion if hasattr(response, "upload_completion") else response
         self._pending, self._pending_step = upload, step
         self._pending_writer = writer
@@ -248,36 +215,73 @@ class CheckpointManager:
         return self._stager
 
     def _dcp_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
-        with _single_process_quiet(self.group is None):
-            dcp.save(
-                state_dict,
-                storage_writer=writer,
-                process_group=self.group,
-                no_dist=self.group is None,
-            )
+        dcp.save(
+            state_dict,
+            storage_writer=writer,
+            process_group=self.group,
+            no_dist=self.group is None,
+        )
 
     def _run_save(self, step: int, writer: ObjectStoreWriter, run: Any) -> None:
+        """Run a save to its end; after its commit point nothing can fail it any more.
+
+        A failure is first checked against the bucket: if this attempt's manifest is there (a
+        peer died after the commit, an answer was lost), the save is committed and the failure
+        is only a warning. Otherwise the attempt is discarded and the error raised.
+        """
         try:
             run()
         except CheckpointException as error:
-            self._discard_attempt(step, writer)
-            raise _save_error(step, error) from None
+            self._after_failure(step, writer, _save_error(step, error), error)
         except (RuntimeError, TimeoutError) as error:
-            if self.group is None:
-                self._discard_attempt(step, writer)
-                raise
-            silent = self._progress.silent_ranks()
-            self._discard_attempt(step, writer)
-            log.debug("save of step %d: collective failed: %r", step, error)
-            raise SaveFailedError(
-                f"save of step {step} failed: {_who_failed(silent)} did not finish writing "
-                f"(process died or hung); nothing was committed"
-            ) from error
+            self._after_failure(step, writer, self._collective_failure(step, writer, error), error)
         except BaseException:
-            self._discard_attempt(step, writer)
+            if not self._committed(step, writer):
+                self._discard_attempt(step, writer)
             raise
         if self.is_coordinator:
             self._apply_retention()
+
+    def _after_failure(
+        self, step: int, writer: ObjectStoreWriter, failure: BaseException, cause: BaseException
+    ) -> None:
+        if self._committed(step, writer):
+            log.warning(
+                "checkpoint step %d is committed; what failed after its commit point does not "
+                "undo it: %s",
+                step,
+                failure,
+            )
+            return
+        self._discard_attempt(step, writer)
+        raise failure from (None if failure is cause else cause)
+
+    def _collective_failure(
+        self, step: int, writer: ObjectStoreWriter, error: BaseException
+    ) -> BaseException:
+        """The error to raise for a failed collective: names the ranks that died or hung."""
+        if self.group is None or self._committed(step, writer):
+            return error
+        silent = self._progress.silent_ranks()
+        log.debug("save of step %d: collective failed: %r", step, error)
+        return SaveFailedError(
+            f"save of step {step} failed: {_who_failed(silent)} did not finish writing "
+            f"(process died or hung); nothing was committed"
+        )
+
+    def _committed(self, step: int, writer: ObjectStoreWriter) -> bool:
+        """Whether this attempt's manifest is in the bucket (read back when unsure)."""
+        if writer.manifest is not None:
+            return True
+        if writer.attempt is None:
+            return False
+        try:
+            return self.catalog.committed_attempt(step) == writer.attempt
+        except StorageError as error:
+            log.warning(
+                "could not read back the manifest of step %d: %s", step, error, extra=THIS_RANK
+            )
+            return False
 
     def wait(self) -> None:
         """Block until an asynchronous save has committed; raise its error if it failed."""
@@ -290,30 +294,24 @@ class CheckpointManager:
         log.info("checkpoint step %d committed in %.2f s (async)", step, self.last_save_seconds)
 
     def _discard_attempt(self, step: int, writer: ObjectStoreWriter) -> None:
-        """After a failed save: abort this attempt's multipart uploads and delete its objects."""
-        if not self.is_coordinator or writer.attempt is None:
-            return
-        prefix = f"{step_folder(step)}/a-{writer.attempt}/"
-        try:
-            for upload in self.store.list_uploads(prefix):
-                self.store.abort_upload(upload)
-            self.store.delete_many([info.key for info in self.store.list(prefix)])
-        except StorageError as error:
-            log.warning("could not clean up failed attempt %s: %s (gc will)", prefix, error)
+        """After a failed save: abort this attempt's uploads and delete its objects."""
+        if self.is_coordinator and writer.attempt is not None:
+            self.catalog.discard_attempt(step, writer.attempt)
 
     def _apply_retention(self) -> None:
+        """Retention after a commit; its failures are warnings (the commit stands)."""
         if self.keep_last is None:
             return
-        committed = self.steps()
-        for old in committed[: max(0, len(committed) - self.keep_last)]:
-            self.delete_step(old)
+        try:
+            for step in self.catalog.retire(self.keep_last):
+                log.info("retention: deleted checkpoint step %d", step)
+        except StorageError as error:
+            log.warning("retention failed (the new checkpoint is committed): %s", error)
 
     def delete_step(self, step: int) -> None:
-        """Delete a committed checkpoint: its manifest first (so it is never half-visible)."""
-        folder = step_folder(step)
-        self.store.delete_many([manifest_key(step)])
-        self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
-        log.info("retention: deleted checkpoint step %d", step)
+        """Delete a committed checkpoint (manifest first); never the newest one."""
+        self.catalog.delete_step(step)
+        log.info("deleted checkpoint step %d", step)
 
     # Preemption ---------------------------------------------------------------------------
 
@@ -398,22 +396,15 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (a step is committed exactly when its manifest exists)."""
-        found = set()
-        for info in self.store.list("step-"):
-            folder, _, name = info.key.partition("/")
-            step = parse_step_folder(folder)
-            if step is not None and name == MANIFEST_NAME:
-                found.add(step)
-        return sorted(found)
+        return self.catalog.steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        committed = self.steps()
-        return committed[-1] if committed else None
+        return self.catalog.latest()
 
     def read_manifest(self, step: int) -> Manifest:
         """Fetch and validate the manifest of a committed step."""
-        return read_manifest(self.store, step)
+        return self.catalog.read_manifest(step)
 
     def restore(
         self,
@@ -431,17 +422,20 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        candidates = self.collective.broadcast(
-            self._restore_candidates(step) if self.is_coordinator else None
-        )
+        candidates = self.collective.run_on_coordinator(lambda: self._restore_candidates(step))
         for index, candidate in enumerate(candidates):
             try:
                 self._restore_step(state, candidate, strict)
                 return candidate
+            except NoCheckpointError:
+                if step is not None:
+                    raise
+                log.info("checkpoint step %d was deleted while restoring; trying older", candidate)
             except (CorruptCheckpointError, ManifestError) as error:
                 older = candidates[index + 1 :]
                 if step is not None or not fallback or not older:
                     raise
+                self._set_aside(candidate, error)
                 log.warning(
                     "checkpoint step %d is unusable (%s); falling back to step %d",
                     candidate,
@@ -450,26 +444,36 @@ class CheckpointManager:
                 )
         return None
 
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Quarantine a step that failed to restore, so that it can be saved again.
+
+        A manifest of an unknown (newer) format says nothing about the checkpoint: left alone.
+        """
+        if not self.is_coordinator or isinstance(error, UnknownFormatError):
+            return
+        try:
+            self.catalog.quarantine(step, f"{type(error).__name__}: {error}")
+        except StorageError as failure:
+            log.warning("could not quarantine step %d: %s", step, failure)
+
     def _restore_candidates(self, step: int | None) -> list[int]:
         if step is not None:
-            if not self.store.exists(manifest_key(step)):
-                raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
-            return [step]
-        return list(reversed(self.steps()))
+            return [self.catalog.resolve(step)]
+        return list(reversed(self.catalog.steps()))
 
     def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
-        data = read_manifest_bytes(self.store, step) if self.is_coordinator else None
-        data = self.collective.broadcast(data)
+        data = self.collective.run_on_coordinator(lambda: self.catalog.manifest_bytes(step))
         manifest = Manifest.from_json(data, expected_step=step)
-        if isinstance(state, TrainState) and state.rng is not None:
-            state.rng.source_rank = (
-                None if manifest.world_size == self.world_size else self.rank % manifest.world_size
-            )
         reader = ObjectStoreReader(self.store, manifest)
         started = time.monotonic()
         loaded = as_dcp_state(state)
+        restoring = (
+            state.restoring(step, manifest.world_size, self.rank, self.world_size)
+            if isinstance(state, TrainState)
+            else contextlib.nullcontext()
+        )
         try:
-            with _single_process_quiet(self.group is None):
+            with restoring:
                 dcp.load(
                     loaded,
                     storage_reader=reader,
@@ -481,12 +485,7 @@ class CheckpointManager:
                 )
         except CheckpointException as error:
             raise _load_error(step, error) from None
-        finally:
-            if isinstance(state, TrainState) and state.rng is not None:
-                state.rng.source_rank = None
         write_back(state, loaded)
-        if isinstance(state, TrainState):
-            state.values.step = step
         self.last_read_stats = reader.stats
         log.info(
             "restored step %d in %.2f s (%d bytes read for %d needed)",
@@ -500,10 +499,7 @@ class CheckpointManager:
 
     def verify(self, step: int | None = None, *, progress: Any = None) -> VerifyReport:
         """Check every byte of a committed checkpoint (default: the latest) against its manifest."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise NoCheckpointError(f"no committed checkpoint at {self.uri}")
-        return verify_checkpoint(self.store, step, progress=progress)
+        return verify_checkpoint(self.store, self.catalog.resolve(step), progress=progress)
 
     def gc(
         self,

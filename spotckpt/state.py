@@ -18,6 +18,7 @@ with ``torch.load(weights_only=True)`` (or the save is refused), and decoded aga
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -431,6 +432,22 @@ class TrainState:
         if step is not None:
             self.values.step = step
         return dict(self._parts)
+
+    @contextlib.contextmanager
+    def restoring(self, step: int, saved_world: int, rank: int, world: int) -> Iterator[None]:
+        """Around a load of `step` saved by `saved_world` ranks into rank `rank` of `world`.
+
+        On another world size each rank takes the RNG streams of saved rank ``rank % saved``;
+        `step` becomes this state's step only when the load succeeded.
+        """
+        if self.rng is not None:
+            self.rng.source_rank = None if saved_world == world else rank % saved_world
+        try:
+            yield
+        finally:
+            if self.rng is not None:
+                self.rng.source_rank = None
+        self.values.step = step
 
 
 def _named(value: Any, what: str) -> dict[str, Any]:

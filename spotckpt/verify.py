@@ -11,22 +11,24 @@ Every problem is reported, not only the first; a report with no problems is ``ok
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from spotckpt.catalog import Catalog, manifest_key, step_folder
 from spotckpt.checksum import crc32c
-from spotckpt.errors import NoCheckpointError
-from spotckpt.format.manifest import (
-    ChunkLocation,
-    Manifest,
-    ManifestError,
-    ObjectRecord,
-    manifest_key,
-    step_folder,
+from spotckpt.chunks import (
+    BlockCheck,
+    ChunkReader,
+    ObjectMissingError,
+    ObjectSizeError,
+    describe,
 )
-from spotckpt.storage.base import ObjectInfo, ObjectNotFoundError, ObjectStore
+from spotckpt.errors import ManifestError
+from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
+from spotckpt.storage.base import ObjectInfo, ObjectStore
 from spotckpt.values import ValueLoadError, load_plain
 
 DEFAULT_PIECE_SIZE = 16 << 20
@@ -78,13 +80,13 @@ class VerifyReport:
 
 
 @dataclass(frozen=True)
-class _Block:
-    """One CRC block of a stored item, in absolute object offsets."""
+class _Stored:
+    """A tensor chunk or value inside an object, with the check that follows its bytes."""
 
-    start: int
-    end: int
-    crc: int
     name: str
+    location: ChunkLocation
+    check: BlockCheck
+    value: bytearray | None  # a value's bytes, gathered to load it
 
 
 class _Progress:
@@ -121,11 +123,7 @@ def verify_checkpoint(
     report = VerifyReport(step=step)
     key = manifest_key(step)
     try:
-        data = store.get(key)
-    except ObjectNotFoundError:
-        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}") from None
-    try:
-        manifest = Manifest.from_json(data, expected_step=step)
+        manifest = Catalog(store).read_manifest(step)
     except ManifestError as error:
         report.problems.append(Problem("manifest", key, str(error)))
         return report
@@ -142,14 +140,14 @@ def _check_objects(
     max_workers: int,
 ) -> None:
     folder = step_folder(manifest.step)
+    sizes = {key: record.size for key, record in manifest.objects.items()}
+    reader = ChunkReader(store, folder, manifest.block_size, sizes)
     listed = {info.key: info for info in store.list(f"{folder}/")}
-    blocks = _blocks_by_object(manifest)
-    values: dict[str, list[str]] = {}
-    for fqn, location in manifest.values.items():
-        values.setdefault(location.key, []).append(fqn)
+    inside = _chunks_by_object(manifest)
     present: list[ObjectRecord] = []
     for record in manifest.objects.values():
-        problem = _presence_problem(folder, record, listed.get(f"{folder}/{record.key}"), blocks)
+        info = listed.get(reader.path(record.key))
+        problem = _presence_problem(reader, record, info, _names(inside.get(record.key, [])))
         if problem is None:
             present.append(record)
         else:
@@ -157,15 +155,7 @@ def _check_objects(
     counter = _Progress(sum(r.size for r in present), progress)
     with ThreadPoolExecutor(max_workers, thread_name_prefix="spotckpt-verify") as pool:
         futures = [
-            pool.submit(
-                _check_object,
-                store,
-                folder,
-                r,
-                (blocks.get(r.key, []), values.get(r.key, [])),
-                piece_size,
-                counter,
-            )
+            pool.submit(_check_object, reader, r, inside.get(r.key, []), piece_size, counter)
             for r in present
         ]
         for future in futures:
@@ -175,34 +165,39 @@ def _check_objects(
 
 
 def _presence_problem(
-    folder: str, record: ObjectRecord, info: ObjectInfo | None, blocks: dict[str, list[_Block]]
+    reader: ChunkReader, record: ObjectRecord, info: ObjectInfo | None, names: tuple[str, ...]
 ) -> Problem | None:
-    key = f"{folder}/{record.key}"
-    names = _names(blocks.get(record.key, []))
+    """A problem when the listing lacks the object or shows another size than the manifest's."""
+    key = reader.path(record.key)
     if info is None:
-        return Problem("missing", key, f"object {key} is missing", names)
+        return Problem(
+            "missing", key, f"object {key} is missing (it holds {describe(names)})", names
+        )
     if info.size != record.size:
         return Problem(
             "size",
             key,
-            f"object {key} has {info.size} bytes, the manifest says {record.size}",
+            f"object {key} has {info.size} bytes, the manifest says {record.size} (it holds "
+            f"{describe(names)})",
             names,
         )
     return None
 
 
-def _blocks_by_object(manifest: Manifest) -> dict[str, list[_Block]]:
-    """Every CRC block of every tensor chunk and value, grouped by object and sorted."""
-    blocks: dict[str, list[_Block]] = {}
+def _chunks_by_object(manifest: Manifest) -> dict[str, list[tuple[str, ChunkLocation]]]:
+    """Every tensor chunk and value, with its name, grouped by object and sorted by offset."""
+    inside: dict[str, list[tuple[str, ChunkLocation]]] = {}
     for name, location in _locations(manifest):
-        size = manifest.block_size
-        for index, crc in enumerate(location.block_crc32c):
-            start = location.offset + index * size
-            end = min(location.offset + location.length, start + size)
-            blocks.setdefault(location.key, []).append(_Block(start, end, crc, name))
-    for entries in blocks.values():
-        entries.sort(key=lambda b: (b.start, b.end))
-    return blocks
+        inside.setdefault(location.key, []).append((name, location))
+    for entries in inside.values():
+        entries.sort(key=lambda entry: entry[1].offset)
+    return inside
+
+
+def _names(inside: list[tuple[str, ChunkLocation]]) -> tuple[str, ...]:
+    """Distinct names of what an object holds, tensors before values."""
+    names = dict.fromkeys(name for name, _location in inside)
+    return tuple(sorted(names, key=lambda n: n.startswith(VALUE_LABEL)))
 
 
 def _locations(manifest: Manifest) -> Iterator[tuple[str, ChunkLocation]]:
@@ -213,61 +208,55 @@ def _locations(manifest: Manifest) -> Iterator[tuple[str, ChunkLocation]]:
         yield f"{VALUE_LABEL}{fqn}", location
 
 
-def _names(blocks: list[_Block]) -> tuple[str, ...]:
-    """Distinct names in `blocks`, tensors before values."""
-    names = dict.fromkeys(b.name for b in blocks)
-    return tuple(sorted(names, key=lambda n: n.startswith(VALUE_LABEL)))
-
-
 def _check_object(
-    store: ObjectStore,
-    folder: str,
+    reader: ChunkReader,
     record: ObjectRecord,
-    inside: tuple[list[_Block], list[str]],
+    inside: list[tuple[str, ChunkLocation]],
     piece_size: int,
     counter: _Progress,
 ) -> list[Problem]:
-    """Stream one object, comparing its CRC32C and every block CRC32C inside it.
-
-    `inside` holds the object's CRC blocks and the names of the values stored in it.
-    """
-    blocks, values = inside
-    key = f"{folder}/{record.key}"
-    checker = _BlockChecker(blocks)
+    """Stream one object, comparing its CRC32C and the block CRC32Cs of what is `inside` it
+    (names and locations, by offset)."""
+    key = reader.path(record.key)
+    follower = _Follower(
+        [
+            _Stored(
+                name,
+                location,
+                BlockCheck(location, reader.block_size),
+                bytearray() if name.startswith(VALUE_LABEL) else None,
+            )
+            for name, location in inside
+        ]
+    )
+    names = _names(inside)
     crc = 0
     position = 0
     while position < record.size:
         length = min(piece_size, record.size - position)
         try:
-            piece = store.get_range(key, position, length)
-        except ObjectNotFoundError:
-            return [Problem("missing", key, f"object {key} disappeared while being read")]
-        if len(piece) != length:
-            return [
-                Problem(
-                    "size",
-                    key,
-                    f"object {key} ended at byte {position + len(piece)} while being read; "
-                    f"the manifest says {record.size}",
-                    _names(blocks),
-                )
-            ]
+            piece = reader.read(record.key, position, position + length, names)
+        except ObjectMissingError as error:
+            return [Problem("missing", key, str(error), names)]
+        except ObjectSizeError as error:
+            return [Problem("size", key, str(error), names)]
         crc = crc32c(piece, crc)
-        checker.feed(position, memoryview(piece))
+        follower.feed(position, memoryview(piece))
         position += length
         counter.add(length)
-    return _crc_problems(key, record, crc, checker.damaged) + _value_problems(key, checker, values)
+    damaged = follower.damaged()
+    return _crc_problems(key, record, crc, damaged) + _value_problems(key, follower, damaged)
 
 
-def _value_problems(key: str, checker: _BlockChecker, values: list[str]) -> list[Problem]:
+def _value_problems(key: str, follower: _Follower, damaged: list[str]) -> list[Problem]:
     """Load each undamaged value of the object as a restore would; report those that fail."""
     problems = []
-    for fqn in values:
-        name = f"{VALUE_LABEL}{fqn}"
-        if name in checker.damaged:
+    for stored in follower.stored:
+        name = stored.name
+        if stored.value is None or name in damaged:
             continue
         try:
-            load_plain(checker.values.get(name, b""), fqn)
+            load_plain(stored.value, name.removeprefix(VALUE_LABEL))
         except ValueLoadError as error:
             problems.append(Problem("value", key, f"{name} in object {key}: {error}", (name,)))
     return problems
@@ -297,36 +286,32 @@ def _crc_problems(key: str, record: ObjectRecord, crc: int, damaged: list[str]) 
     return []
 
 
-class _BlockChecker:
-    """Follows sorted CRC blocks across consecutive pieces of one object."""
+class _Follower:
+    """Feeds consecutive pieces of one object to the block checks of what lies in each piece."""
 
-    def __init__(self, blocks: list[_Block]) -> None:
-        self.blocks = blocks
-        self.index = 0
-        self.crc = 0
-        self.damaged: list[str] = []
-        self.values: dict[str, bytearray] = {}
+    def __init__(self, stored: list[_Stored]) -> None:
+        self.stored = stored
+        self.waiting = deque(stored)
+        self.active: list[_Stored] = []
 
     def feed(self, offset: int, piece: memoryview) -> None:
         """Account for the bytes of `piece`, which starts at `offset` in the object."""
         end = offset + piece.nbytes
-        while self.index < len(self.blocks):
-            block = self.blocks[self.index]
-            if block.start >= end:
-                return
-            lo, hi = max(block.start, offset), min(block.end, end)
+        while self.waiting and self.waiting[0].location.offset < end:
+            self.active.append(self.waiting.popleft())
+        unfinished = []
+        for stored in self.active:
+            stored_end = stored.location.offset + stored.location.length
+            lo, hi = max(stored.location.offset, offset), min(stored_end, end)
             if hi > lo:
-                self.crc = crc32c(piece[lo - offset : hi - offset], self.crc)
-                if block.name.startswith(VALUE_LABEL):
-                    self.values.setdefault(block.name, bytearray()).extend(
-                        piece[lo - offset : hi - offset]
-                    )
-            if block.end > end:
-                return
-            self._close(block)
+                part = piece[lo - offset : hi - offset]
+                stored.check.feed(part)
+                if stored.value is not None:
+                    stored.value.extend(part)
+            if stored_end > end:
+                unfinished.append(stored)
+        self.active = unfinished
 
-    def _close(self, block: _Block) -> None:
-        if self.crc != block.crc and block.name not in self.damaged:
-            self.damaged.append(block.name)
-        self.crc = 0
-        self.index += 1
+    def damaged(self) -> list[str]:
+        """Once every piece was fed: the names whose block checksums differ, in object order."""
+        return list(dict.fromkeys(s.name for s in self.stored if s.check.finish() is not None))

@@ -236,6 +236,37 @@ def killed_rank(rank: int, world: int, args: dict[str, Any]) -> None:
     os._exit(1)
 
 
+def coordinator_dies_after_commit(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Rank 0 is SIGKILLed right after its manifest put: the survivor must report a commit."""
+    out = Path(args["out"])
+    inner = open_store(args["uri"], **args.get("options", {}))
+    store = DieAfterCommitStore(inner) if rank == 0 else inner
+    mgr = CheckpointManager(
+        args["uri"], preemption=False, store=store, collective_timeout_s=args["timeout"]
+    )
+    state = {f"w{rank}": torch.full((1 << 18,), float(rank))}
+    try:
+        mgr.save(5, state)
+    except SaveFailedError as error:
+        (out / f"result-{rank}.txt").write_text(f"failed: {error}")
+        os._exit(0)
+    (out / f"result-{rank}.txt").write_text("committed")
+    os._exit(0)  # the group is broken; leave without collective teardown
+
+
+class DieAfterCommitStore(FailingStore):
+    """SIGKILLs its own process as soon as a manifest put has succeeded."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, 1 << 62)
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> Any:
+        info = super().put(key, data, create_only=create_only)
+        if key.endswith("/manifest.json"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return info
+
+
 class KillingStore(FailingStore):
     """Calls `action` (which kills the process) once the byte budget is spent."""
 
@@ -262,6 +293,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "ddp_save": ddp_save,
     "failing_rank": failing_rank,
     "killed_rank": killed_rank,
+    "coordinator_dies_after_commit": coordinator_dies_after_commit,
 }
 
 

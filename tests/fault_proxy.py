@@ -11,6 +11,7 @@ import random
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -27,7 +28,15 @@ INTERNAL = (
 class FaultProxy:
     """Forwards to `upstream`; counts what it injected in `injected`."""
 
-    def __init__(self, upstream: str, rate: float, seed: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        rate: float,
+        seed: int = 0,
+        lose_answer: Callable[[str, str], bool] | None = None,
+    ) -> None:
+        """`lose_answer(method, path)`: forward such a request, then reset the connection
+        instead of answering (the request took effect; the client never hears so)."""
         target = urlsplit(upstream)
         self.host, self.port = target.hostname or "127.0.0.1", target.port or 80
         self.rate = rate
@@ -35,6 +44,8 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.injected = {"500": 0, "503": 0, "reset": 0}
         self.forwarded = 0
+        self.lose_answer = lose_answer
+        self.lost: list[str] = []
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,6 +70,13 @@ class FaultProxy:
                     self.wfile.write(payload)
                     return
                 status, headers, data = proxy.forward(self.command, self.path, self.headers, body)
+                if proxy.lose_answer is not None and proxy.lose_answer(self.command, self.path):
+                    proxy.lost.append(f"{self.command} {self.path}")
+                    self.connection.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
+                    self.close_connection = True
+                    return
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in ("transfer-encoding", "connection", "content-length"):

@@ -23,8 +23,9 @@ from test_export import STEP, assert_same, fsdp_checkpoint, full_weights
 from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
+from spotckpt.catalog import manifest_key, step_folder
 from spotckpt.cli import parse_duration, parse_size
-from spotckpt.format.manifest import Manifest, manifest_key, step_folder
+from spotckpt.format.manifest import Manifest
 from spotckpt.storage import open_store
 
 SCRIPT = Path(sys.executable).with_name("spotckpt")
@@ -233,7 +234,7 @@ def test_gc_dry_run_then_real(tmp_path: Path) -> None:
     assert planned["dry_run"] is True
     assert {(a["kind"], a["target"]) for a in planned["actions"]} == {
         ("retention", "step-000000001/"),
-        ("uncommitted", "step-000000004/"),
+        ("uncommitted", "step-000000004/a-crashed/"),
     }
 
     real = run("gc", str(root), "--keep-last", "2", "--safety-age", "2h", cwd=tmp_path)

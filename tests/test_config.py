@@ -151,3 +151,18 @@ def test_manager_from_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.chdir(tmp_path)
     with CheckpointManager.from_config(interval_steps=3) as mgr:
         assert mgr.keep_last == 2 and mgr.interval_steps == 3 and mgr.watcher is None
+
+
+def test_manager_and_config_share_one_declaration_of_the_settings() -> None:
+    from spotckpt import CheckpointManager
+    from spotckpt.config import Settings
+
+    config = Config(uri="memory://one")
+    with CheckpointManager("memory://one", preemption=False) as mgr:
+        assert mgr.keep_last == config.keep_last == Settings().keep_last == 3
+        assert mgr.settings == Settings(preemption=False)
+    assert set(config.manager_kwargs()) == {f for f in Settings.__dataclass_fields__}
+    with pytest.raises(ConfigError, match="keep_last: must be at least 1"):
+        CheckpointManager("memory://one", keep_last=0)
+    with pytest.raises(TypeError, match="keep_lats"):
+        CheckpointManager("memory://one", keep_lats=2)

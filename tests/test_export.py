@@ -23,9 +23,10 @@ from safetensors.torch import load, load_file
 from torch import nn
 
 from spotckpt import CheckpointManager, CorruptCheckpointError, NoCheckpointError, TrainState
+from spotckpt.catalog import manifest_key
 from spotckpt.export import export_hf, plan_shards, shard_names
 from spotckpt.format.dtypes import BY_NAME
-from spotckpt.format.manifest import Manifest, manifest_key
+from spotckpt.format.manifest import Manifest
 from spotckpt.format.safetensors_io import TensorSpec
 from spotckpt.storage import AlreadyExistsError, open_store
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from spotckpt import CheckpointManager, SaveFailedError
+from spotckpt.catalog import Catalog, manifest_key, parse_step_folder, step_folder
 from spotckpt.format import manifest as manifest_module
 from spotckpt.format.bounded_json import MAX_DEPTH, MAX_NUMBER_DIGITS
 from spotckpt.format.manifest import (
@@ -31,10 +32,6 @@ from spotckpt.format.manifest import (
     ObjectRecord,
     TensorChunk,
     TensorRecord,
-    manifest_key,
-    parse_step_folder,
-    read_manifest,
-    step_folder,
 )
 from spotckpt.format.safetensors_io import SafetensorsFormatError, block_crcs, read_header
 from spotckpt.storage import ObjectStore, open_store
@@ -97,7 +94,7 @@ def _forge(root: Path, data: bytes, step: int = 2) -> None:
 
 def _assert_refused_and_falls_back(mgr: CheckpointManager, match: str) -> None:
     with pytest.raises(ManifestError, match=match):
-        read_manifest(mgr.store, 2)
+        Catalog(mgr.store).read_manifest(2)
     target = _empty()
     assert mgr.restore(target) == 1
     assert torch.equal(target["w"], _state(1)["w"]) and target["meta"]["epoch"] == 1
@@ -185,7 +182,7 @@ def test_oversized_manifest_is_refused_before_reading(
         file.truncate(size)
     store = CountingStore(open_store(str(root)))
     with pytest.raises(ManifestError, match=f"is {size} bytes, more than"):
-        read_manifest(store, 2)  # type: ignore[arg-type]
+        Catalog(store).read_manifest(2)  # type: ignore[arg-type]
     with CheckpointManager(str(root), preemption=False, store=store) as mgr:  # type: ignore[arg-type]
         target = _empty()
         assert mgr.restore(target) == 1 and torch.equal(target["w"], _state(1)["w"])
@@ -225,7 +222,7 @@ def test_forged_row_split_is_valid_and_restores(root: Path, mgr: CheckpointManag
     document = _document(root)
     _pieces(root, document, [([0, 0], [1, 4]), ([1, 0], [3, 4])])
     _forge(root, json.dumps(document).encode())
-    assert len(read_manifest(mgr.store, 2).tensors["w"].chunks) == 2
+    assert len(Catalog(mgr.store).read_manifest(2).tensors["w"].chunks) == 2
     target = _empty()
     assert mgr.restore(target) == 2 and torch.equal(target["w"], _state(2)["w"])
 

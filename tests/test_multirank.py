@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from spotckpt.format.manifest import Manifest, manifest_key
+from spotckpt.catalog import manifest_key
+from spotckpt.format.manifest import Manifest
 from spotckpt.storage import open_store
 
 from dist_worker import launch_ranks, make_model, run_ranks

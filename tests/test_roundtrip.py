@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ from spotckpt import (
     NoCheckpointError,
     SaveFailedError,
 )
-from spotckpt.format.manifest import Manifest, manifest_key
+from spotckpt.catalog import manifest_key
+from spotckpt.format.manifest import Manifest
 from spotckpt.storage import ObjectStore, open_store
 
 from tests_support import FailingStore
@@ -189,9 +189,9 @@ def test_shard_opens_with_safetensors(manager: CheckpointManager, tmp_path: Path
         assert handle.metadata()["format"] == "pt"
 
 
-def test_latest_hint_is_written_and_manifest_is_json(manager: CheckpointManager) -> None:
+def test_manifest_is_json_and_no_hint_is_written(manager: CheckpointManager) -> None:
     manager.save(7, {"x": torch.ones(1)})
-    assert json.loads(manager.store.get("latest.json")) == {"step": 7}
+    assert not manager.store.exists("latest.json")  # nothing reads a hint: none is written
     manifest = Manifest.from_json(manager.store.get(manifest_key(7)))
     assert manifest.step == 7 and manifest.world_size == 1 and manifest.format == "spotckpt/1"
     assert manifest.versions["torch"] == torch.__version__

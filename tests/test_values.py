@@ -17,9 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, TrainState
+from spotckpt.catalog import manifest_key
 from spotckpt.checksum import crc32c
 from spotckpt.dcp import ObjectStoreWriter
-from spotckpt.format.manifest import manifest_key
 from spotckpt.format.safetensors_io import block_crcs
 from spotckpt.storage import open_store
 from spotckpt.values import ALLOWED_ENUMS, UnsupportedValueError, ValueLoadError, allow_enum

@@ -17,7 +17,8 @@ from test_export import STEP, fsdp_checkpoint
 from torch import nn
 
 from spotckpt import CheckpointManager, NoCheckpointError, TrainState
-from spotckpt.format.manifest import Manifest, manifest_key, step_folder
+from spotckpt.catalog import manifest_key, step_folder
+from spotckpt.format.manifest import Manifest
 from spotckpt.gc import collect_garbage
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.local import TEMP_MARKER
@@ -76,11 +77,11 @@ def test_intact_checkpoint_is_streamed_in_pieces(fsdp_copy: Path) -> None:
     assert report.objects_checked == 4
     assert report.bytes_checked == manifest.total_bytes
     assert progress[-1] == (manifest.total_bytes, manifest.total_bytes)
-    assert store.gets == [manifest_key(STEP)]  # data objects only through ranged reads
-    assert max(length for _key, _start, length in store.ranges) <= 100
+    assert store.gets == []  # manifest and data only through size-checked ranged reads
+    assert max(n for key, _start, n in store.ranges if not key.endswith("manifest.json")) <= 100
     assert {key for key, _s, _l in store.ranges} == {
         f"{step_folder(STEP)}/{key}" for key in manifest.objects
-    }
+    } | {manifest_key(STEP)}
 
 
 def test_every_problem_is_reported_with_its_tensors(fsdp_copy: Path) -> None:
@@ -198,7 +199,7 @@ def test_dry_run_deletes_nothing(messy: Path) -> None:
     assert targets == {
         ("retention", "step-000000001/"),
         ("retention", "step-000000002/"),
-        ("uncommitted", "step-000000004/"),
+        ("uncommitted", "step-000000004/a-crashed/"),
         ("upload", f"step-000000004/a-crashed/{TEMP_MARKER}r00001-000.safetensors.1"),
     }
     assert report.dry_run and report.objects_deleted > 0

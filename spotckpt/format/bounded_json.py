@@ -13,6 +13,8 @@ import json
 import re
 from typing import Any
 
+from spotckpt.errors import CheckpointError
+
 MAX_DEPTH = 64
 MAX_NUMBER_DIGITS = 20  # 2**64 - 1 has 20 digits
 
@@ -25,7 +27,7 @@ _OPENERS_TO_BRACKET = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
-class BoundedJSONError(ValueError):
+class BoundedJSONError(CheckpointError, ValueError):
     """JSON that is malformed, or nests or spells numbers beyond the bounds."""
 
 

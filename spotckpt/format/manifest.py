@@ -12,12 +12,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from spotckpt.errors import NoCheckpointError
+from spotckpt.errors import ManifestError, NoCheckpointError, UnknownFormatError
 from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.storage.base import InvalidKeyError, ObjectNotFoundError, ObjectStore, check_key
@@ -26,8 +25,6 @@ if TYPE_CHECKING:  # torch loads only for DCP metadata (`Manifest.to_dcp`)
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 FORMAT_VERSION = "spotckpt/1"
-MANIFEST_NAME = "manifest.json"
-LATEST_NAME = "latest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_OBJECTS = 1_000_000
 MAX_ENTRIES = 5_000_000
@@ -35,47 +32,10 @@ MAX_BLOCK_SIZE = 1 << 30
 MAX_INT = (1 << 63) - 1  # sizes, offsets, steps and element counts must fit an int64
 MAX_DIMS = 64
 MAX_TILING_CORNERS = 1 << 24  # work bound of the tiling check, summed over all chunks
-_STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
 
 
-class ManifestError(ValueError):
-    """A manifest is malformed, inconsistent or of an unknown format."""
-
-
-def step_folder(step: int) -> str:
-    """The folder of a step, zero-padded so that lexical order is numeric order."""
-    if step < 0:
-        raise ValueError(f"step must be non-negative, got {step}")
-    return f"step-{step:09d}"
-
-
-def parse_step_folder(name: str) -> int | None:
-    """The step of a folder name made by `step_folder`, or None for any other name.
-
-    Only the canonical spelling counts: ASCII digits, exactly `step_folder`'s zero padding, nothing
-    before or after. Look-alikes (``step-0000000012``, a fullwidth digit, a trailing newline) are
-    other names, not step 12.
-    """
-    match = _STEP_FOLDER.fullmatch(name)
-    if match is None:
-        return None
-    step = int(match.group(1))
-    return step if step <= MAX_INT and step_folder(step) == name else None
-
-
-def manifest_key(step: int) -> str:
-    """Key of a step's manifest, relative to the checkpoint root."""
-    return f"{step_folder(step)}/{MANIFEST_NAME}"
-
-
-def read_manifest(store: ObjectStore, step: int) -> Manifest:
-    """Fetch and validate the manifest of a committed step; NoCheckpointError if there is none."""
-    return Manifest.from_json(read_manifest_bytes(store, step), expected_step=step)
-
-
-def read_manifest_bytes(store: ObjectStore, step: int) -> bytes:
-    """The raw manifest of a step, refused (ManifestError) by its size before any byte is read."""
-    key = manifest_key(step)
+def read_manifest_bytes(store: ObjectStore, key: str, step: int) -> bytes:
+    """The raw manifest at `key`, refused (ManifestError) by its size before any byte is read."""
     info = store.head(key)
     if info is None:
         raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}")
@@ -275,7 +235,9 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         raise _fail("manifest is not a JSON object")
     version = document.get("format")
     if version != FORMAT_VERSION:
-        raise _fail(f"unknown manifest format {version!r}; this spotckpt reads {FORMAT_VERSION!r}")
+        raise UnknownFormatError(
+            f"unknown manifest format {str(version)[:40]!r}; this spotckpt reads {FORMAT_VERSION!r}"
+        )
     step = _count(document, "step", "manifest")
     if expected_step is not None and step != expected_step:
         raise _fail(f"manifest in the folder of step {expected_step} claims step {step}")
@@ -334,8 +296,8 @@ def _parse_objects(entries: list[Any], world_size: int) -> dict[str, ObjectRecor
         if not isinstance(entry, dict):
             raise _fail("manifest object entries must be JSON objects")
         key = check_key(_get(entry, "key", str, "object"))
-        if key == MANIFEST_NAME or key in objects:
-            raise _fail(f"object key {key!r} is reserved or listed twice")
+        if "/" not in key or key in objects:
+            raise _fail(f"object key {key!r} is not inside an attempt folder, or listed twice")
         where = f"object {key!r}"
         crc = _count(entry, "crc32c", where)
         if crc >= 1 << 32:

@@ -21,8 +21,9 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from spotckpt.checksum import crc32c
+from spotckpt.errors import CheckpointError
 from spotckpt.format import bounded_json
-from spotckpt.format.dtypes import BY_CODE, DType, dtype_of
+from spotckpt.format.dtypes import BY_CODE, DType
 from spotckpt.format.manifest import MAX_DIMS
 from spotckpt.storage.base import ObjectStore, ObjectWriter
 
@@ -34,7 +35,7 @@ DEFAULT_BLOCK_SIZE = 64 << 10
 _WRITE_SLICE = 8 << 20
 
 
-class SafetensorsFormatError(ValueError):
+class SafetensorsFormatError(CheckpointError, ValueError):
     """A safetensors header or body is malformed."""
 
 
@@ -237,14 +238,6 @@ def read_header(store: ObjectStore, key: str, object_size: int | None = None) ->
     return parse_header(raw, object_size)
 
 
-def read_tensor(store: ObjectStore, key: str, entry: HeaderEntry) -> torch.Tensor:
-    """Fetch one whole tensor with a ranged read."""
-    data = store.get_range(key, entry.start, entry.end - entry.start)
-    if len(data) != entry.end - entry.start:
-        raise SafetensorsFormatError(f"{key}: truncated tensor data")
-    return bytes_to_tensor(bytearray(data), entry.dtype, entry.shape)
-
-
 def bytes_to_tensor(
     data: bytearray | memoryview, dtype: DType, shape: tuple[int, ...]
 ) -> torch.Tensor:
@@ -255,8 +248,3 @@ def bytes_to_tensor(
         return torch.empty(shape, dtype=dtype.torch_dtype)
     flat = torch.frombuffer(data, dtype=torch.uint8)
     return flat.view(dtype.torch_dtype).reshape(shape)
-
-
-def spec_for(name: str, tensor: torch.Tensor) -> TensorSpec:
-    """The header spec of a tensor that is about to be written."""
-    return TensorSpec(name, dtype_of(tensor.dtype), tuple(tensor.shape))

@@ -25,25 +25,13 @@ from urllib.parse import urlsplit
 
 from typing_extensions import Self
 
-
-class StorageError(Exception):
-    """A storage operation failed for a reason that retrying will not fix."""
-
-
-class ObjectNotFoundError(StorageError, FileNotFoundError):
-    """The object does not exist."""
-
-
-class AlreadyExistsError(StorageError, FileExistsError):
-    """A create-only write found the object already there (HTTP 412 on object stores)."""
-
-
-class PermissionDeniedError(StorageError, PermissionError):
-    """The credentials in use may not perform this operation (HTTP 403)."""
-
-
-class InvalidKeyError(StorageError, ValueError):
-    """A key is not a plain relative path inside the store's root."""
+from spotckpt.errors import (  # noqa: F401 (re-exported: the storage layer's errors)
+    AlreadyExistsError,
+    InvalidKeyError,
+    ObjectNotFoundError,
+    PermissionDeniedError,
+    StorageError,
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +50,8 @@ class UploadInfo:
     key: str
     upload_id: str
     initiated: datetime | None = None
+    last_activity: datetime | None = None
+    """When the upload last received data (its newest part), if the store can tell."""
 
 
 @runtime_checkable

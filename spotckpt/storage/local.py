@@ -373,7 +373,9 @@ class LocalStore:
         for key, info in self._files(prefix):
             name = key.rsplit("/", 1)[-1]
             if name.startswith(TEMP_MARKER):
-                uploads.append(UploadInfo(key, upload_id=name, initiated=_mtime(info)))
+                uploads.append(
+                    UploadInfo(key, name, initiated=_mtime(info), last_activity=_mtime(info))
+                )
         return sorted(uploads, key=lambda upload: upload.key)
 
     def abort_upload(self, upload: UploadInfo) -> None:

@@ -174,9 +174,6 @@ class RetryPolicy:
             )
 
 
-NO_RETRY = RetryPolicy(max_attempts=1)
-
-
 def _log_give_up(what: str, attempts: int, deadline: Deadline, error: BaseException) -> None:
     log.warning(
         "%s: giving up after %d attempt%s in %.1f s: %s",

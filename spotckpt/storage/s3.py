@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -478,8 +479,14 @@ class S3Store:
                 functools.partial(self.client.list_multipart_uploads, **args),
             )
             for item in page.get("Uploads", []):
+                key = self._relative(item["Key"])
                 uploads.append(
-                    UploadInfo(self._relative(item["Key"]), item["UploadId"], item.get("Initiated"))
+                    UploadInfo(
+                        key,
+                        item["UploadId"],
+                        item.get("Initiated"),
+                        self._last_part_time(item["Key"], item["UploadId"], key),
+                    )
                 )
             if not page.get("IsTruncated"):
                 return uploads
@@ -487,6 +494,26 @@ class S3Store:
                 "KeyMarker": page.get("NextKeyMarker", ""),
                 "UploadIdMarker": page.get("NextUploadIdMarker", ""),
             }
+
+    def _last_part_time(self, full_key: str, upload_id: str, key: str) -> datetime | None:
+        """When an open multipart upload last received a part (None: no part yet)."""
+        newest: datetime | None = None
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": full_key, "UploadId": upload_id}
+        while True:
+            try:
+                page = self._call(
+                    f"list parts of {self.uri}/{key}",
+                    functools.partial(self.client.list_parts, **args),
+                )
+            except ObjectNotFoundError:  # completed or aborted meanwhile
+                return newest
+            for part in page.get("Parts", []):
+                moment = part.get("LastModified")
+                if moment is not None and (newest is None or moment > newest):
+                    newest = moment
+            if not page.get("IsTruncated"):
+                return newest
+            args["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

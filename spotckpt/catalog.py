@@ -1,0 +1,445 @@
+"""`Catalog`: the only owner of the bucket layout.
+
+```
+<root>/
+  step-000001200/                        one folder per step, zero-padded (lexical = numeric)
+    manifest.json                        the commit point: written last, create-only
+    a-<attempt>/r00000-000.safetensors   the objects of one save attempt, one or more per rank
+    quarantined-<stamp>/manifest.json    a bad manifest moved aside by restore (never read)
+    quarantined-<stamp>/reason.json      why, when, and which attempt folders it held
+```
+A step is committed exactly when ``step-<N>/manifest.json`` exists, under a folder whose name
+is the canonical spelling of N. Look-alike folders (``step-0000000012``, other digits, a trailing
+newline) are other names: never listed as committed, restored, or deleted by retention, only
+reported. Everything else that reads or changes the layout (the DCP writer and reader, the
+manager, gc, verify, export, the CLI) goes through this module.
+
+Older checkpoints may carry a ``latest.json`` hint at the root; nothing reads it any more, and it
+is left alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from spotckpt.errors import (
+    AlreadyExistsError,
+    CheckpointAlreadyCommittedError,
+    CheckpointError,
+    ManifestError,
+    NoCheckpointError,
+    ObjectNotFoundError,
+    StorageError,
+)
+from spotckpt.format.manifest import MAX_INT, Manifest, read_manifest_bytes
+from spotckpt.storage.base import ObjectInfo, ObjectStore, UploadInfo
+
+log = logging.getLogger("spotckpt")
+
+STEP_PREFIX = "step-"
+STEP_DIGITS = 9
+MANIFEST_NAME = "manifest.json"
+ATTEMPT_PREFIX = "a-"
+QUARANTINE_PREFIX = "quarantined-"
+REASON_NAME = "reason.json"
+COPY_PIECE = 512 << 10
+_STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
+_LOOKS_LIKE_STEP = re.compile(r"step-\w", re.UNICODE)
+
+
+def step_folder(step: int) -> str:
+    """The folder of a step, zero-padded so that lexical order is numeric order."""
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_folder(name: str) -> int | None:
+    """The step of a folder name made by `step_folder`, or None for any other name.
+
+    Only the canonical spelling counts: ASCII digits, exactly `step_folder`'s zero padding,
+    nothing before or after. Look-alikes (``step-0000000012``, a fullwidth digit, a trailing
+    newline) are other names, not step 12.
+    """
+    match = _STEP_FOLDER.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step <= MAX_INT and step_folder(step) == name else None
+
+
+def manifest_key(step: int) -> str:
+    """Key of a step's manifest, relative to the checkpoint root."""
+    return f"{step_folder(step)}/{MANIFEST_NAME}"
+
+
+def new_attempt_id() -> str:
+    """A unique id for one save attempt."""
+    return uuid.uuid4().hex[:16]
+
+
+def attempt_folder(attempt: str) -> str:
+    """The folder name (relative to the step folder) of an attempt's objects."""
+    return f"{ATTEMPT_PREFIX}{attempt}"
+
+
+def attempt_prefix(step: int, attempt: str) -> str:
+    """Prefix (relative to the root) of every object of one save attempt."""
+    return f"{step_folder(step)}/{attempt_folder(attempt)}/"
+
+
+def rank_object_key(attempt: str, rank: int, prefix_spread: bool = False) -> str:
+    """Key of a rank's object relative to the step folder; spread over 4096 prefixes if asked
+    (S3 partitions request rates by prefix)."""
+    name = f"r{rank:05d}-000.safetensors"
+    if not prefix_spread:
+        return f"{attempt_folder(attempt)}/{name}"
+    spread = hashlib.sha256(f"{attempt}/{rank}".encode()).hexdigest()[:3]
+    return f"{attempt_folder(attempt)}/{spread}/{name}"
+
+
+def step_key(step: int, relative: str) -> str:
+    """A key relative to the root, from one relative to the step folder (as manifests hold)."""
+    return f"{step_folder(step)}/{relative}"
+
+
+def attempt_folders(manifest: Manifest) -> set[str]:
+    """The attempt folders (``a-<id>``) whose objects a manifest references."""
+    return {key.partition("/")[0] for key in manifest.objects} | {attempt_folder(manifest.attempt)}
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+@dataclass
+class ObjectGroup:
+    """Objects and open uploads under one prefix, with the time of the newest activity there."""
+
+    prefix: str
+    objects: list[ObjectInfo] = field(default_factory=list)
+    uploads: list[UploadInfo] = field(default_factory=list)
+
+    def newest(self) -> datetime | None:
+        """Newest write (an upload's latest part counts); None if any time is unknown."""
+        times = [o.last_modified for o in self.objects] + [
+            u.last_activity or u.initiated for u in self.uploads
+        ]
+        if not times or any(t is None for t in times):
+            return None
+        return max(_aware(t) for t in times if t is not None)
+
+
+@dataclass
+class StepFolder:
+    """One step folder: its manifest (if any), its objects by attempt, quarantined records."""
+
+    step: int
+    has_manifest: bool = False
+    attempts: dict[str, ObjectGroup] = field(default_factory=dict)
+    everything: list[ObjectInfo] = field(default_factory=list)
+    uploads: list[UploadInfo] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+
+    @property
+    def folder(self) -> str:
+        """The folder name."""
+        return step_folder(self.step)
+
+
+@dataclass
+class Scan:
+    """Everything under the root, from one listing: step folders, open uploads, look-alikes."""
+
+    steps: dict[int, StepFolder]
+    uploads: list[UploadInfo]
+    look_alikes: list[str]
+
+    @property
+    def committed(self) -> list[int]:
+        """Committed steps, ascending."""
+        return sorted(s for s, info in self.steps.items() if info.has_manifest)
+
+
+class Catalog:
+    """The layout of one checkpoint root over an `ObjectStore`; see the module docstring."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self._reported: set[str] = set()
+
+    @property
+    def uri(self) -> str:
+        """The root's URI."""
+        return self.store.uri
+
+    # Reading ----------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending; look-alike folders are reported once and left out."""
+        found = set()
+        for info in self.store.list(STEP_PREFIX):
+            folder, _, name = info.key.partition("/")
+            step = parse_step_folder(folder)
+            if step is None:
+                self._report_look_alike(folder)
+            elif name == MANIFEST_NAME:
+                found.add(step)
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        committed = self.steps()
+        return committed[-1] if committed else None
+
+    def is_committed(self, step: int) -> bool:
+        """Whether `step` has a manifest."""
+        return self.store.exists(manifest_key(step))
+
+    def resolve(self, step: int | None) -> int:
+        """`step` if it is committed, or the latest committed step; NoCheckpointError if none."""
+        if step is None:
+            latest = self.latest()
+            if latest is None:
+                raise NoCheckpointError(f"no committed checkpoint at {self.uri}")
+            return latest
+        if not self.is_committed(step):
+            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
+        return step
+
+    def manifest_bytes(self, step: int) -> bytes:
+        """The raw manifest of a committed step, size-checked before the read."""
+        return read_manifest_bytes(self.store, manifest_key(step), step)
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The validated manifest of a committed step (ManifestError, NoCheckpointError)."""
+        return Manifest.from_json(self.manifest_bytes(step), expected_step=step)
+
+    def committed_attempt(self, step: int) -> str | None:
+        """The attempt id a step's manifest names; None if it has none or it does not parse."""
+        try:
+            return self.read_manifest(step).attempt
+        except (NoCheckpointError, ManifestError):
+            return None
+
+    def scan(self, *, with_uploads: bool = True) -> Scan:
+        """Step folders by step from one listing, and (if asked) the unfinished uploads."""
+        uploads = self.store.list_uploads("") if with_uploads else []
+        steps: dict[int, StepFolder] = {}
+        look_alikes: set[str] = set()
+        for info in self.store.list(STEP_PREFIX):
+            entry = self._entry(steps, info.key, look_alikes)
+            if entry is None:
+                continue
+            entry.everything.append(info)
+            rest = info.key.partition("/")[2]
+            head, slash, _tail = rest.partition("/")
+            if rest == MANIFEST_NAME:
+                entry.has_manifest = True
+            elif slash and head.startswith(QUARANTINE_PREFIX) and head not in entry.quarantined:
+                entry.quarantined.append(head)
+            group = self._attempt_group(entry, rest)
+            if group is not None:
+                group.objects.append(info)
+        for upload in uploads:
+            entry = self._entry(steps, upload.key, look_alikes)
+            if entry is None:
+                continue
+            entry.uploads.append(upload)
+            group = self._attempt_group(entry, upload.key.partition("/")[2])
+            if group is not None:
+                group.uploads.append(upload)
+        return Scan(steps, uploads, sorted(look_alikes))
+
+    def _entry(
+        self, steps: dict[int, StepFolder], key: str, look_alikes: set[str]
+    ) -> StepFolder | None:
+        folder, slash, _rest = key.partition("/")
+        step = parse_step_folder(folder)
+        if step is None:
+            if _LOOKS_LIKE_STEP.match(folder):
+                look_alikes.add(folder)
+                self._report_look_alike(folder)
+            return None
+        return steps.setdefault(step, StepFolder(step)) if slash else None
+
+    @staticmethod
+    def _attempt_group(entry: StepFolder, rest: str) -> ObjectGroup | None:
+        head, slash, _tail = rest.partition("/")
+        if not slash or not head.startswith(ATTEMPT_PREFIX):
+            return None
+        return entry.attempts.setdefault(head, ObjectGroup(f"{entry.folder}/{head}/"))
+
+    def referenced_attempts(self, step: int) -> set[str]:
+        """Attempt folders the manifest and any quarantine records of `step` hold on to.
+
+        Raises ManifestError when the manifest does not validate (the caller leaves it alone).
+        """
+        held = attempt_folders(self.read_manifest(step)) if self.is_committed(step) else set()
+        return held | self.quarantined_attempts(step)
+
+    def quarantined_attempts(self, step: int) -> set[str]:
+        """Attempt folders that a quarantine record of `step` keeps for inspection."""
+        held: set[str] = set()
+        folder = step_folder(step)
+        for info in self.store.list(f"{folder}/{QUARANTINE_PREFIX}"):
+            if not info.key.endswith(f"/{REASON_NAME}") or info.size > 1 << 20:
+                continue
+            try:
+                reason = json.loads(self.store.get(info.key))
+            except (ObjectNotFoundError, ValueError):
+                continue
+            names = reason.get("attempts") if isinstance(reason, dict) else None
+            if isinstance(names, list):
+                held.update(n for n in names if isinstance(n, str))
+        return held
+
+    def _report_look_alike(self, folder: str) -> None:
+        if folder not in self._reported:
+            self._reported.add(folder)
+            log.warning(
+                "ignoring %r under %s: it looks like a step folder but is not the canonical "
+                "name of one (expected step- and %d ASCII digits)",
+                folder,
+                self.uri,
+                STEP_DIGITS,
+            )
+
+    # Committing -------------------------------------------------------------------------------
+
+    def commit(self, manifest: Manifest, data: bytes) -> None:
+        """Write `data` (the encoded `manifest`) create-only: the commit point of a save.
+
+        When the put's outcome is ambiguous (a 412 after a retried put whose first answer was
+        lost, or an error after the request may have reached the store), the manifest is read
+        back: if it names this attempt the save is committed. Raises
+        CheckpointAlreadyCommittedError when another writer's manifest is there.
+        """
+        key = manifest_key(manifest.step)
+        try:
+            self.store.put(key, data, create_only=True)
+            return
+        except AlreadyExistsError:
+            if self.committed_attempt(manifest.step) == manifest.attempt:
+                return
+            raise CheckpointAlreadyCommittedError(
+                f"step {manifest.step} was already committed by another writer while this one "
+                f"was saving; this attempt ({manifest.attempt}) is discarded"
+            ) from None
+        except StorageError:
+            if self.committed_attempt(manifest.step) == manifest.attempt:
+                log.warning(
+                    "the manifest put of step %d failed, but reading it back shows it was "
+                    "written: the checkpoint is committed",
+                    manifest.step,
+                )
+                return
+            raise
+
+    def check_not_committed(self, step: int) -> None:
+        """CheckpointAlreadyCommittedError if `step` has a manifest already."""
+        if self.is_committed(step):
+            raise CheckpointAlreadyCommittedError(
+                f"step {step} is already committed at {self.uri}/{manifest_key(step)}; a "
+                "committed checkpoint is never overwritten"
+            )
+
+    def discard_attempt(self, step: int, attempt: str) -> None:
+        """After a failed save: abort the attempt's uploads and delete its objects.
+
+        Nothing is deleted when a manifest names the attempt (the save did commit) or when that
+        cannot be told (the store is unreachable): gc collects what is left.
+        """
+        try:
+            if self.committed_attempt(step) == attempt:
+                log.warning("attempt %s of step %d is committed; not discarding it", attempt, step)
+                return
+            prefix = attempt_prefix(step, attempt)
+            for upload in self.store.list_uploads(prefix):
+                self.store.abort_upload(upload)
+            self.store.delete_many([info.key for info in self.store.list(prefix)])
+        except StorageError as error:
+            log.warning(
+                "could not clean up failed attempt %s of step %d: %s (gc will)",
+                attempt,
+                step,
+                error,
+            )
+
+    # Deleting ---------------------------------------------------------------------------------
+
+    def delete_step(self, step: int, *, newest: int | None = None) -> None:
+        """Delete a committed checkpoint, manifest first (never half-visible).
+
+        Refuses the newest committed step: `newest` if the caller knows it, else a fresh listing.
+        """
+        newest = self.latest() if newest is None else newest
+        if newest is None or step >= newest:
+            raise CheckpointError(
+                f"refusing to delete step {step}: it is the newest committed checkpoint at "
+                f"{self.uri}"
+            )
+        folder = step_folder(step)
+        self.store.delete_many([manifest_key(step)])
+        self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
+
+    def retire(self, keep_last: int) -> list[int]:
+        """Delete committed checkpoints beyond the newest `keep_last`; returns their steps."""
+        if keep_last < 1:
+            raise ValueError("keep_last must be at least 1: the newest checkpoint is never deleted")
+        committed = self.steps()
+        retired = committed[: max(0, len(committed) - keep_last)]
+        for step in retired:
+            self.delete_step(step, newest=committed[-1])
+        return retired
+
+    def quarantine(self, step: int, reason: str) -> str | None:
+        """Move a bad step's manifest aside so the step can be saved again; returns the record.
+
+        The bytes stay for inspection under ``quarantined-<stamp>/`` (readers ignore it, gc keeps
+        it and the attempt folders it names); None when the manifest is already gone (the step
+        was retired meanwhile, which is not a fault of the checkpoint).
+        """
+        info = self.store.head(manifest_key(step))
+        if info is None:
+            return None
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        record = f"{step_folder(step)}/{QUARANTINE_PREFIX}{stamp}"
+        attempts = sorted(self.scan(with_uploads=False).steps.get(step, StepFolder(step)).attempts)
+        self._copy(manifest_key(step), f"{record}/{MANIFEST_NAME}", info.size)
+        document = {"step": step, "quarantined_at": stamp, "reason": reason, "attempts": attempts}
+        self.store.put(f"{record}/{REASON_NAME}", json.dumps(document, indent=1).encode())
+        self.store.delete_many([manifest_key(step)])
+        log.warning(
+            "quarantined checkpoint step %d (%s): its manifest is kept at %s/%s/; the step can "
+            "be saved again",
+            step,
+            reason,
+            self.uri,
+            record,
+        )
+        return record
+
+    def _copy(self, source: str, target: str, size: int) -> None:
+        """Copy an object in bounded pieces (a forged manifest may be huge)."""
+        with self.store.open_writer(target) as writer:
+            for start in range(0, size, COPY_PIECE):
+                writer.write(self.store.get_range(source, start, min(COPY_PIECE, size - start)))
+
+    def quarantine_reason(self, step: int, record: str) -> dict[str, Any]:
+        """The reason document of a quarantine record (empty if unreadable)."""
+        try:
+            info = self.store.head(f"{step_folder(step)}/{record}/{REASON_NAME}")
+            if info is None or info.size > 1 << 20:
+                return {}
+            document = json.loads(self.store.get(f"{step_folder(step)}/{record}/{REASON_NAME}"))
+        except (StorageError, ValueError):
+            return {}
+        return document if isinstance(document, dict) else {}

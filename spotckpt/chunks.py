@@ -1,0 +1,235 @@
+"""Verified reads of stored chunks: the one place where checkpoint bytes are fetched and checked.
+
+The manifest describes each stored chunk (a tensor piece or a value) by a `ChunkLocation`: the
+object holding it, its byte offset and length there, and one CRC32C per ``block_size`` block of
+the chunk. `ChunkReader` turns such a location into bytes that are known to be intact:
+
+- a range of a chunk is widened to block boundaries (`ChunkReader.span`), as a block's CRC can
+  only be checked whole;
+- before a byte is read (or a buffer is allocated for it), the range is checked against the
+  object's real size, learned once per object with ``store.head()`` and compared with the size the
+  manifest claims, so a forged size never makes a store allocate what the object does not hold;
+- every block is compared with the manifest's CRC32C (`BlockCheck`, which also follows a chunk fed
+  in pieces, as ``verify`` streams whole objects).
+
+Every failure is a `CorruptCheckpointError` subclass whose message names the object, the byte
+range and the tensors or values stored there: `ObjectMissingError`, `ObjectSizeError` (truncated,
+or larger than the manifest says) and `ChecksumMismatchError`.
+
+The caller names the step folder the object keys are relative to (``step-000000012``); this
+module knows nothing of the bucket layout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from spotckpt.checksum import Buffer, crc32c
+from spotckpt.errors import CorruptCheckpointError
+from spotckpt.format.manifest import ChunkLocation
+from spotckpt.storage.base import ObjectNotFoundError, ObjectStore
+
+_NAMES_SHOWN = 3
+
+
+class ObjectMissingError(CorruptCheckpointError):
+    """An object that the manifest lists does not exist."""
+
+
+class ObjectSizeError(CorruptCheckpointError):
+    """An object is shorter than a range asked of it, or its size differs from the manifest's."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A block of a stored chunk does not match its CRC32C in the manifest."""
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """A byte range within a chunk, widened to CRC block boundaries."""
+
+    start: int
+    end: int
+    first_block: int
+
+
+class BlockCheck:
+    """Compares one chunk's bytes, fed in order from a block boundary, with its block CRC32Cs.
+
+    `feed` may be called with pieces of any size (a block may span several); each block is
+    compared as soon as its last byte arrived. `bad` is the index of the first mismatching block.
+    """
+
+    def __init__(self, location: ChunkLocation, block_size: int, first_block: int = 0) -> None:
+        self.location = location
+        self.block_size = block_size
+        self.block = first_block
+        self.position = first_block * block_size
+        self.crc = 0
+        self.bad: int | None = None
+
+    def feed(self, data: memoryview) -> None:
+        """Account for the next bytes of the chunk; ValueError past the chunk's end."""
+        done = 0
+        while done < data.nbytes:
+            block_end = min(self.location.length, (self.block + 1) * self.block_size)
+            if block_end <= self.position:
+                raise ValueError(f"fed more than the {self.location.length} bytes of the chunk")
+            take = min(data.nbytes - done, block_end - self.position)
+            self.crc = crc32c(data[done : done + take], self.crc)
+            done += take
+            self.position += take
+            if self.position == block_end:
+                self._close()
+
+    def finish(self) -> int | None:
+        """Check an empty chunk's single block; the index of the first bad block, or None."""
+        if self.location.length == 0 and self.block == 0:
+            self._close()
+        return self.bad
+
+    def _close(self) -> None:
+        expected = self.location.block_crc32c
+        if self.bad is None and (self.block >= len(expected) or self.crc != expected[self.block]):
+            self.bad = self.block
+        self.block += 1
+        self.crc = 0
+
+
+def describe(names: Iterable[str]) -> str:
+    """Names for a message: the first few, quoted, and how many more."""
+    distinct = sorted(set(names))
+    shown = ", ".join(repr(n) for n in distinct[:_NAMES_SHOWN])
+    if not distinct:
+        return "nothing listed"
+    more = len(distinct) - _NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+class ChunkReader:
+    """Verified ranged reads of the objects of one checkpoint step; thread-safe.
+
+    `folder` is the step folder that the manifest's object keys are relative to; `object_sizes`
+    maps each object key to the size the manifest claims for it.
+    """
+
+    def __init__(
+        self, store: ObjectStore, folder: str, block_size: int, object_sizes: Mapping[str, int]
+    ) -> None:
+        self.store = store
+        self.folder = folder
+        self.block_size = block_size
+        self.object_sizes = object_sizes
+        self._sizes: dict[str, Future[int | None]] = {}
+        self._lock = threading.Lock()
+
+    def path(self, key: str) -> str:
+        """The store key of object `key`."""
+        return f"{self.folder}/{key}"
+
+    def span(self, location: ChunkLocation, start: int, end: int) -> BlockSpan:
+        """Bytes `start`..`end` of a chunk, widened to the blocks that hold them."""
+        if end <= start:
+            return BlockSpan(start, start, start // self.block_size)
+        first_block = start // self.block_size
+        last_block = -(-end // self.block_size)
+        return BlockSpan(
+            first_block * self.block_size,
+            min(location.length, last_block * self.block_size),
+            first_block,
+        )
+
+    def check_range(self, key: str, start: int, end: int, names: Iterable[str]) -> None:
+        """Refuse bytes `start`..`end` of object `key` unless the object exists, has the size the
+        manifest says, and holds them; costs one ``head`` per object, then nothing."""
+        path = self.path(key)
+        size = self._real_size(key)
+        if size is None:
+            raise ObjectMissingError(
+                f"object {path} is missing: bytes {start}..{end} ({describe(names)}) cannot be read"
+            )
+        claimed = self.object_sizes[key]
+        if end > size or size < claimed:
+            raise ObjectSizeError(
+                f"object {path} is truncated: bytes {start}..{end} ({describe(names)}) are asked, "
+                f"the object has {size} bytes and the manifest says {claimed}"
+            )
+        if size != claimed:
+            raise ObjectSizeError(
+                f"object {path} has {size} bytes, more than the {claimed} the manifest says "
+                f"(reading bytes {start}..{end}: {describe(names)})"
+            )
+
+    def check_chunk(self, location: ChunkLocation, name: str) -> None:
+        """Refuse a chunk that its object does not hold, before anything is allocated for it."""
+        end = location.offset + location.length
+        self.check_range(location.key, location.offset, end, (name,))
+
+    def read(self, key: str, start: int, end: int, names: Iterable[str]) -> bytes:
+        """Bytes `start`..`end` of object `key`, checked by `check_range` first and then for a
+        short answer; `names` (what the bytes hold) only serve the error messages."""
+        self.check_range(key, start, end, names)
+        path = self.path(key)
+        try:
+            data = self.store.get_range(path, start, end - start)
+        except ObjectNotFoundError:
+            raise ObjectMissingError(
+                f"object {path} disappeared: bytes {start}..{end} ({describe(names)}) cannot be "
+                "read"
+            ) from None
+        if len(data) != end - start:
+            raise ObjectSizeError(
+                f"object {path} is truncated: bytes {start}..{end} ({describe(names)}) were "
+                f"asked, {len(data)} returned"
+            )
+        return data
+
+    def read_chunk(
+        self, location: ChunkLocation, name: str, start: int = 0, end: int | None = None
+    ) -> tuple[bytes, BlockSpan]:
+        """Verified bytes of a chunk's range `start`..`end` (default: all of it), widened to
+        block boundaries; returns them with the widened span."""
+        span = self.span(location, start, location.length if end is None else end)
+        data = self.read(
+            location.key, location.offset + span.start, location.offset + span.end, (name,)
+        )
+        self.verify(data, location, span.first_block, name)
+        return data, span
+
+    def verify(self, data: Buffer, location: ChunkLocation, first_block: int, name: str) -> None:
+        """Raise ChecksumMismatchError unless `data`, the chunk's bytes from block `first_block`
+        on (whole blocks, or up to the chunk's end), match the manifest's CRC32Cs."""
+        check = BlockCheck(location, self.block_size, first_block)
+        check.feed(memoryview(data))
+        bad = check.finish()
+        if bad is None:
+            return
+        start = location.offset + bad * self.block_size
+        end = location.offset + min(location.length, (bad + 1) * self.block_size)
+        raise ChecksumMismatchError(
+            f"CRC32C mismatch in {self.path(location.key)} at bytes {start}..{end} (block {bad} "
+            f"of {name!r}): the stored data is corrupt"
+        )
+
+    def _real_size(self, key: str) -> int | None:
+        """The object's size from one ``head`` (shared by concurrent callers), None if absent."""
+        with self._lock:
+            known = self._sizes.get(key)
+            if known is None:
+                known = self._sizes[key] = Future()
+                owner = True
+            else:
+                owner = False
+        if owner:
+            try:
+                info = self.store.head(self.path(key))
+            except BaseException as error:
+                with self._lock:
+                    del self._sizes[key]
+                known.set_exception(error)
+                raise
+            known.set_result(None if info is None else info.size)
+        return known.result()
