@@ -33,6 +33,7 @@ from spotckpt.errors import (
     AlreadyExistsError,
     CheckpointAlreadyCommittedError,
     CheckpointError,
+    InvalidArgumentError,
     ManifestError,
     NoCheckpointError,
     ObjectNotFoundError,
@@ -57,7 +58,7 @@ _LOOKS_LIKE_STEP = re.compile(r"step-\w", re.UNICODE)
 def step_folder(step: int) -> str:
     """The folder of a step, zero-padded so that lexical order is numeric order."""
     if step < 0:
-        raise ValueError(f"step must be non-negative, got {step}")
+        raise InvalidArgumentError(f"step must be non-negative, got {step}")
     return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
 
 
@@ -393,7 +394,9 @@ class Catalog:
     def retire(self, keep_last: int) -> list[int]:
         """Delete committed checkpoints beyond the newest `keep_last`; returns their steps."""
         if keep_last < 1:
-            raise ValueError("keep_last must be at least 1: the newest checkpoint is never deleted")
+            raise InvalidArgumentError(
+                "keep_last must be at least 1: the newest checkpoint is never deleted"
+            )
         committed = self.steps()
         retired = committed[: max(0, len(committed) - keep_last)]
         for step in retired:

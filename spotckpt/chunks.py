@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from spotckpt.checksum import Buffer, crc32c
-from spotckpt.errors import CorruptCheckpointError
+from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from spotckpt.format.manifest import ChunkLocation
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore
 
@@ -77,7 +77,9 @@ class BlockCheck:
         while done < data.nbytes:
             block_end = min(self.location.length, (self.block + 1) * self.block_size)
             if block_end <= self.position:
-                raise ValueError(f"fed more than the {self.location.length} bytes of the chunk")
+                raise InvalidArgumentError(
+                    f"fed more than the {self.location.length} bytes of the chunk"
+                )
             take = min(data.nbytes - done, block_end - self.position)
             self.crc = crc32c(data[done : done + take], self.crc)
             done += take

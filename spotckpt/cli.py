@@ -31,7 +31,13 @@ import click
 
 from spotckpt.catalog import ATTEMPT_PREFIX, Catalog, Scan, attempt_folders, parse_step_folder
 from spotckpt.config import Config, ConfigError, MissingURIError
-from spotckpt.errors import CorruptCheckpointError, ManifestError, NoCheckpointError
+from spotckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    ManifestError,
+    NoCheckpointError,
+)
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import Manifest, TensorRecord
 from spotckpt.gc import collect_garbage
@@ -54,7 +60,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECA
 _FLOAT_DTYPES = sorted(n for n, d in BY_NAME.items() if d.is_floating_point)
 
 
-class _CommandFailed(Exception):
+class _CommandFailed(CheckpointError):
     """A command ran and printed its result, which is a failure (exit status 1)."""
 
 
@@ -185,7 +191,7 @@ def parse_duration(text: str) -> float:
     """Seconds in ``90``, ``90s``, ``30m``, ``1h``, ``2d``; ValueError otherwise."""
     match = _DURATION.match(text)
     if match is None:
-        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 1h or 2d")
+        raise InvalidArgumentError(f"{text!r} is not a duration such as 90s, 30m, 1h or 2d")
     return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
 
 
@@ -194,12 +200,12 @@ def parse_size(text: str) -> int:
     otherwise."""
     match = _SIZE.match(text)
     if match is None:
-        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
+        raise InvalidArgumentError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
     prefix, binary = (match.group(2) or "").lower(), bool(match.group(3))
     power = " kmgt".index(prefix) if prefix else 0
     size = int(float(match.group(1)) * (1024 if binary else 1000) ** power)
     if size < 1:
-        raise ValueError(f"{text!r} is less than 1 byte")
+        raise InvalidArgumentError(f"{text!r} is less than 1 byte")
     return size
 
 
@@ -223,9 +229,9 @@ def _storage_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep:
         shown = "text that names a credential" if is_secret_key(text) else repr(text.strip())
-        raise ValueError(f"expected KEY=VALUE, got {shown} without '='")
+        raise InvalidArgumentError(f"expected KEY=VALUE, got {shown} without '='")
     if not key.strip():
-        raise ValueError("expected KEY=VALUE, got no KEY before '='")
+        raise InvalidArgumentError("expected KEY=VALUE, got no KEY before '='")
     return key.strip(), value
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from spotckpt.errors import CheckpointError
+from spotckpt.errors import CheckpointError, InvalidArgumentError
 from spotckpt.redact import redact, secret_values
 
 if sys.version_info >= (3, 11):
@@ -270,7 +270,7 @@ def _parse_bool(text: str) -> bool:
         return True
     if text.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(text)
+    raise InvalidArgumentError(text)
 
 
 def _parse_json_object(name: str, text: str) -> dict[str, Any]:

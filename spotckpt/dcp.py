@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from spotckpt.catalog import Catalog, new_attempt_id, rank_object_key, step_folder, step_key
 from spotckpt.chunks import ChunkReader
-from spotckpt.errors import CorruptCheckpointError
+from spotckpt.errors import CorruptCheckpointError, InvalidTypeError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.manifest import (
     ChunkLocation,
@@ -149,7 +149,9 @@ class ObjectStoreWriter(StorageWriter):
         future: Future[list[WriteResult]] = Future()
         assignment = plan.storage_data
         if not isinstance(assignment, RankAssignment):
-            raise TypeError("ObjectStoreWriter.write_data needs a plan from prepare_global_plan")
+            raise InvalidTypeError(
+                "ObjectStoreWriter.write_data needs a plan from prepare_global_plan"
+            )
         self.attempt = assignment.attempt
         results = self._write_object(plan.items, planner, assignment.key) if plan.items else []
         if self.on_written is not None:
@@ -201,7 +203,7 @@ class ObjectStoreWriter(StorageWriter):
         if item.type == WriteItemType.BYTE_IO:
             return TensorSpec(name, BY_NAME["uint8"], (values[item.index].nbytes,))
         if item.tensor_data is None:
-            raise TypeError(f"write item {item.index.fqn!r} has no tensor data")
+            raise InvalidTypeError(f"write item {item.index.fqn!r} has no tensor data")
         dtype = dtype_of(item.tensor_data.properties.dtype)
         return TensorSpec(name, dtype, tuple(item.tensor_data.chunk.sizes))
 
@@ -261,7 +263,7 @@ class ObjectStoreWriter(StorageWriter):
 def _value_bytes(data: Any, fqn: str) -> memoryview:
     """The stored bytes of a value, refused unless a restore can load them (weights_only)."""
     if not isinstance(data, io.BytesIO):
-        raise TypeError(f"DCP resolved a value to {type(data).__name__}, expected BytesIO")
+        raise InvalidTypeError(f"DCP resolved a value to {type(data).__name__}, expected BytesIO")
     view = data.getbuffer()
     try:
         load_plain(view, fqn)
@@ -274,7 +276,7 @@ def _value_bytes(data: Any, fqn: str) -> memoryview:
 
 def _cpu_tensor(data: Any) -> torch.Tensor:
     if not isinstance(data, torch.Tensor):
-        raise TypeError(f"DCP resolved a tensor item to {type(data).__name__}")
+        raise InvalidTypeError(f"DCP resolved a tensor item to {type(data).__name__}")
     return data.detach().cpu() if data.device.type != "cpu" else data.detach()
 
 

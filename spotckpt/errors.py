@@ -12,6 +12,14 @@ class CheckpointError(Exception):
     """Root of every error spotckpt raises."""
 
 
+class InvalidArgumentError(CheckpointError, ValueError):
+    """A spotckpt function or setting was given a value it cannot work with."""
+
+
+class InvalidTypeError(CheckpointError, TypeError):
+    """A spotckpt function was given an object of a type it cannot work with."""
+
+
 class StorageError(CheckpointError):
     """A storage operation failed for a reason that retrying will not fix."""
 

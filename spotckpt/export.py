@@ -30,6 +30,7 @@ import torch
 
 from spotckpt.catalog import Catalog, step_folder
 from spotckpt.chunks import ChunkReader
+from spotckpt.errors import InvalidArgumentError
 from spotckpt.format.dtypes import BY_NAME, DType, dtype_of
 from spotckpt.format.manifest import (
     Manifest,
@@ -106,9 +107,9 @@ def export_hf(
     CorruptCheckpointError when a stored object is missing, truncated or fails its CRC32Cs.
     """
     if max_shard_size < 1:
-        raise ValueError("max_shard_size must be positive")
+        raise InvalidArgumentError("max_shard_size must be positive")
     if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"export dtype must be a floating-point type, got {dtype}")
+        raise InvalidArgumentError(f"export dtype must be a floating-point type, got {dtype}")
     manifest = Catalog(store).read_manifest(step)
     items = select_tensors(manifest, prefix, strip_prefix, dtype)
     shards = plan_shards([i.spec for i in items], max_shard_size)
@@ -147,14 +148,16 @@ def select_tensors(
             continue
         name = fqn[len(prefix) :] if strip_prefix else fqn
         if not name:
-            raise ValueError(f"tensor {fqn!r} has an empty name once {prefix!r} is stripped")
+            raise InvalidArgumentError(
+                f"tensor {fqn!r} has an empty name once {prefix!r} is stripped"
+            )
         stored = BY_NAME[record.dtype]
         cast = dtype if dtype is not None and stored.torch_dtype.is_floating_point else None
         out_dtype = dtype_of(cast) if cast is not None else stored
         items.append(_Item(fqn, record, TensorSpec(name, out_dtype, record.shape)))
     if not items:
         tops = sorted({fqn.split(".")[0] + "." for fqn in manifest.tensors})
-        raise ValueError(
+        raise InvalidArgumentError(
             f"no tensor of step {manifest.step} starts with {prefix!r}; "
             f"tensor names start with: {', '.join(tops) or 'nothing (no tensors)'}"
         )

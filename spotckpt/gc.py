@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, parse_step_folder
-from spotckpt.errors import ManifestError, ObjectNotFoundError
+from spotckpt.errors import InvalidArgumentError, ManifestError, ObjectNotFoundError
 from spotckpt.storage.base import ObjectStore, UploadInfo
 
 log = logging.getLogger("spotckpt")
@@ -85,9 +85,11 @@ def collect_garbage(
 ) -> GcReport:
     """Collect garbage under `store`'s root; see the module docstring. Returns the report."""
     if keep_last is not None and keep_last < 1:
-        raise ValueError("keep_last must be at least 1: the newest checkpoint is never deleted")
+        raise InvalidArgumentError(
+            "keep_last must be at least 1: the newest checkpoint is never deleted"
+        )
     if safety_age_s < 0:
-        raise ValueError("safety_age_s must not be negative")
+        raise InvalidArgumentError("safety_age_s must not be negative")
     now = _aware(now) if now is not None else datetime.now(timezone.utc)
     report = GcReport(dry_run=dry_run)
     catalog = Catalog(store)

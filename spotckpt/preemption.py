@@ -40,6 +40,8 @@ from types import FrameType
 from typing import Any
 from urllib.parse import quote
 
+from spotckpt.errors import CheckpointError, InvalidArgumentError
+
 log = logging.getLogger("spotckpt.preemption")
 
 AWS_DEFAULT_ENDPOINT = "http://169.254.169.254"
@@ -110,7 +112,9 @@ class PreemptionWatcher:
         backoff_max_s: float = 4.0,
     ) -> None:
         if not 0 < backoff_initial_s <= backoff_max_s:
-            raise ValueError("PreemptionWatcher needs 0 < backoff_initial_s <= backoff_max_s")
+            raise InvalidArgumentError(
+                "PreemptionWatcher needs 0 < backoff_initial_s <= backoff_max_s"
+            )
         self.signals = tuple(signals)
         self.poll_interval_s = poll_interval_s
         self.signal_budget_s = signal_budget_s
@@ -359,7 +363,7 @@ class PreemptionWatcher:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class _BadAnswer(Exception):
+class _BadAnswer(CheckpointError):
     """A metadata service answered, but not with anything usable."""
 
     def __init__(self, kind: str, detail: str = "") -> None:

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Sampler
 
+from spotckpt.errors import InvalidArgumentError, InvalidTypeError
 from spotckpt.values import decode, encode
 
 log = logging.getLogger("spotckpt")
@@ -112,7 +113,7 @@ class RNGState:
         version, mt_state, gauss = random.getstate()
         np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
         if not isinstance(np_keys, np.ndarray):
-            raise TypeError("numpy's legacy RNG state has an unexpected layout")
+            raise InvalidTypeError("numpy's legacy RNG state has an unexpected layout")
         state: dict[str, Any] = {
             "python": {
                 "version": int(version),
@@ -165,7 +166,7 @@ class ResumableSampler(Sampler[int]):
 
     def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if length < 0:
-            raise ValueError("ResumableSampler length must be non-negative")
+            raise InvalidArgumentError("ResumableSampler length must be non-negative")
         self.length = length
         self.seed = seed
         self.shuffle = shuffle
@@ -192,7 +193,7 @@ class ResumableSampler(Sampler[int]):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume at the saved epoch and position."""
         if int(state_dict["seed"]) != self.seed:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sampler seed {self.seed} differs from the checkpoint's {state_dict['seed']}"
             )
         self.epoch = int(state_dict["epoch"])
@@ -211,7 +212,9 @@ def track_batches(loader: DataLoader) -> Iterator[Any]:
     """Iterate one epoch of a ResumableSampler-driven DataLoader, counting what was consumed."""
     sampler = find_resumable_sampler(loader)
     if sampler is None:
-        raise TypeError("track_batches needs a DataLoader whose sampler is a ResumableSampler")
+        raise InvalidTypeError(
+            "track_batches needs a DataLoader whose sampler is a ResumableSampler"
+        )
     batch_size = loader.batch_size or 1
     for batch in loader:
         sampler.consumed = min(sampler.length, sampler.consumed + batch_size)
@@ -309,7 +312,7 @@ def dataloader_stateful(loader: Any) -> Stateful:
     if isinstance(loader, DataLoader) and not hasattr(loader, "load_state_dict"):
         sampler = find_resumable_sampler(loader)
         if sampler is None:
-            raise TypeError(
+            raise InvalidTypeError(
                 "a plain DataLoader cannot be resumed: give it a spotckpt ResumableSampler, or "
                 "use torchdata's StatefulDataLoader"
             )
@@ -317,7 +320,7 @@ def dataloader_stateful(loader: Any) -> Stateful:
     elif isinstance(loader, Stateful):
         stateful = loader
     else:
-        raise TypeError(f"{type(loader).__name__} has no state_dict()/load_state_dict()")
+        raise InvalidTypeError(f"{type(loader).__name__} has no state_dict()/load_state_dict()")
     if isinstance(loader, DataLoader) and loader.generator is None and loader.num_workers > 0:
         warnings.warn(
             "the DataLoader has no generator=: creating its iterator after a restore draws "
@@ -422,7 +425,7 @@ class TrainState:
             return self.models[optimizer_name]
         if len(self.models) == 1:
             return next(iter(self.models.values()))
-        raise ValueError(
+        raise InvalidArgumentError(
             f"optimizer {optimizer_name!r} needs a model of the same name (models: "
             f"{sorted(self.models)})"
         )
@@ -460,7 +463,9 @@ def _named(value: Any, what: str) -> dict[str, Any]:
 
 def _stateful(value: Any, what: str) -> Stateful:
     if not isinstance(value, Stateful):
-        raise TypeError(f"{what} {type(value).__name__} has no state_dict()/load_state_dict()")
+        raise InvalidTypeError(
+            f"{what} {type(value).__name__} has no state_dict()/load_state_dict()"
+        )
     return value
 
 
@@ -495,7 +500,7 @@ def as_dcp_state(state: TrainState | Mapping[str, Any], step: int | None = None)
     if isinstance(state, TrainState):
         return {key: EncodedStateful(part, key) for key, part in state.parts(step).items()}
     if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a TrainState or a dict, got {type(state).__name__}")
+        raise InvalidTypeError(f"state must be a TrainState or a dict, got {type(state).__name__}")
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     converted: dict[str, Any] = {}
     for key, value in state.items():
@@ -503,7 +508,7 @@ def as_dcp_state(state: TrainState | Mapping[str, Any], step: int | None = None)
             converted[key] = EncodedStateful(ModelState(value), str(key))
         elif isinstance(value, torch.optim.Optimizer):
             if len(modules) != 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"optimizer {key!r} needs exactly one model in the same dict (found "
                     f"{len(modules)}); use TrainState for several"
                 )

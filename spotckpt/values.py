@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from spotckpt.errors import CheckpointError
+from spotckpt.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
 
 TAG = "__spotckpt_value__"
 PLAIN_TYPES: frozenset[type] = frozenset(
@@ -73,7 +73,7 @@ class ValueLoadError(CheckpointError):
 def allow_enum(cls: EnumT) -> EnumT:
     """Allow-list an Enum class so its members are stored by value; returns `cls`."""
     if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
-        raise TypeError(f"allow_enum takes an Enum class, got {cls!r}")
+        raise InvalidTypeError(f"allow_enum takes an Enum class, got {cls!r}")
     ALLOWED_ENUMS[_type_name(cls)] = cls
     return cls
 
@@ -259,17 +259,17 @@ def _decode_numpy(fields: tuple[Any, ...], path: str) -> np.ndarray:
     dtype_text, tensor = fields
     dtype = np.dtype(dtype_text)
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a tensor, found {type(tensor).__name__}")
+        raise InvalidTypeError(f"expected a tensor, found {type(tensor).__name__}")
     array = tensor.numpy()
     if array.dtype != dtype.newbyteorder("="):
-        raise TypeError(f"the tensor holds {array.dtype}, the stored dtype is {dtype}")
+        raise InvalidTypeError(f"the tensor holds {array.dtype}, the stored dtype is {dtype}")
     return array if array.dtype == dtype else array.astype(dtype)
 
 
 def _decode_npscalar(fields: tuple[Any, ...], path: str) -> Any:
     array = _decode_numpy(fields, path)
     if array.ndim != 0:
-        raise ValueError(f"a numpy scalar needs a 0-d tensor, found shape {array.shape}")
+        raise InvalidArgumentError(f"a numpy scalar needs a 0-d tensor, found shape {array.shape}")
     return array[()]
 
 
@@ -295,7 +295,7 @@ def _decode_iso(cls: type[datetime.date] | type[datetime.time]) -> Callable[...,
     def decode_text(fields: tuple[Any, ...], path: str) -> Any:
         (text,) = fields
         if not isinstance(text, str):
-            raise TypeError(f"expected ISO text, found {type(text).__name__}")
+            raise InvalidTypeError(f"expected ISO text, found {type(text).__name__}")
         return cls.fromisoformat(text)
 
     return decode_text

@@ -26,7 +26,7 @@ from spotckpt.chunks import (
     ObjectSizeError,
     describe,
 )
-from spotckpt.errors import ManifestError
+from spotckpt.errors import InvalidArgumentError, ManifestError
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.storage.base import ObjectInfo, ObjectStore
 from spotckpt.values import ValueLoadError, load_plain
@@ -119,7 +119,7 @@ def verify_checkpoint(
     about the checkpoint itself (permission denied, network) propagate.
     """
     if piece_size < 1 or max_workers < 1:
-        raise ValueError("piece_size and max_workers must be positive")
+        raise InvalidArgumentError("piece_size and max_workers must be positive")
     report = VerifyReport(step=step)
     key = manifest_key(step)
     try:

@@ -11,6 +11,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from spotckpt.errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     import torch
 
@@ -83,5 +85,7 @@ def dtype_of(tensor_dtype: torch.dtype) -> DType:
     """The table entry for a torch dtype; ValueError for unsupported ones (complex, quantized)."""
     found = _by_torch().get(tensor_dtype)
     if found is None:
-        raise ValueError(f"dtype {tensor_dtype} cannot be stored in a safetensors checkpoint")
+        raise InvalidArgumentError(
+            f"dtype {tensor_dtype} cannot be stored in a safetensors checkpoint"
+        )
     return found

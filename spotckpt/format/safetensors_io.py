@@ -21,7 +21,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from spotckpt.checksum import crc32c
-from spotckpt.errors import CheckpointError
+from spotckpt.errors import CheckpointError, InvalidArgumentError
 from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_CODE, DType
 from spotckpt.format.manifest import MAX_DIMS
@@ -109,7 +109,7 @@ class SafetensorsStreamWriter:
     ) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
-            raise ValueError("tensor names in one safetensors file must be unique")
+            raise InvalidArgumentError("tensor names in one safetensors file must be unique")
         self._writer = writer
         self._pending = list(reversed(specs))
         self._block_size = block_size
@@ -122,10 +122,12 @@ class SafetensorsStreamWriter:
         """Stream the bytes of the next tensor; returns where they landed and their CRCs."""
         if not self._pending or self._pending[-1].name != name:
             expected = self._pending[-1].name if self._pending else "nothing"
-            raise ValueError(f"expected tensor {expected!r} next, got {name!r}")
+            raise InvalidArgumentError(f"expected tensor {expected!r} next, got {name!r}")
         spec = self._pending.pop()
         if data.nbytes != spec.nbytes:
-            raise ValueError(f"tensor {name!r} has {data.nbytes} bytes, header says {spec.nbytes}")
+            raise InvalidArgumentError(
+                f"tensor {name!r} has {data.nbytes} bytes, header says {spec.nbytes}"
+            )
         crcs = block_crcs(data, self._block_size)
         for start in range(0, data.nbytes, _WRITE_SLICE):
             piece = data[start : start + _WRITE_SLICE]
@@ -138,7 +140,7 @@ class SafetensorsStreamWriter:
     def finish(self) -> tuple[int, int]:
         """Check that every tensor was written; returns the object's size and CRC32C."""
         if self._pending:
-            raise ValueError(f"tensor {self._pending[-1].name!r} was never written")
+            raise InvalidArgumentError(f"tensor {self._pending[-1].name!r} was never written")
         return self._position, self._crc
 
 

@@ -27,6 +27,7 @@ from typing_extensions import Self
 
 from spotckpt.errors import (  # noqa: F401 (re-exported: the storage layer's errors)
     AlreadyExistsError,
+    InvalidArgumentError,
     InvalidKeyError,
     ObjectNotFoundError,
     PermissionDeniedError,
@@ -249,7 +250,7 @@ def open_store(uri: str, **options: Any) -> ObjectStore:
     factory = _FACTORIES.get(scheme)
     if factory is None:
         known = ", ".join(sorted(f"{s}://" for s in _FACTORIES))
-        raise ValueError(f"unsupported storage URI scheme {scheme!r}; use one of {known}")
+        raise InvalidArgumentError(f"unsupported storage URI scheme {scheme!r}; use one of {known}")
     return factory(uri, dict(options))
 
 

@@ -76,6 +76,7 @@ from google.cloud.storage.client import Client
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from spotckpt.checksum import crc32c, crc32c_b64
+from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage.base import (
     AlreadyExistsError,
     ChunkedWriter,
@@ -232,18 +233,20 @@ class GCSOptions:
 
     def __post_init__(self) -> None:
         if self.chunk_size < CHUNK_MULTIPLE or self.chunk_size % CHUNK_MULTIPLE:
-            raise ValueError(f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE} bytes")
+            raise InvalidArgumentError(
+                f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE} bytes"
+            )
         if not 1 <= self.max_concurrency <= 256:
-            raise ValueError("max_concurrency must be between 1 and 256")
+            raise InvalidArgumentError("max_concurrency must be between 1 and 256")
         if not 1 <= self.list_page_size <= 1000:
-            raise ValueError("list_page_size must be between 1 and 1000")
+            raise InvalidArgumentError("list_page_size must be between 1 and 1000")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("connect_timeout_s and read_timeout_s must be positive")
+            raise InvalidArgumentError("connect_timeout_s and read_timeout_s must be positive")
         if self.endpoint_url is not None and urlsplit(self.endpoint_url).scheme not in (
             "http",
             "https",
         ):
-            raise ValueError("endpoint_url must be an http:// or https:// URL")
+            raise InvalidArgumentError("endpoint_url must be an http:// or https:// URL")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> GCSOptions:
@@ -251,7 +254,9 @@ class GCSOptions:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(options) - set(known))
         if unknown:
-            raise ValueError(f"unknown GCS storage options {unknown}; known: {sorted(known)}")
+            raise InvalidArgumentError(
+                f"unknown GCS storage options {unknown}; known: {sorted(known)}"
+            )
         return cls(**{k: _coerce(v, known[k].type) for k, v in options.items()})
 
 
@@ -556,7 +561,7 @@ class GCSStore:
 
     def __init__(self, bucket: str, prefix: str, options: GCSOptions) -> None:
         if not _BUCKET_NAME.match(bucket):
-            raise ValueError(f"{bucket!r} is not a valid GCS bucket name")
+            raise InvalidArgumentError(f"{bucket!r} is not a valid GCS bucket name")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         if self.prefix:
@@ -688,7 +693,9 @@ class GCSStore:
         """Cancel a resumable upload session; one that is already gone counts as cancelled."""
         if not session_url.startswith(f"{self.endpoint}/upload/storage/v1/b/"):
             # the session carries our credentials: never send them anywhere else
-            raise ValueError(f"{key!r}: upload id is not a session URL of {self.endpoint}")
+            raise InvalidArgumentError(
+                f"{key!r}: upload id is not a session URL of {self.endpoint}"
+            )
 
         def cancel() -> None:
             response = self.session.delete(session_url, timeout=self.timeout)
@@ -768,7 +775,7 @@ class GCSStore:
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Read `length` bytes from `start`; short or empty past the end of the object."""
         if start < 0 or length < 0:
-            raise ValueError("range start and length must be non-negative")
+            raise InvalidArgumentError("range start and length must be non-negative")
         self.full_name(key)
         if length == 0:
             return b""
@@ -855,9 +862,11 @@ def open_gcs_store(uri: str, options: dict[str, Any]) -> GCSStore:
     """Factory for ``gs://bucket/prefix`` and ``gcs://bucket/prefix``; see `GCSOptions`."""
     parts = urlsplit(uri)
     if not parts.netloc:
-        raise ValueError(f"GCS URI {uri!r} has no bucket; use gs://bucket/prefix")
+        raise InvalidArgumentError(f"GCS URI {uri!r} has no bucket; use gs://bucket/prefix")
     if parts.username or parts.password or "@" in parts.netloc:
-        raise ValueError("GCS URI must not carry credentials; use Application Default Credentials")
+        raise InvalidArgumentError(
+            "GCS URI must not carry credentials; use Application Default Credentials"
+        )
     if parts.query or parts.fragment:
-        raise ValueError(f"GCS URI {uri!r} must not have a query or fragment")
+        raise InvalidArgumentError(f"GCS URI {uri!r} must not have a query or fragment")
     return GCSStore(parts.netloc, parts.path, GCSOptions.from_options(options))

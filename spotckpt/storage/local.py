@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlsplit
 
+from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage.base import (
     AlreadyExistsError,
     ObjectInfo,
@@ -244,7 +245,7 @@ class LocalStore:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
-            raise ValueError("range start and length must be non-negative")
+            raise InvalidArgumentError("range start and length must be non-negative")
         with self._open_object(key) as file:
             file.seek(start)
             return file.read(length)
@@ -403,10 +404,10 @@ def open_local_store(uri: str, options: dict[str, Any]) -> LocalStore:
     parts = urlsplit(uri)
     path = unquote(parts.path) if parts.scheme == "file" else uri
     if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
-        raise ValueError(f"file:// URI {uri!r} names a host; use file:///absolute/path")
+        raise InvalidArgumentError(f"file:// URI {uri!r} names a host; use file:///absolute/path")
     fsync = options.pop("fsync", True)
     if isinstance(fsync, str):
         fsync = fsync.strip().lower() not in ("0", "false", "no", "off")
     if options:
-        raise ValueError(f"local store takes no options {sorted(options)}")
+        raise InvalidArgumentError(f"local store takes no options {sorted(options)}")
     return LocalStore(Path(path).expanduser(), fsync=bool(fsync))

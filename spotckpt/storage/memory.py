@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
+from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage.base import (
     AlreadyExistsError,
     ObjectInfo,
@@ -96,7 +97,7 @@ class MemoryStore:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
-            raise ValueError("range start and length must be non-negative")
+            raise InvalidArgumentError("range start and length must be non-negative")
         return self.get(key)[start : start + length]
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -141,5 +142,5 @@ def open_memory_store(uri: str, options: dict[str, Any]) -> MemoryStore:
     parts = urlsplit(uri)
     name = (parts.netloc + parts.path).strip("/") or "default"
     if options:
-        raise ValueError(f"memory:// store takes no options {sorted(options)}")
+        raise InvalidArgumentError(f"memory:// store takes no options {sorted(options)}")
     return MemoryStore(name)

@@ -31,6 +31,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage.base import StorageError
 
 T = TypeVar("T")
@@ -100,11 +101,11 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
-            raise ValueError("RetryPolicy.max_attempts must be at least 1")
+            raise InvalidArgumentError("RetryPolicy.max_attempts must be at least 1")
         if self.initial_backoff_s < 0 or self.max_backoff_s < self.initial_backoff_s:
-            raise ValueError("RetryPolicy needs 0 <= initial_backoff_s <= max_backoff_s")
+            raise InvalidArgumentError("RetryPolicy needs 0 <= initial_backoff_s <= max_backoff_s")
         if self.deadline_s <= 0:
-            raise ValueError("RetryPolicy.deadline_s must be positive")
+            raise InvalidArgumentError("RetryPolicy.deadline_s must be positive")
 
     def deadline(self, what: str) -> Deadline:
         """A new deadline for the operation `what`, `deadline_s` from now."""

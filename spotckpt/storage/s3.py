@@ -37,6 +37,7 @@ import botocore.exceptions
 import urllib3.exceptions
 
 from spotckpt.checksum import crc32c_b64
+from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage.base import (
     AlreadyExistsError,
     ChunkedWriter,
@@ -135,15 +136,17 @@ class S3Options:
 
     def __post_init__(self) -> None:
         if self.part_size < MIN_PART_SIZE:
-            raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
+            raise InvalidArgumentError(
+                f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)"
+            )
         if not 1 <= self.max_concurrency <= 256:
-            raise ValueError("max_concurrency must be between 1 and 256")
+            raise InvalidArgumentError("max_concurrency must be between 1 and 256")
         if not 1 <= self.list_page_size <= 1000:
-            raise ValueError("list_page_size must be between 1 and 1000")
+            raise InvalidArgumentError("list_page_size must be between 1 and 1000")
         if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
-            raise ValueError("aws_access_key_id and aws_secret_access_key go together")
+            raise InvalidArgumentError("aws_access_key_id and aws_secret_access_key go together")
         if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ValueError("addressing_style must be 'auto', 'path' or 'virtual'")
+            raise InvalidArgumentError("addressing_style must be 'auto', 'path' or 'virtual'")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> S3Options:
@@ -151,7 +154,9 @@ class S3Options:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(options) - set(known))
         if unknown:
-            raise ValueError(f"unknown S3 storage options {unknown}; known: {sorted(known)}")
+            raise InvalidArgumentError(
+                f"unknown S3 storage options {unknown}; known: {sorted(known)}"
+            )
         return cls(**{k: _coerce(v, known[k].type) for k, v in options.items()})
 
 
@@ -252,7 +257,9 @@ class S3Store:
 
     def __init__(self, bucket: str, prefix: str, options: S3Options) -> None:
         if len(bucket) < 3:
-            raise ValueError(f"S3 bucket name {bucket!r} is too short (3 characters at least)")
+            raise InvalidArgumentError(
+                f"S3 bucket name {bucket!r} is too short (3 characters at least)"
+            )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.options = options
@@ -393,7 +400,7 @@ class S3Store:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
-            raise ValueError("range start and length must be non-negative")
+            raise InvalidArgumentError("range start and length must be non-negative")
         if length == 0:
             return b""
         byte_range = f"bytes={start}-{start + length - 1}"
@@ -524,9 +531,11 @@ def open_s3_store(uri: str, options: dict[str, Any]) -> S3Store:
     """Factory for ``s3://bucket/prefix``; see `S3Options` for the options."""
     parts = urlsplit(uri)
     if not parts.netloc:
-        raise ValueError(f"S3 URI {uri!r} has no bucket; use s3://bucket/prefix")
+        raise InvalidArgumentError(f"S3 URI {uri!r} has no bucket; use s3://bucket/prefix")
     if parts.username or parts.password:
-        raise ValueError("S3 URI must not carry credentials; use the standard AWS credential chain")
+        raise InvalidArgumentError(
+            "S3 URI must not carry credentials; use the standard AWS credential chain"
+        )
     if "endpoint_url" not in options:
         options["endpoint_url"] = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
             "AWS_ENDPOINT_URL"
