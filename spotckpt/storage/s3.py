@@ -2,8 +2,12 @@
 
 Design choices:
 - Objects smaller than one part go up in a single PUT; larger ones as a multipart upload whose
-  parts are uploaded by a bounded thread pool. A writer holds at most ``max_concurrency + 1``
-  part buffers, so memory is about ``part_size * (max_concurrency + 1)`` whatever the object size.
+  parts are uploaded by a bounded thread pool. Parts in flight are bounded in bytes
+  (``part_size * max_concurrency``), plus the one being filled, whatever the object size.
+- No size ceiling below S3's own 5 TiB: S3 allows 10,000 parts, which at a fixed 16 MiB stops an
+  object at 156 GiB. The part size doubles every `PARTS_PER_DOUBLING` parts (`part_size_for`),
+  up to S3's 5 GiB part limit, so 10,000 parts hold more than 5 TiB even from the 5 MiB minimum;
+  objects below 15 GiB (at 16 MiB) never see a larger part.
 - Create-only writes send ``If-None-Match: *`` on the PUT or on CompleteMultipartUpload; S3
   answers 412 when the key exists, which becomes `AlreadyExistsError`.
 - Any failure aborts the multipart upload, so no parts are left to bill.
@@ -55,7 +59,10 @@ T = TypeVar("T")
 
 MIB = 1 << 20
 MIN_PART_SIZE = 5 * MIB
+MAX_PART_SIZE = 5 << 30
 MAX_PARTS = 10_000
+MAX_OBJECT_SIZE = 5 << 40
+PARTS_PER_DOUBLING = 950
 DELETE_BATCH = 1000
 
 _TRANSIENT_CODES = frozenset(
@@ -173,6 +180,30 @@ def _coerce(value: Any, annotation: Any) -> Any:
     return value
 
 
+def part_size_for(number: int, base: int) -> int:
+    """Size of part `number` (1-based) of a multipart upload whose first parts are `base`."""
+    return min(MAX_PART_SIZE, base << ((number - 1) // PARTS_PER_DOUBLING))
+
+
+class _BytesInFlight:
+    """Bounds the bytes of parts being uploaded; a part larger than the budget goes alone."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self.condition = threading.Condition()
+
+    def acquire(self, size: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.used == 0 or self.used + size <= self.budget)
+            self.used += size
+
+    def release(self, size: int) -> None:
+        with self.condition:
+            self.used -= size
+            self.condition.notify_all()
+
+
 class S3Writer(ChunkedWriter):
     """One streamed object: a single PUT when small, else a parallel multipart upload."""
 
@@ -184,7 +215,7 @@ class S3Writer(ChunkedWriter):
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
-        self._slots = threading.BoundedSemaphore(store.options.max_concurrency)
+        self._in_flight = _BytesInFlight(store.options.part_size * store.options.max_concurrency)
         self._size = 0
         self._closed = False
 
@@ -196,14 +227,17 @@ class S3Writer(ChunkedWriter):
         if self._upload_id is None:
             self._upload_id = self._store.create_multipart(self._key)
         if len(self._parts) >= MAX_PARTS:
-            raise StorageError(f"{self._key!r} needs more than {MAX_PARTS} parts; raise part_size")
+            raise StorageError(
+                f"{self._key!r} is larger than S3's limit of {MAX_OBJECT_SIZE >> 40} TiB per object"
+            )
         body, self._buffer = self._buffer, bytearray()
-        self._slots.acquire()
         number = len(self._parts) + 1
+        self._chunk_limit = part_size_for(number + 1, self._store.options.part_size)
+        self._in_flight.acquire(len(body))
         try:
             future = self._store.pool.submit(self._upload_part, self._upload_id, number, body)
         except BaseException:
-            self._slots.release()
+            self._in_flight.release(len(body))
             raise
         self._parts.append(future)
 
@@ -211,7 +245,7 @@ class S3Writer(ChunkedWriter):
         try:
             return self._store.upload_part(self._key, upload_id, number, body)
         finally:
-            self._slots.release()
+            self._in_flight.release(len(body))
 
     def _raise_failed_part(self) -> None:
         for future in self._parts:
