@@ -13,6 +13,7 @@ from spotckpt.version import __version__
 
 if TYPE_CHECKING:
     from spotckpt.config import Config, ConfigError
+    from spotckpt.dcp import dcp_reader, dcp_writer
     from spotckpt.errors import (
         CheckpointAlreadyCommittedError,
         CheckpointError,
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     )
     from spotckpt.manager import CheckpointManager, KeyMismatchError
     from spotckpt.preemption import PreemptionWatcher
+    from spotckpt.seeding import SampleKey, SeededDataset, sample_seed
     from spotckpt.state import ResumableSampler, TrainState, track_batches
     from spotckpt.storage import open_store
 
@@ -40,9 +42,14 @@ _LAZY = {
     "NoCheckpointError": "spotckpt.errors",
     "PreemptionWatcher": "spotckpt.preemption",
     "ResumableSampler": "spotckpt.state",
+    "SampleKey": "spotckpt.seeding",
     "SaveFailedError": "spotckpt.errors",
+    "SeededDataset": "spotckpt.seeding",
     "TrainState": "spotckpt.state",
+    "dcp_reader": "spotckpt.dcp",
+    "dcp_writer": "spotckpt.dcp",
     "open_store": "spotckpt.storage",
+    "sample_seed": "spotckpt.seeding",
     "track_batches": "spotckpt.state",
 }
 
@@ -74,9 +81,14 @@ __all__ = [
     "NoCheckpointError",
     "PreemptionWatcher",
     "ResumableSampler",
+    "SampleKey",
     "SaveFailedError",
+    "SeededDataset",
     "TrainState",
     "__version__",
+    "dcp_reader",
+    "dcp_writer",
     "open_store",
+    "sample_seed",
     "track_batches",
 ]

@@ -517,3 +517,30 @@ def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
     torch.save(value, stream)
     stream.seek(0)
     return stream
+
+
+# Raw DCP ----------------------------------------------------------------------------------------
+
+
+def dcp_writer(uri: str, step: int, **storage_options: Any) -> ObjectStoreWriter:
+    """A StorageWriter for ``torch.distributed.checkpoint.save`` / ``async_save`` without a
+    manager: it streams each rank's objects to `uri` and commits `step` with its manifest, like
+    `CheckpointManager.save` (create-only; a committed step is never overwritten)."""
+    from spotckpt.storage.base import open_store
+    from spotckpt.version import __version__
+
+    return ObjectStoreWriter(
+        open_store(uri, **storage_options),
+        step,
+        versions={"spotckpt": __version__, "torch": torch.__version__},
+    )
+
+
+def dcp_reader(uri: str, step: int | None = None, **storage_options: Any) -> ObjectStoreReader:
+    """A StorageReader for ``torch.distributed.checkpoint.load``: `step`, or the latest
+    committed one (NoCheckpointError when there is none). Values are only ever unpickled with
+    ``weights_only=True``, whatever load planner DCP is given."""
+    from spotckpt.storage.base import open_store
+
+    catalog = Catalog(open_store(uri, **storage_options))
+    return ObjectStoreReader(catalog.store, catalog.read_manifest(catalog.resolve(step)))

@@ -254,6 +254,20 @@ def coordinator_dies_after_commit(rank: int, world: int, args: dict[str, Any]) -
     os._exit(0)  # the group is broken; leave without collective teardown
 
 
+def raw_dcp(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Plain DCP on a gloo group with spotckpt's writer and reader: save step 4, load it back."""
+    import torch.distributed.checkpoint as dcp
+
+    import spotckpt
+
+    state = {f"w{rank}": torch.full((1000,), float(rank)), "shared": torch.arange(10.0)}
+    dcp.save(state, storage_writer=spotckpt.dcp_writer(args["uri"], 4))
+    loaded = {f"w{rank}": torch.zeros(1000), "shared": torch.zeros(10)}
+    dcp.load(loaded, storage_reader=spotckpt.dcp_reader(args["uri"]))
+    same = all(torch.equal(loaded[k], state[k]) for k in state)
+    (Path(args["out"]) / f"loaded-{rank}").write_text("ok" if same else "different")
+
+
 class DieAfterCommitStore(FailingStore):
     """SIGKILLs its own process as soon as a manifest put has succeeded."""
 
@@ -294,6 +308,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "failing_rank": failing_rank,
     "killed_rank": killed_rank,
     "coordinator_dies_after_commit": coordinator_dies_after_commit,
+    "raw_dcp": raw_dcp,
 }
 
 

@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import enum
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,12 @@ from torch import nn
 
 from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, TrainState
 from spotckpt.catalog import manifest_key
-from spotckpt.checksum import crc32c
 from spotckpt.dcp import ObjectStoreWriter
-from spotckpt.format.safetensors_io import block_crcs
 from spotckpt.storage import open_store
 from spotckpt.values import ALLOWED_ENUMS, UnsupportedValueError, ValueLoadError, allow_enum
 from spotckpt.verify import verify_checkpoint
+
+from tests_support import Exploit, forge_value
 
 
 @allow_enum
@@ -52,16 +51,6 @@ class Config:
 class Custom:
     def __init__(self) -> None:
         self.x = 1
-
-
-class Exploit:
-    """A pickle payload that would create `path` when unpickled without weights_only."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return (Path.touch, (str(self.path),))  # type: ignore[return-value]
 
 
 AWARE = datetime.datetime(
@@ -232,21 +221,6 @@ def test_writer_refuses_value_bytes_that_would_not_load(root: Path) -> None:
     assert not store.exists(manifest_key(1))
 
 
-def _forge_value(root: Path, step: int, fqn: str, payload: bytes) -> None:
-    """Replace one stored value with `payload`, fixing every checksum so only the value is bad."""
-    document = json.loads((root / manifest_key(step)).read_text())
-    entry = document["values"][fqn]
-    record = next(o for o in document["objects"] if o["key"] == entry["key"])
-    path = root / manifest_key(step).rsplit("/", 1)[0] / entry["key"]
-    data = path.read_bytes()
-    forged = data[: entry["offset"]] + payload + data[entry["offset"] + entry["length"] :]
-    path.write_bytes(forged)
-    entry["length"] = len(payload)
-    entry["block_crc32c"] = list(block_crcs(payload, document["block_size"]))
-    record["size"], record["crc32c"] = len(forged), crc32c(forged)
-    (root / manifest_key(step)).write_text(json.dumps(document))
-
-
 def test_forged_value_is_a_clear_error_not_corruption(
     manager: CheckpointManager, root: Path, tmp_path: Path
 ) -> None:
@@ -255,7 +229,7 @@ def test_forged_value_is_a_clear_error_not_corruption(
     marker = tmp_path / "pwned"
     payload = io.BytesIO()
     torch.save(Exploit(marker), payload)
-    _forge_value(root, 2, "train.extra.epoch", payload.getvalue())
+    forge_value(root, 2, "train.extra.epoch", payload.getvalue())
 
     extra = {"epoch": 0}
     state = TrainState(extra=extra, rng=False)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
+from spotckpt.catalog import manifest_key
+from spotckpt.checksum import crc32c
+from spotckpt.format.safetensors_io import block_crcs
 from spotckpt.storage import ObjectInfo, ObjectStore, ObjectWriter, UploadInfo
 
 
@@ -88,3 +93,28 @@ class FailingStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class Exploit:
+    """A pickle payload that would create `path` when unpickled without weights_only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (Path.touch, (str(self.path),))  # type: ignore[return-value]
+
+
+def forge_value(root: Path, step: int, fqn: str, payload: bytes) -> None:
+    """Replace one stored value with `payload`, fixing every checksum so only the value is bad."""
+    document = json.loads((root / manifest_key(step)).read_text())
+    entry = document["values"][fqn]
+    record = next(o for o in document["objects"] if o["key"] == entry["key"])
+    path = root / manifest_key(step).rsplit("/", 1)[0] / entry["key"]
+    data = path.read_bytes()
+    forged = data[: entry["offset"]] + payload + data[entry["offset"] + entry["length"] :]
+    path.write_bytes(forged)
+    entry["length"] = len(payload)
+    entry["block_crc32c"] = list(block_crcs(payload, document["block_size"]))
+    record["size"], record["crc32c"] = len(forged), crc32c(forged)
+    (root / manifest_key(step)).write_text(json.dumps(document))
