@@ -48,6 +48,9 @@ _ALL = [
     DType("bool", "BOOL", 1, False),
     DType("float8_e4m3fn", "F8_E4M3", 1, True),
     DType("float8_e5m2", "F8_E5M2", 1, True),
+    DType("float8_e4m3fnuz", "F8_E4M3FNUZ", 1, True),
+    DType("float8_e5m2fnuz", "F8_E5M2FNUZ", 1, True),
+    DType("complex64", "C64", 8, False),
 ]
 BY_NAME = {d.name: d for d in _ALL}
 BY_CODE = {d.code: d for d in _ALL}
@@ -73,6 +76,9 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
         "bool": torch.bool,
         "float8_e4m3fn": torch.float8_e4m3fn,
         "float8_e5m2": torch.float8_e5m2,
+        "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+        "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+        "complex64": torch.complex64,
     }
 
 
@@ -82,7 +88,8 @@ def _by_torch() -> dict[torch.dtype, DType]:
 
 
 def dtype_of(tensor_dtype: torch.dtype) -> DType:
-    """The table entry for a torch dtype; ValueError for unsupported ones (complex, quantized)."""
+    """The table entry for a torch dtype; InvalidArgumentError (a ValueError) for the ones that
+    safetensors cannot hold (complex128, quantized, sub-byte types)."""
     found = _by_torch().get(tensor_dtype)
     if found is None:
         raise InvalidArgumentError(
