@@ -1,7 +1,9 @@
 """A tiny character-level transformer that survives spot eviction.
 
 Read this top to bottom: data, model, then the training loop, which is ordinary PyTorch plus four
-spotckpt calls (`from_config`, `restore`, `maybe_save`, `should_stop`).
+spotckpt calls (`from_config`, `restore`, `maybe_save`, `should_stop`). The data loader is driven
+by a `ResumableSampler`, and its dataset is wrapped in a `SeededDataset`, so that the random
+masking drawn in the worker processes is reproduced exactly after a resume.
 
     SPOTCKPT_URI=s3://bucket/runs/tiny python examples/train.py --steps 200
     SPOTCKPT_URI=/tmp/ckpt-ddp torchrun --standalone --nproc-per-node=2 examples/train.py
@@ -37,6 +39,7 @@ from spotckpt import (
     PREEMPTED_EXIT_CODE,
     CheckpointManager,
     ResumableSampler,
+    SeededDataset,
     TrainState,
     track_batches,
 )
@@ -92,13 +95,20 @@ def make_corpus(characters: int = 60_000, seed: int = 1234) -> str:
 
 
 class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Overlapping windows of characters: input and next-character target."""
+    """Windows of characters: input and next-character target.
 
-    def __init__(self, text: str, window: int) -> None:
+    As augmentation, each input character is replaced by a mask token with probability
+    `mask_rate`, drawn from torch's RNG in the worker that loads the window.
+    """
+
+    def __init__(self, text: str, window: int, mask_rate: float = 0.1) -> None:
         self.vocab = sorted(set(text))
         index = {c: i for i, c in enumerate(self.vocab)}
         self.data = torch.tensor([index[c] for c in text], dtype=torch.long)
         self.window = window
+        self.mask_rate = mask_rate
+        self.mask_token = len(self.vocab)
+        self.tokens = len(self.vocab) + 1  # the characters and the mask token
 
     def __len__(self) -> int:
         return (len(self.data) - 1) // self.window
@@ -106,7 +116,8 @@ class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.window
         chunk = self.data[start : start + self.window + 1]
-        return chunk[:-1], chunk[1:]
+        masked = torch.rand(self.window) < self.mask_rate
+        return chunk[:-1].masked_fill(masked, self.mask_token), chunk[1:]
 
 
 # Model ------------------------------------------------------------------------------------------
@@ -208,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed + rank)
     torch.set_num_threads(1)
 
-    dataset = CharWindows(make_corpus(args.corpus_chars), args.window)
+    windows = CharWindows(make_corpus(args.corpus_chars), args.window)
+    # Each window's masking is seeded from (seed, epoch, index), whichever worker loads it.
+    dataset = SeededDataset(windows, seed=args.seed + rank)
     sampler = ResumableSampler(len(dataset), seed=args.seed + rank)
     loader = DataLoader(
         dataset,
@@ -218,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         drop_last=True,
         generator=torch.Generator().manual_seed(args.seed),  # keeps the global RNG untouched
     )
-    model: nn.Module = TinyTransformer(len(dataset.vocab), args.window)
+    model: nn.Module = TinyTransformer(windows.tokens, args.window)
     if world > 1:
         model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Sampler
 
 from spotckpt.errors import InvalidArgumentError, InvalidTypeError
+from spotckpt.seeding import SampleKey
 from spotckpt.values import decode, encode
 
 log = logging.getLogger("spotckpt")
@@ -156,12 +157,15 @@ class RNGState:
             torch.cuda.set_rng_state_all(saved[: torch.cuda.device_count()])
 
 
-class ResumableSampler(Sampler[int]):
+class ResumableSampler(Sampler[SampleKey]):
     """Shuffles `length` indices per epoch from `seed` and resumes mid-epoch.
 
     A DataLoader prefetches indices ahead of what the loop has consumed, so the sampler cannot
     know the position by itself: iterate the loader through `track_batches`, which counts each
     batch the loop actually received and rolls the epoch over at the end.
+
+    The indices are `SampleKey` ints carrying their epoch, so that a `SeededDataset` can seed
+    each sample's randomness in the worker that produces it.
     """
 
     def __init__(self, length: int, *, seed: int = 0, shuffle: bool = True) -> None:
@@ -180,8 +184,9 @@ class ResumableSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.length, generator=generator).tolist()
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order(self.epoch)[self.consumed :])
+    def __iter__(self) -> Iterator[SampleKey]:
+        epoch = self.epoch
+        return (SampleKey(i, epoch) for i in self.order(epoch)[self.consumed :])
 
     def __len__(self) -> int:
         return self.length - self.consumed
@@ -215,7 +220,7 @@ def track_batches(loader: DataLoader) -> Iterator[Any]:
         raise InvalidTypeError(
             "track_batches needs a DataLoader whose sampler is a ResumableSampler"
         )
-    batch_size = loader.batch_size or 1
+    batch_size: int = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
     for batch in loader:
         sampler.consumed = min(sampler.length, sampler.consumed + batch_size)
         yield batch

@@ -1,7 +1,7 @@
 """Exact resume: a run killed with SIGKILL and restarted matches an uninterrupted run bit for bit.
 
-These run the real example (`examples/train.py`, two data-loader workers, dropout, AdamW,
-warm-up + cosine, gradient accumulation) as child processes.
+These run the real example (`examples/train.py`, two data-loader workers that mask input
+characters at random, dropout, AdamW, warm-up + cosine, gradient accumulation) as child processes.
 """
 
 from __future__ import annotations
