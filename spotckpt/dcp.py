@@ -320,8 +320,43 @@ class ReadStats:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
 
+@dataclass(frozen=True)
+class SharedRead:
+    """A tensor piece that several ranks load: `source` reads it, then broadcasts it."""
+
+    key: tuple[Any, ...]
+    source: int
+    dtype: str
+    lengths: tuple[int, ...]
+
+
+@dataclass
+class SharedReads:
+    """A rank's part of the shared-read plan: every rank holds the same ordered `reads` (they
+    are collectives) and the read items it receives instead of reading them."""
+
+    reads: list[SharedRead]
+    receive: dict[tuple[Any, ...], ReadItem]
+
+
+def _read_key(item: ReadItem) -> tuple[Any, ...]:
+    index = item.storage_index
+    return (
+        index.fqn,
+        tuple(index.offset or ()),
+        tuple(item.storage_offsets),
+        tuple(item.lengths),
+    )
+
+
 class ObjectStoreReader(StorageReader):
-    """Reads one committed checkpoint described by `manifest`; see the module docstring."""
+    """Reads one committed checkpoint described by `manifest`; see the module docstring.
+
+    With a process `group`, a tensor piece that several ranks load (DDP replicas, the replicated
+    dimension of HSDP) is read from the bucket once, by one of them (spread for balance), and
+    broadcast to the others inside `read_data`, so a restart reads the checkpoint about once
+    whatever the number of replicas.
+    """
 
     def __init__(
         self,
@@ -331,8 +366,10 @@ class ObjectStoreReader(StorageReader):
         max_parallel_reads: int = 8,
         max_read_bytes: int = 16 << 20,
         coalesce_gap: int = 64 << 10,
+        group: Any = None,
     ) -> None:
         super().__init__()
+        self.group = group
         self.store = store
         self.manifest = manifest
         self.folder = step_folder(manifest.step)
@@ -368,13 +405,74 @@ class ObjectStoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """On the coordinator: give each tensor piece wanted by several ranks to one reader."""
+        if self.group is None or len(plans) < 2:
+            return plans
+        wanted: dict[tuple[Any, ...], list[tuple[int, ReadItem]]] = {}
+        for rank, plan in enumerate(plans):
+            for item in plan.items:
+                if item.type != LoadItemType.BYTE_IO:
+                    wanted.setdefault(_read_key(item), []).append((rank, item))
+        load = [0] * len(plans)
+        reads: list[SharedRead] = []
+        dropped: list[set[int]] = [set() for _ in plans]  # id() of items others read for them
+        for key in sorted(k for k, ranks in wanted.items() if len(ranks) > 1):
+            holders = wanted[key]
+            item = holders[0][1]
+            dtype, _sizes = self.chunk_sizes[item.storage_index]
+            nbytes = math.prod(item.lengths) * BY_NAME[dtype].itemsize
+            source = min((r for r, _ in holders), key=lambda r: (load[r], r))
+            load[source] += nbytes
+            reads.append(SharedRead(key, source, dtype, tuple(item.lengths)))
+            for rank, held in holders:
+                if rank != source:
+                    dropped[rank].add(id(held))
+        return [
+            dataclasses.replace(
+                plan,
+                items=[i for i in plan.items if id(i) not in dropped[rank]],
+                storage_data=SharedReads(
+                    reads,
+                    {_read_key(i): i for i in plan.items if id(i) in dropped[rank]},
+                ),
+            )
+            for rank, plan in enumerate(plans)
+        ]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._read_own(plan, planner)
+        if isinstance(plan.storage_data, SharedReads):
+            self._exchange(plan, plan.storage_data, planner)
+        done_future: Future[None] = Future()
+        done_future.set_result(None)
+        return done_future
+
+    def _exchange(self, plan: LoadPlan, shared: SharedReads, planner: LoadPlanner) -> None:
+        """Broadcast each shared piece from its reader; every rank takes part in every one."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank(self.group)
+        mine = {_read_key(i): i for i in plan.items}
+        for read in shared.reads:
+            dtype = BY_NAME[read.dtype].torch_dtype
+            if read.source == rank:
+                buffer = planner.resolve_tensor(mine[read.key]).detach().contiguous()
+            else:
+                buffer = torch.empty(read.lengths, dtype=dtype)
+            dist.broadcast(
+                buffer, src=dist.get_global_rank(self.group, read.source), group=self.group
+            )
+            item = shared.receive.get(read.key)
+            if item is not None:
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(buffer.view(target.shape))
+                planner.commit_tensor(item, target)
+
+    def _read_own(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         fetches = self._plan_fetches([self._need(item) for item in plan.items])
         with ThreadPoolExecutor(
             self.max_parallel_reads, thread_name_prefix="spotckpt-read"
@@ -390,9 +488,6 @@ class ObjectStoreReader(StorageReader):
                 for future in pending:
                     future.cancel()
                 raise
-        done_future: Future[None] = Future()
-        done_future.set_result(None)
-        return done_future
 
     def _need(self, item: ReadItem) -> _Need:
         location = self.locations.get(item.storage_index)

@@ -76,6 +76,14 @@ class Collective:
         dist.all_reduce(flag, op=op, group=self.group)
         return bool(flag.item())
 
+    def sum(self, values: list[int]) -> list[int]:
+        """Element-wise sums of `values` over all ranks."""
+        if self.group is None:
+            return list(values)
+        totals = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group)
+        return [int(v) for v in totals.tolist()]
+
     def broadcast(self, value: Any) -> Any:
         """Rank 0's `value` on every rank (pickled by torch between our own processes only)."""
         if self.group is None:

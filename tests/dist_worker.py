@@ -190,9 +190,20 @@ def ddp_save(rank: int, world: int, args: dict[str, Any]) -> None:
     mgr.save(1, TrainState(model=model, optimizer=optimizer, rng=False))
     fresh = DistributedDataParallel(_perturbed())
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    started = time.monotonic()
     assert mgr.restore(TrainState(model=fresh, optimizer=fresh_optimizer, rng=False)) == 1
+    seconds = time.monotonic() - started
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
+    for key, value in fresh_optimizer.state_dict()["state"].items():
+        for name, tensor in value.items():
+            assert torch.equal(tensor, optimizer.state_dict()["state"][key][name]), (key, name)
+    stats = mgr.last_read_stats
+    assert stats is not None
+    if rank == 0:
+        (Path(args["out"]) / "ddp-restore-stats.json").write_text(
+            json.dumps({"read": stats.bytes_read, "requests": stats.requests, "seconds": seconds})
+        )
     mgr.close()
 
 
