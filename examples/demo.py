@@ -4,7 +4,8 @@ Starts an embedded S3 server (moto, on loopback) unless ``SPOTCKPT_URI`` names a
 `examples/train.py` as a child process, evicts it with SIGTERM at random steps several times the
 way a spot market would, restarts it after each eviction, runs the same training uninterrupted for
 reference, and prints what happened: steps lost per eviction, emergency-save and restore times,
-and whether the final parameters are identical.
+and whether the final parameters are identical; last, one goodput line read from the spot run's
+events, as ``spotckpt stats`` reads them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from spotckpt.goodput import load_stats
+from spotckpt.storage import open_store
 
 ROOT = Path(__file__).resolve().parent
 PREEMPTED = 75
@@ -225,6 +229,15 @@ def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
     return evictions
 
 
+def goodput_line(uri: str) -> str:
+    """The one-line goodput summary of a checkpoint root, from the code `spotckpt stats` runs."""
+    store = open_store(uri)
+    try:
+        return load_stats(store).one_line()
+    finally:
+        store.close()
+
+
 def report(evictions: list[Eviction], identical: bool) -> None:
     print()
     print("| eviction | SIGTERM at step | committed step | steps lost | emergency save | restore |")
@@ -272,6 +285,7 @@ def demo(args: argparse.Namespace, work: Path) -> int:
     with _checkpoint_root() as base:
         print(f"spot run: {args.steps} steps, {args.evictions} evictions (seed {args.seed})")
         evictions = spot_run(args, f"{base}/spot", work)
+        goodput = goodput_line(f"{base}/spot")
         print("reference run: the same training, uninterrupted")
         log = work / "ref.log"
         reference = run(train_command(args, work, "ref"), f"{base}/reference", log)
@@ -280,6 +294,7 @@ def demo(args: argparse.Namespace, work: Path) -> int:
             raise TrainerFailed(f"the reference run exited with status {status}", log)
     identical = (work / "spot.digest").read_text() == (work / "ref.digest").read_text()
     report(evictions, identical)
+    print(goodput)
     return 0 if identical and not any(e.steps_lost for e in evictions) else 1
 
 

@@ -7,7 +7,14 @@
     a-<attempt>/r00000-000.safetensors   the objects of one save attempt, one or more per rank
     quarantined-<stamp>/manifest.json    a bad manifest moved aside by restore (never read)
     quarantined-<stamp>/reason.json      why, when, and which attempt folders it held
+  events/                                what saves, preemptions and restores cost (goodput)
+    <stamp>-<kind>-<writer>-<n>.json     one small JSON event, create-only, by rank 0 only
+    summary.json                         older events compacted: counts, sums, recent values
 ```
+Event names sort by their UTC stamp (``20260102T030405.123456Z``); `kind` is ``save``,
+``preemption`` or ``restore``; `writer` is the id of the coordinator's manager and `n` its
+sequence number, so that names never collide. Nothing under ``events/`` is a checkpoint: gc,
+retention and restore never look there.
 A step is committed exactly when ``step-<N>/manifest.json`` exists, under a folder whose name
 is the canonical spelling of N. Look-alike folders (``step-0000000012``, other digits, a trailing
 newline) are other names: never listed as committed, restored, or deleted by retention, only
@@ -51,7 +58,12 @@ ATTEMPT_PREFIX = "a-"
 QUARANTINE_PREFIX = "quarantined-"
 REASON_NAME = "reason.json"
 COPY_PIECE = 512 << 10
+EVENTS_PREFIX = "events/"
+EVENT_SUMMARY_KEY = f"{EVENTS_PREFIX}summary.json"
 _STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
+_EVENT_NAME = re.compile(
+    r"events/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z)-([a-z]{1,32})-[0-9a-f]{1,32}-[0-9]{1,12}\.json"
+)
 _LOOKS_LIKE_STEP = re.compile(r"step-\w", re.UNICODE)
 
 
@@ -79,6 +91,25 @@ def parse_step_folder(name: str) -> int | None:
 def manifest_key(step: int) -> str:
     """Key of a step's manifest, relative to the checkpoint root."""
     return f"{step_folder(step)}/{MANIFEST_NAME}"
+
+
+def event_stamp(moment: datetime) -> str:
+    """The UTC stamp that starts an event's name: fixed width, so lexical order is time order."""
+    return _aware(moment).astimezone(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+
+
+def event_key(stamp: str, kind: str, writer: str, number: int) -> str:
+    """Key of one event object, relative to the root (see the module docstring)."""
+    key = f"{EVENTS_PREFIX}{stamp}-{kind}-{writer}-{number}.json"
+    if _EVENT_NAME.fullmatch(key) is None:
+        raise InvalidArgumentError(f"not a valid event name: {key!r}")
+    return key
+
+
+def parse_event_key(key: str) -> tuple[str, str] | None:
+    """``(stamp, kind)`` of a key made by `event_key`, or None for any other key."""
+    match = _EVENT_NAME.fullmatch(key)
+    return None if match is None else (match.group(1), match.group(2))
 
 
 def new_attempt_id() -> str:
@@ -267,7 +298,7 @@ class Catalog:
         if step is None:
             if _LOOKS_LIKE_STEP.match(folder):
                 look_alikes.add(folder)
-                self._report_look_alike(folder)
+            self._report_look_alike(folder)
             return None
         return steps.setdefault(step, StepFolder(step)) if slash else None
 
@@ -303,7 +334,7 @@ class Catalog:
         return held
 
     def _report_look_alike(self, folder: str) -> None:
-        if folder not in self._reported:
+        if _LOOKS_LIKE_STEP.match(folder) and folder not in self._reported:
             self._reported.add(folder)
             log.warning(
                 "ignoring %r under %s: it looks like a step folder but is not the canonical "

@@ -1,4 +1,4 @@
-"""The ``spotckpt`` command line: ls, inspect, verify, gc, export-hf.
+"""The ``spotckpt`` command line: ls, inspect, verify, gc, export-hf, stats.
 
 The checkpoint URI argument may be left out when ``SPOTCKPT_URI`` or ``uri`` in ``spotckpt.toml``
 (see `spotckpt.config.Config`) gives it. Storage options come from the config's
@@ -41,6 +41,7 @@ from spotckpt.errors import (
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import Manifest, TensorRecord
 from spotckpt.gc import collect_garbage
+from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
 from spotckpt.storage.base import (
     ObjectNotFoundError,
@@ -793,6 +794,31 @@ def export_command(
         f"step {chosen}: {report.tensors} tensors, {_human_size(report.total_size)} in "
         f"{_plural(len(report.files), 'file')}"
     )
+
+
+# stats --------------------------------------------------------------------------------------------
+
+
+@cli.command("stats")
+@_uri_argument
+@_storage_option
+@_json_option
+def stats_command(
+    uri: str | None, storage_options: tuple[tuple[str, str], ...], as_json: bool
+) -> None:
+    """Goodput from the run's events: evictions, steps lost, save costs, the interval.
+
+    Save stall is the time the training loop was blocked; the suggested interval is Daly's
+    optimum for the measured save cost, step time and eviction rate.
+    """
+    with _opened(uri, storage_options) as store:
+        stats = load_stats(store)
+        if not stats.events:
+            _probe_root(store)  # a missing bucket is an error, not "no events"
+    if as_json:
+        _emit_json(stats.to_dict())
+        return
+    click.echo("\n".join(printable(line) for line in stats.text().splitlines()))
 
 
 # Entry point --------------------------------------------------------------------------------------

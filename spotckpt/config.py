@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from spotckpt.errors import CheckpointError, InvalidArgumentError
 from spotckpt.redact import redact, secret_values
@@ -47,7 +47,15 @@ class Settings:
     URI, so the two can never disagree. Validated on construction (ConfigError, a ValueError).
 
     - `keep_last`: committed checkpoints to keep (None: all); the newest is never deleted.
-    - `interval_steps`: `maybe_save` saves when ``step % interval_steps == 0`` (None: never).
+    - `interval_steps`: `maybe_save` saves when ``step % interval_steps == 0`` (None: never);
+      ``"auto"`` chooses the interval from the measured step time, save cost and eviction rate
+      (Daly's formula, see `spotckpt.goodput`) and saves when that many steps have passed.
+    - `eviction_rate_per_hour`: for ``"auto"``: evictions per hour of training (None: the rate
+      observed in the run's events, starting from `spotckpt.goodput.PRIOR_EVICTIONS_PER_HOUR`).
+    - `min_interval_steps`, `max_interval_steps`: bounds of the ``"auto"`` interval.
+    - `max_events`: event objects kept under ``events/``; older ones are compacted.
+    - `metrics`: a callable that receives one dict per save, restore and preemption (code only:
+      never from a file or the environment); see `spotckpt.metrics`.
     - `async_save`: stage to CPU memory and upload in the background.
     - `preemption`: True to watch signals and cloud notices, False not to, or a watcher.
     - `prefix_spread`: spread rank objects over 4096 key prefixes (S3 request-rate partitions).
@@ -58,7 +66,12 @@ class Settings:
     """
 
     keep_last: int | None = 3
-    interval_steps: int | None = None
+    interval_steps: int | Literal["auto"] | None = None
+    eviction_rate_per_hour: float | None = None
+    min_interval_steps: int = 1
+    max_interval_steps: int | None = None
+    max_events: int = 500
+    metrics: Any = None
     async_save: bool = False
     preemption: Any = True
     prefix_spread: bool = False
@@ -74,9 +87,18 @@ class Settings:
                 if not hasattr(value, "preempted"):
                     raise ConfigError("preemption: must be bool or a PreemptionWatcher")
                 continue
-            problem = _problem(setting.name, value)
+            if setting.name in _CODE_ONLY:
+                problem = _code_only_problem(value)
+            else:
+                problem = _problem(setting.name, value)
             if problem is not None:
                 raise ConfigError(redact(f"{setting.name}: {problem}"))
+        maximum = self.max_interval_steps
+        if maximum is not None and maximum < self.min_interval_steps:
+            raise ConfigError(
+                f"max_interval_steps: must be at least min_interval_steps "
+                f"({self.min_interval_steps}), got {maximum}"
+            )
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
@@ -114,7 +136,11 @@ class Config(Settings):
 _TYPES: dict[str, tuple[type, ...]] = {
     "uri": (str,),
     "keep_last": (int, type(None)),
-    "interval_steps": (int, type(None)),
+    "interval_steps": (int, str, type(None)),
+    "eviction_rate_per_hour": (int, float, type(None)),
+    "min_interval_steps": (int,),
+    "max_interval_steps": (int, type(None)),
+    "max_events": (int,),
     "async_save": (bool,),
     "preemption": (bool,),
     "prefix_spread": (bool,),
@@ -123,8 +149,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "save_budget_s": (int, float),
     "storage_options": (dict,),
 }
-_AT_LEAST_ONE = frozenset({"keep_last", "interval_steps", "agree_every"})
-_POSITIVE = frozenset({"collective_timeout_s", "save_budget_s"})
+_AT_LEAST_ONE = frozenset(
+    {"keep_last", "interval_steps", "agree_every", "min_interval_steps", "max_interval_steps"}
+)
+_POSITIVE = frozenset({"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour"})
+_CODE_ONLY = frozenset({"metrics"})
 
 Where = Callable[[str], str]
 """Names a key in its source: ``/run/spotckpt.toml: keep_last``, ``SPOTCKPT_KEEP_LAST``."""
@@ -157,16 +186,30 @@ def _problem(key: str, value: Any) -> str | None:
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         if key == "storage_options":  # never echo a value that may hold credentials
             return f"must be a table of options, got {type(value).__name__}"
+        if key == "interval_steps":
+            return f'must be int, None or "auto", got {_shown(value)}'
         return f"must be {_kind_names(kinds)}, got {_shown(value)}"
+    if key == "interval_steps" and isinstance(value, str) and value != "auto":
+        return f'must be int, None or "auto", got {_shown(value)}'
     return _range_problem(key, value)
+
+
+def _code_only_problem(value: Any) -> str | None:
+    if value is None or callable(value):
+        return None
+    return f"must be a callable taking one dict, or None, got {type(value).__name__}"
 
 
 def _range_problem(key: str, value: Any) -> str | None:
     """What is wrong with a value of the right type, or None."""
     if key == "uri" and not value:
         return "must be a non-empty string"
-    if key in _AT_LEAST_ONE and value is not None and value < 1:
+    if isinstance(value, str) or value is None:
+        return None
+    if key in _AT_LEAST_ONE and value < 1:
         return f"must be at least 1, got {value!r}"
+    if key == "max_events" and value < 4:
+        return f"must be at least 4, got {value!r}"
     if key in _POSITIVE and not (math.isfinite(value) and value > 0):
         return f"must be a positive number, got {value!r}"
     return None
@@ -175,6 +218,9 @@ def _range_problem(key: str, value: Any) -> str | None:
 def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
     checked = {}
     for key, value in values.items():
+        if key in _CODE_ONLY:
+            checked[key] = _code_only(key, value, where)
+            continue
         if key not in _TYPES:
             raise ConfigError(
                 redact(f"{where(key)}: unknown setting; known: {', '.join(sorted(_TYPES))}")
@@ -184,6 +230,19 @@ def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
             raise ConfigError(redact(f"{where(key)}: {problem}"))
         checked[key] = value
     return checked
+
+
+def _code_only(key: str, value: Any, where: Where) -> Any:
+    """A code-only setting (a callable): fine as a keyword argument, an error anywhere else."""
+    if where is not _keyword:
+        raise ConfigError(
+            f"{where(key)}: can only be given in code (a callable passed to CheckpointManager "
+            "or Config.load), not in a file or the environment"
+        )
+    problem = _code_only_problem(value)
+    if problem is not None:
+        raise ConfigError(f"{where(key)}: {problem}")
+    return value
 
 
 def _file_sources(folder: Path) -> list[tuple[Where, dict[str, Any]]]:
@@ -238,6 +297,10 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or name == _CONFIG_VARIABLE:
             continue
         key = name[len(ENV_PREFIX) :].lower()
+        if key in _CODE_ONLY:
+            raise ConfigError(
+                f"{name}: {key} can only be given in code (a callable), not in the environment"
+            )
         kinds = _TYPES.get(key)
         if kinds is None:
             known = ", ".join(_env_name(k) for k in sorted(_TYPES))
@@ -260,6 +323,8 @@ def _parse_env(name: str, raw: str, kinds: tuple[type, ...]) -> Any:
         if float in kinds:
             return float(text)
     except ValueError:
+        if str in kinds:
+            return text  # e.g. interval_steps "auto"; anything else fails validation
         names = _kind_names(tuple(k for k in kinds if k is not type(None)))
         raise ConfigError(redact(f"{name}: must be {names}, got {_shown(raw)}")) from None
     return text

@@ -38,6 +38,7 @@ from spotckpt.errors import (
 )
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
+from spotckpt.goodput import GoodputTracker
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.state import (
     RNG_KEY,
@@ -107,13 +108,13 @@ class CheckpointManager:
     The keyword arguments are the fields of `spotckpt.config.Settings` (`keep_last=3`,
     `interval_steps`, `async_save`, `preemption`, `storage_options`, ...), declared and validated
     there once for the manager and `Config` alike; `store` passes an already open store.
+    Goodput (`spotckpt.goodput`): `interval_steps="auto"`, events under ``events/``, `metrics`.
     """
 
     def __init__(self, uri: str, *, store: ObjectStore | None = None, **settings: Any) -> None:
         self.settings = Settings(**settings)
         self.uri = uri
         self.keep_last = self.settings.keep_last
-        self.interval_steps = self.settings.interval_steps
         self.async_save = self.settings.async_save
         self.prefix_spread = self.settings.prefix_spread
         self.agree_every = self.settings.agree_every
@@ -127,10 +128,13 @@ class CheckpointManager:
         if self.group is None:  # DCP warns on every single-process call, even in its threads
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         self.watcher = self._make_watcher(self.settings.preemption, self.settings.save_budget_s)
+        self.goodput = GoodputTracker(self.store, self.settings, is_coordinator=self.rank == 0)
         self._pending: Future[Any] | None = None
         self._pending_step: int | None = None
         self._pending_writer: ObjectStoreWriter | None = None
         self._pending_started = 0.0
+        self._pending_stall = 0.0
+        self._interval_unagreed = False
         self._progress = RankProgress("spotckpt/none", self.world_size)
         self._stager: DefaultStager | None = None
         self._stop = False
@@ -155,6 +159,11 @@ class CheckpointManager:
         return PreemptionWatcher(signal_budget_s=save_budget_s).start()
 
     @property
+    def interval_steps(self) -> int | None:
+        """The `maybe_save` interval: the fixed one, or the current ``"auto"`` choice."""
+        return self.goodput.interval_steps
+
+    @property
     def is_coordinator(self) -> bool:
         """Whether this rank commits, lists and applies retention."""
         return self.rank == 0
@@ -174,9 +183,22 @@ class CheckpointManager:
         Blocking by default unless the manager was built with ``async_save=True``. A new save
         first waits for the previous one and raises its error, if any.
         """
+        self._save(step, state, blocking, user_metadata, emergency=False)
+
+    def _save(
+        self,
+        step: int,
+        state: TrainState | Mapping[str, Any],
+        blocking: bool | None,
+        user_metadata: Mapping[str, Any] | None,
+        *,
+        emergency: bool,
+    ) -> None:
         self._check_open()
         blocking = not self.async_save if blocking is None else blocking
         self.wait()
+        if self._interval_unagreed:  # no upload is in flight on any rank now
+            self._agree_interval()
         self._saves += 1
         progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
         writer = ObjectStoreWriter(
@@ -194,6 +216,17 @@ class CheckpointManager:
             self._run_save(step, writer, lambda: self._dcp_save(state_dict, writer))
             self.last_save_seconds = time.monotonic() - started
             log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
+            self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
+            if not emergency:
+                self._agree_interval()
+            self.goodput.committed(
+                step,
+                stall_s=self.last_save_seconds,
+                upload_s=self.last_save_seconds,
+                size=_size(writer),
+                asynchronous=False,
+                emergency=emergency,
+            )
             return
         response = dcp.async_save(
             state_dict,
@@ -206,7 +239,22 @@ class CheckpointManager:
         self._pending, self._pending_step = upload, step
         self._pending_writer = writer
         self._pending_started = started
-        log.info("checkpoint step %d staged in %.3f s; uploading", step, time.monotonic() - started)
+        self._pending_stall = time.monotonic() - started
+        log.info("checkpoint step %d staged in %.3f s; uploading", step, self._pending_stall)
+        self.goodput.stalled(step, self._pending_stall, emergency=emergency)
+        # A collective now would race the upload's own on the same group: agree at the next save.
+        self._interval_unagreed = self.group is not None
+        if self.group is None:
+            self._agree_interval()
+
+    def _agree_interval(self) -> None:
+        """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""
+        self._interval_unagreed = False
+        if not self.goodput.auto:
+            return
+        self.goodput.recompute()
+        if self.group is not None:
+            self.goodput.adopt(self.collective.broadcast(self.goodput.interval_steps))
 
     def _async_stager(self) -> DefaultStager:
         if self._stager is None:
@@ -292,6 +340,14 @@ class CheckpointManager:
         self._run_save(step, writer, pending.result)
         self.last_save_seconds = time.monotonic() - self._pending_started
         log.info("checkpoint step %d committed in %.2f s (async)", step, self.last_save_seconds)
+        self.goodput.committed(
+            step,
+            stall_s=self._pending_stall,
+            upload_s=self.last_save_seconds - self._pending_stall,
+            size=_size(writer),
+            asynchronous=True,
+            emergency=False,
+        )
 
     def _discard_attempt(self, step: int, writer: ObjectStoreWriter) -> None:
         """After a failed save: abort this attempt's uploads and delete its objects."""
@@ -324,16 +380,19 @@ class CheckpointManager:
     ) -> bool:
         """Save on the interval, or at once (blocking) when a preemption notice arrived.
 
-        With several ranks the preemption flag is agreed on (all-reduced) every `agree_every`
+        With ``interval_steps="auto"`` a save is due once the chosen number of steps passed since
+        the last save (see `spotckpt.goodput`); the time between calls is the step time. With
+        several ranks the preemption flag is agreed on (all-reduced) every `agree_every`
         steps so that all ranks save the same step. Returns True when a save was started.
         """
         self._check_open()
+        self.goodput.observe_step(step)
         if self._pending is not None and self._pending.done():
             self.wait()  # commits it, or raises its upload error here and now
         if self._preemption_agreed(step):
             self._emergency_save(step, state, user_metadata)
             return True
-        if self.interval_steps is not None and step % self.interval_steps == 0:
+        if self.goodput.due(step):
             self.save(step, state, user_metadata=user_metadata)
             return True
         return False
@@ -366,7 +425,7 @@ class CheckpointManager:
         pending = self._pending_step
         self.wait()  # an in-flight upload is closest to done: let it commit first
         if pending != step and self.collective.all(self._time_for_another_save(deadline)):
-            self.save(step, state, blocking=True, user_metadata=user_metadata)
+            self._save(step, state, True, user_metadata, emergency=True)
             committed = step
         else:
             committed = pending if pending is not None else step
@@ -376,8 +435,13 @@ class CheckpointManager:
                     step,
                     pending,
                 )
-        log.warning(
-            "emergency save of step %d committed in %.2f s", committed, time.monotonic() - started
+        elapsed = time.monotonic() - started
+        log.warning("emergency save of step %d committed in %.2f s", committed, elapsed)
+        self.goodput.preempted(
+            source=(watcher.reason if watcher is not None else None) or "peer rank",
+            notice_left_s=remaining,
+            step=step,
+            emergency_save_s=elapsed,
         )
         self._stop = True
         release_worker_shields()  # the save is in: loader workers may now be shut down
@@ -422,6 +486,15 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
+        started = time.monotonic()
+        restored = self._restore_any(state, step, fallback, strict)
+        self.goodput.restored(restored, time.monotonic() - started)
+        self._agree_interval()
+        return restored
+
+    def _restore_any(
+        self, state: TrainState | Mapping[str, Any], step: int | None, fallback: bool, strict: bool
+    ) -> int | None:
         candidates = self.collective.run_on_coordinator(lambda: self._restore_candidates(step))
         for index, candidate in enumerate(candidates):
             try:
@@ -464,7 +537,7 @@ class CheckpointManager:
     def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
         data = self.collective.run_on_coordinator(lambda: self.catalog.manifest_bytes(step))
         manifest = Manifest.from_json(data, expected_step=step)
-        reader = ObjectStoreReader(self.store, manifest)
+        reader = ObjectStoreReader(self.store, manifest, group=self.group)
         started = time.monotonic()
         loaded = as_dcp_state(state)
         restoring = (
@@ -486,13 +559,16 @@ class CheckpointManager:
         except CheckpointException as error:
             raise _load_error(step, error) from None
         write_back(state, loaded)
-        self.last_read_stats = reader.stats
+        read, needed, requests = self.collective.sum(
+            [reader.stats.bytes_read, reader.stats.bytes_needed, reader.stats.requests]
+        )
+        self.last_read_stats = ReadStats(read, needed, requests)  # job-wide
         log.info(
-            "restored step %d in %.2f s (%d bytes read for %d needed)",
+            "restored step %d in %.2f s (%d bytes read for %d needed, job-wide)",
             step,
             time.monotonic() - started,
-            reader.stats.bytes_read,
-            reader.stats.bytes_needed,
+            read,
+            needed,
         )
 
     # Maintenance --------------------------------------------------------------------------
@@ -543,6 +619,11 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _size(writer: ObjectStoreWriter) -> int | None:
+    """Bytes of a committed save (known on the coordinator)."""
+    return writer.manifest.total_bytes if writer.manifest is not None else None
 
 
 def _who_failed(silent: list[int] | None) -> str:

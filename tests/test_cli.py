@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -529,3 +530,65 @@ def test_log_records_print_as_one_line_each(tmp_path: Path) -> None:
     lines = verbose.stderr.splitlines()
     assert lines[0] == "spotckpt: debug: looking at step-"
     assert lines[1:] == quiet.stderr.splitlines()
+
+
+def _load_demo() -> Any:
+    """The demo's driver (examples/demo.py), loaded once as test_eviction loads it."""
+    import importlib.util
+
+    if "spotckpt_demo" in sys.modules:
+        return sys.modules["spotckpt_demo"]
+    path = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+    spec = importlib.util.spec_from_file_location("spotckpt_demo", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["spotckpt_demo"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stats_after_a_real_run_with_an_eviction(tmp_path: Path) -> None:
+    """train.py saves every 4 of 12 steps, is evicted with SIGTERM mid-run, resumes to the end;
+    `stats` then reports from the events those runs wrote (and imports no torch)."""
+    demo = _load_demo()
+    uri, losses, log = str(tmp_path / "ck" / "run"), tmp_path / "losses", tmp_path / "train.log"
+    command = [
+        sys.executable, str(Path(demo.ROOT) / "train.py"), "--steps", "12", "--save-every", "4",
+        "--step-delay", "0.2", "--workers", "0", "--loss-log", str(losses),
+    ]  # fmt: skip
+    assert demo.evict_at(demo.run(command, uri, log), losses, 6, log) == 75, log.read_text()
+    assert demo.run(command, uri, log).wait(timeout=300) == 0, log.read_text()[-3000:]
+    (tmp_path / "empty").mkdir()
+    as_json, text, timed, empty, empty_json, missing = run_all(
+        [
+            ["stats", uri, "--json"],
+            ["stats", uri],
+            ["stats", uri],
+            ["stats", str(tmp_path / "empty")],
+            ["stats", str(tmp_path / "empty"), "--json"],
+            ["stats", str(tmp_path / "nowhere"), "--json"],
+        ],
+        cwd=tmp_path,
+        envs=[{}, {}, {"PYTHONPROFILEIMPORTTIME": "1"}, {}, {}, {}],
+    )
+    assert as_json.returncode == 0, as_json.stderr
+    stats = json.loads(as_json.stdout)
+    assert stats["evictions"] == 1 and stats["steps_lost"] == 0 and stats["restores"] == 1
+    assert stats["saves"] >= 3 and stats["interval_steps"] == 4
+    assert stats["stall_median_s"] > 0 and stats["stall_p95_s"] >= stats["stall_median_s"]
+    assert stats["upload_median_s"] > 0 and stats["restore_median_s"] > 0
+    assert 0 < stats["overhead_share"] < 1 and stats["training_s"] > 12 * 0.2
+    assert stats["step_time_s"] >= 0.2 and stats["suggested_interval_steps"] >= 1
+    assert 0 < stats["estimated_goodput"] <= 1
+    assert text.returncode == 0, text.stderr
+    assert re.search(r"^  evictions\s+1$", text.stdout, re.M), text.stdout
+    assert re.search(r"^  steps lost\s+0$", text.stdout, re.M), text.stdout
+    assert re.search(r"^  interval\s+4 steps", text.stdout, re.M), text.stdout
+    assert re.search(r"^  suggested\s+\d+ steps \(Daly\)$", text.stdout, re.M), text.stdout
+    assert timed.returncode == 0 and timed.stdout == text.stdout
+    imported = {ln.rsplit("|", 1)[1].strip() for ln in timed.stderr.splitlines() if "|" in ln}
+    assert "spotckpt.goodput" in imported and "torch" not in imported
+    assert empty.returncode == 0 and empty.stdout.startswith("no events yet at "), empty.stderr
+    assert json.loads(empty_json.stdout)["events"] == 0
+    assert json.loads(missing.stdout)["exit_code"] == 2
+    assert "does not exist" in one_line_error(missing, 2)

@@ -1,0 +1,778 @@
+"""Goodput: what checkpointing costs, recorded as events, and the checkpoint interval it implies.
+
+Three parts, none of which imports torch:
+
+- Events (`EventLog`): every committed save, every preemption and every restore leaves a small
+  JSON object under ``<root>/events/`` (layout: `spotckpt.catalog`), written by the coordinator
+  only, create-only, under a unique name. They survive restarts, so the figures of a run add up
+  over all its sessions. At most `max_events` objects are kept: the oldest are folded into
+  ``events/summary.json`` (counts, sums and a bounded reservoir of recent values).
+- The interval model (`IntervalModel`): the mean step time, the save cost (the seconds the
+  training loop was blocked, not the background upload) and the eviction rate give the interval
+  of Daly's higher-order formula (`daly_interval_s`), in steps, for ``interval_steps="auto"``.
+- Statistics (`GoodputStats`, `load_stats`): what ``spotckpt stats`` prints.
+
+The model of `expected_goodput` and `daly_interval_s` (J. T. Daly, "A higher order estimate of
+the optimum checkpoint interval for restart dumps", Future Generation Computer Systems 22, 2006)
+assumes failures without notice. A spot eviction usually comes with one, and spotckpt then saves
+the current step, so it loses less than the model says: the estimate is conservative.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from spotckpt.catalog import (
+    EVENT_SUMMARY_KEY,
+    EVENTS_PREFIX,
+    event_key,
+    event_stamp,
+    parse_event_key,
+)
+from spotckpt.config import Settings
+from spotckpt.errors import AlreadyExistsError, ObjectNotFoundError, StorageError
+from spotckpt.storage.base import ObjectStore
+
+log = logging.getLogger("spotckpt")
+
+PRIOR_EVICTIONS_PER_HOUR = 0.5
+"""The eviction rate assumed before a run has observed any: one eviction per two hours.
+
+Not a measured figure but a deliberately pessimistic starting point (it errs towards saving too
+often, which costs a little overhead, rather than too rarely, which can cost hours). Published
+figures are lower: AWS's Spot Instance Advisor groups instance types by the share of instances
+interrupted per month (<5 %, 5-10 %, 10-15 %, 15-20 %, >20 %), and GCE preemptible VMs stop after
+24 hours at the latest (at least 1/24 per hour). It weighs as much as `PRIOR_WEIGHT_HOURS` of
+observed training, so a run's own evictions soon outweigh it (see `eviction_rate`).
+"""
+PRIOR_WEIGHT_HOURS = 2.0
+"""Hours of training that the prior counts for in `eviction_rate`."""
+STARTING_INTERVAL_STEPS = 100
+"""The ``"auto"`` interval until a step time and a save cost are measured (clamped to bounds)."""
+MIN_STEP_SAMPLES = 3
+"""Step durations measured before the session's own step time replaces a recorded one."""
+RESERVOIR = 256
+"""Recent values kept per figure in ``events/summary.json`` (for medians and p95)."""
+MAX_EVENT_BYTES = 64 << 10
+MAX_SUMMARY_BYTES = 4 << 20
+_STEP_WINDOW = 64
+_SAVE_WINDOW = 16
+_READERS = 16
+SUMMARY_FORMAT = "spotckpt-events-summary/1"
+
+# The model ---------------------------------------------------------------------------------------
+
+
+def daly_interval_s(delta_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum compute time between checkpoints.
+
+    For checkpoint cost δ and mean time between failures M: ``sqrt(2δM)·[1 + (1/3)·sqrt(δ/(2M))
+    + (1/9)·(δ/(2M))] - δ`` when δ < 2M, else M.
+    """
+    if delta_s >= 2 * mtbf_s:
+        return mtbf_s
+    ratio = delta_s / (2 * mtbf_s)
+    return math.sqrt(2 * delta_s * mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - delta_s
+
+
+def clamp_interval(steps: float, minimum: int = 1, maximum: int | None = None) -> int:
+    """`steps` rounded and clamped to ``[minimum, maximum]`` (and to at least 1)."""
+    chosen = max(minimum, 1, round(steps)) if math.isfinite(steps) else (maximum or minimum)
+    return chosen if maximum is None else min(chosen, maximum)
+
+
+def interval_steps_for(
+    delta_s: float,
+    mtbf_s: float,
+    step_time_s: float,
+    minimum: int = 1,
+    maximum: int | None = None,
+) -> int:
+    """Daly's interval in steps: ``round(τ_opt / step_time)``, clamped to the bounds."""
+    return clamp_interval(daly_interval_s(delta_s, mtbf_s) / step_time_s, minimum, maximum)
+
+
+def expected_goodput(delta_s: float, mtbf_s: float, tau_s: float, restart_s: float = 0.0) -> float:
+    """Expected share of wall-clock time spent on useful work (Daly's model, exponential
+    failures): ``τ / (M·e^{R/M}·(e^{(τ+δ)/M} - 1))`` for interval τ, cost δ, restart R."""
+    if tau_s <= 0:
+        return 0.0
+    if math.isinf(mtbf_s):
+        return tau_s / (tau_s + delta_s)
+    try:
+        wall = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((tau_s + delta_s) / mtbf_s)
+    except OverflowError:
+        return 0.0
+    return tau_s / wall
+
+
+def eviction_rate(evictions: int, training_s: float, configured: float | None = None) -> float:
+    """Evictions per hour: `configured`, else the observed rate shrunk towards the prior.
+
+    ``(evictions + prior·w) / (hours + w)`` with w = `PRIOR_WEIGHT_HOURS`: the posterior mean of a
+    Poisson rate under a gamma prior of mean `PRIOR_EVICTIONS_PER_HOUR`. It is the prior for a
+    new run and tends to the observed rate as training hours add up.
+    """
+    if configured is not None:
+        return configured
+    hours = max(0.0, training_s) / 3600
+    return (evictions + PRIOR_EVICTIONS_PER_HOUR * PRIOR_WEIGHT_HOURS) / (
+        hours + PRIOR_WEIGHT_HOURS
+    )
+
+
+@dataclass
+class Figures:
+    """What the interval is chosen from; None where not measured yet."""
+
+    step_time_s: float | None
+    save_cost_s: float | None
+    evictions_per_hour: float
+
+    @property
+    def mtbf_s(self) -> float:
+        """Mean time between evictions."""
+        return 3600 / self.evictions_per_hour
+
+
+class IntervalModel:
+    """Measures step time and save cost, and chooses the checkpoint interval from them.
+
+    Call `observe_step` at every ``maybe_save``, `record_stall` after each save with the seconds
+    the loop was blocked, `seed` with a run's recorded `Totals`, and `update` to recompute. The
+    step time is the time between `observe_step` calls less the stalls recorded in between; the
+    first call only starts the measurement (so does the first after `restart_measurement`).
+    `clock` (monotonic seconds) may be replaced, e.g. by a test's fake clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        eviction_rate_per_hour: float | None = None,
+        min_interval_steps: int = 1,
+        max_interval_steps: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.configured_rate = eviction_rate_per_hour
+        self.minimum = min_interval_steps
+        self.maximum = max_interval_steps
+        self.clock = clock
+        self.history = Totals()
+        self.interval_steps = clamp_interval(STARTING_INTERVAL_STEPS, self.minimum, self.maximum)
+        self._started = clock()
+        self._marked = self._started
+        self._steps: deque[float] = deque(maxlen=_STEP_WINDOW)
+        self._stalls: deque[float] = deque(maxlen=_SAVE_WINDOW)
+        self._last: tuple[int, float] | None = None
+        self._paused = 0.0
+
+    def observe_step(self, step: int) -> None:
+        """Note that `step` is done now; measures the time per step since the previous call."""
+        now = self.clock()
+        if self._last is not None and step > self._last[0]:
+            per_step = (now - self._last[1] - self._paused) / (step - self._last[0])
+            if per_step > 0:
+                self._steps.append(per_step)
+        self._last, self._paused = (step, now), 0.0
+
+    def restart_measurement(self) -> None:
+        """Forget the previous step's time (after a restore: the next call starts anew)."""
+        self._last, self._paused = None, 0.0
+
+    def record_stall(self, seconds: float, *, periodic: bool = True) -> None:
+        """A save blocked the loop for `seconds`; a periodic one also counts as the save cost."""
+        self._paused += seconds
+        if periodic:
+            self._stalls.append(seconds)
+
+    def seed(self, history: Totals) -> None:
+        """Use a run's recorded events: evictions, training time, step time, save cost."""
+        self.history = history
+
+    def take_training_s(self) -> float:
+        """Seconds of this session since the previous call (or since the model was made)."""
+        now = self.clock()
+        elapsed, self._marked = now - self._marked, now
+        return max(0.0, elapsed)
+
+    @property
+    def step_time_s(self) -> float | None:
+        """This session's mean step time, else the last recorded one, else None."""
+        if len(self._steps) >= MIN_STEP_SAMPLES:
+            return statistics.fmean(self._steps)
+        return self.history.last_number("step_time_s")
+
+    @property
+    def save_cost_s(self) -> float | None:
+        """Mean recent stall of this session's periodic saves, else the recorded median."""
+        if self._stalls:
+            return statistics.fmean(self._stalls)
+        return median(self.history.recent.get("stall_s", []))
+
+    def figures(self) -> Figures:
+        """The current figures."""
+        training_s = self.history.sums.get("train_s", 0.0) + (self.clock() - self._started)
+        evictions = self.history.counts.get("preemption", 0)
+        return Figures(
+            self.step_time_s,
+            self.save_cost_s,
+            eviction_rate(evictions, training_s, self.configured_rate),
+        )
+
+    def update(self) -> int:
+        """Recompute the interval; logs one INFO line when it changes. Returns it."""
+        figures = self.figures()
+        if figures.step_time_s is None or figures.save_cost_s is None:
+            return self.interval_steps
+        chosen = interval_steps_for(
+            figures.save_cost_s, figures.mtbf_s, figures.step_time_s, self.minimum, self.maximum
+        )
+        if chosen != self.interval_steps:
+            log.info(
+                "auto checkpoint interval: %d -> %d steps (save cost δ=%.3f s, mean time between "
+                "evictions M=%.0f s, step time %.4f s)",
+                self.interval_steps,
+                chosen,
+                figures.save_cost_s,
+                figures.mtbf_s,
+                figures.step_time_s,
+            )
+            self.interval_steps = chosen
+        return chosen
+
+
+# Events ------------------------------------------------------------------------------------------
+
+_SUMMED = {
+    "save": ("train_s", "stall_s", "upload_s", "bytes"),
+    "preemption": ("train_s", "steps_lost", "emergency_save_s"),
+    "restore": ("train_s", "restore_s"),
+}
+_RECENT = {
+    "save": ("stall_s", "upload_s"),
+    "preemption": ("emergency_save_s", "notice_left_s"),
+    "restore": ("restore_s",),
+}
+_LAST = ("interval_steps", "step_time_s", "step", "time")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def median(values: Iterable[float]) -> float | None:
+    """The median, or None for no values."""
+    ordered = sorted(values)
+    return statistics.median(ordered) if ordered else None
+
+
+def p95(values: Iterable[float]) -> float | None:
+    """The 95th percentile (nearest rank), or None for no values."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)] if ordered else None
+
+
+@dataclass
+class Totals:
+    """Events folded together: counts by kind, sums, recent values, the latest figures."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
+    recent: dict[str, list[float]] = field(default_factory=dict)
+    last: dict[str, Any] = field(default_factory=dict)
+    events: int = 0
+
+    def add(self, event: Mapping[str, Any]) -> None:
+        """Fold in one event; unknown kinds and malformed figures are skipped."""
+        kind = event.get("kind")
+        if not isinstance(kind, str) or kind not in _SUMMED:
+            return
+        self.events += 1
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        emergency = kind == "save" and event.get("emergency") is True
+        for name in _SUMMED[kind]:
+            value = _number(event.get(name))
+            if value is not None and not (emergency and name in ("stall_s", "upload_s")):
+                self.sums[name] = self.sums.get(name, 0.0) + value
+        for name in () if emergency else _RECENT[kind]:
+            value = _number(event.get(name))
+            if value is not None:
+                values = self.recent.setdefault(name, [])
+                values.append(value)
+                del values[:-RESERVOIR]
+        for name in _LAST:
+            if event.get(name) is not None and (name != "interval_steps" or not emergency):
+                self.last[name] = event[name]
+
+    def last_number(self, name: str) -> float | None:
+        """A latest figure if it is a positive number."""
+        value = _number(self.last.get(name))
+        return value if value is not None and value > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary document (without ``through``)."""
+        return {
+            "format": SUMMARY_FORMAT,
+            "events": self.events,
+            "counts": dict(self.counts),
+            "sums": dict(self.sums),
+            "recent": {k: list(v) for k, v in self.recent.items()},
+            "last": dict(self.last),
+        }
+
+    @classmethod
+    def from_dict(cls, document: Mapping[str, Any]) -> Totals:
+        """Totals from a summary document; malformed parts are dropped."""
+
+        def table(name: str) -> dict[str, Any]:
+            value = document.get(name)
+            return value if isinstance(value, dict) else {}
+
+        counts = {k: int(v) for k, v in table("counts").items() if _number(v) is not None}
+        sums = {k: v for k, v in table("sums").items() if _number(v) is not None}
+        recent = {
+            k: [x for x in v if _number(x) is not None][-RESERVOIR:]
+            for k, v in table("recent").items()
+            if isinstance(v, list)
+        }
+        events = document.get("events")
+        return cls(counts, sums, recent, table("last"), events if isinstance(events, int) else 0)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+class EventLog:
+    """The events of one checkpoint root; `writer` names this session's events."""
+
+    def __init__(self, store: ObjectStore, max_events: int = 500, writer: str | None = None):
+        self.store = store
+        self.max_events = max_events
+        self.writer = writer if writer is not None else uuid.uuid4().hex[:8]
+        self._number = 0
+        self._room: int | None = None
+
+    # Writing ----------------------------------------------------------------------------------
+
+    def record(self, event: dict[str, Any], *, compact: bool = True) -> str:
+        """Write one event (adds ``time``), create-only; compacts when the bound is near.
+
+        Raises StorageError; callers treat that as a warning.
+        """
+        event.setdefault("time", _now_iso())
+        data = json.dumps(event, sort_keys=True, default=str).encode()
+        while True:
+            self._number += 1
+            key = event_key(
+                event_stamp(datetime.now(timezone.utc)), event["kind"], self.writer, self._number
+            )
+            try:
+                self.store.put(key, data, create_only=True)
+                break
+            except AlreadyExistsError:
+                continue  # another writer's event of the same name: take the next number
+        if self._room is not None:
+            self._room -= 1
+        if compact and (self._room is None or self._room <= 0):
+            self.compact()
+        return key
+
+    def event_keys(self) -> list[str]:
+        """Keys of the event objects (not the summary), oldest first."""
+        keys = [i.key for i in self.store.list(EVENTS_PREFIX) if parse_event_key(i.key)]
+        return sorted(keys)
+
+    def compact(self) -> int:
+        """Fold the oldest events into the summary when at most one slot is left; returns how
+        many were folded. Leaves room for one more event (a preemption never compacts)."""
+        keys = self.event_keys()
+        folded = 0
+        if len(keys) >= self.max_events - 1:
+            fold = keys[: len(keys) - self.max_events // 2]
+            totals, through = self.read_summary()
+            for event in self._read_many(k for k in fold if through is None or k > through):
+                totals.add(event)
+            self.store.put(
+                EVENT_SUMMARY_KEY,
+                json.dumps({**totals.to_dict(), "through": fold[-1]}, sort_keys=True).encode(),
+            )
+            self.store.delete_many(fold)  # after the summary: a crash between them counts once
+            folded = len(fold)
+            log.debug("compacted %d events into %s", folded, EVENT_SUMMARY_KEY)
+        self._room = self.max_events - 1 - (len(keys) - folded)
+        return folded
+
+    # Reading ----------------------------------------------------------------------------------
+
+    def read_summary(self) -> tuple[Totals, str | None]:
+        """The summary's totals and the newest event key folded into it."""
+        document = _json_object(self.store, EVENT_SUMMARY_KEY, MAX_SUMMARY_BYTES)
+        if document is None:
+            return Totals(), None
+        through = document.get("through")
+        return Totals.from_dict(document), through if isinstance(through, str) else None
+
+    def totals(self) -> Totals:
+        """Everything recorded: the summary plus every event not yet folded into it."""
+        totals, through = self.read_summary()
+        keys = [k for k in self.event_keys() if through is None or k > through]
+        for event in self._read_many(keys):
+            totals.add(event)
+        return totals
+
+    def _read_many(self, keys: Iterable[str]) -> list[dict[str, Any]]:
+        """The events under `keys`, in key order; unreadable or oversized ones are skipped."""
+        listed = list(keys)
+        with ThreadPoolExecutor(min(_READERS, max(1, len(listed)))) as pool:
+            documents = list(pool.map(self._read_one, listed))
+        return [d for d in documents if d is not None]
+
+    def _read_one(self, key: str) -> dict[str, Any] | None:
+        return _json_object(self.store, key, MAX_EVENT_BYTES)
+
+
+def _json_object(store: ObjectStore, key: str, limit: int) -> dict[str, Any] | None:
+    """A small JSON object from the store, or None (gone, too big, not a JSON object)."""
+    try:
+        data = store.get_range(key, 0, limit + 1)
+        document = json.loads(data) if len(data) <= limit else None
+    except (ObjectNotFoundError, ValueError):
+        return None
+    if not isinstance(document, dict):
+        log.debug("ignoring %s: not a JSON object of at most %d bytes", key, limit)
+        return None
+    return document
+
+
+# The manager's hooks -----------------------------------------------------------------------------
+
+
+class GoodputTracker:
+    """What `CheckpointManager` does for goodput: the interval, events and metrics.
+
+    Every rank measures and decides (the manager makes the ranks agree on the coordinator's
+    interval); only the coordinator writes events and calls `metrics`. Nothing here can fail a
+    save: event writes that fail are warnings, a metrics callable that raises is logged once.
+    """
+
+    def __init__(self, store: ObjectStore, settings: Settings, *, is_coordinator: bool) -> None:
+        self.auto = settings.interval_steps == "auto"
+        self.fixed = None if settings.interval_steps == "auto" else settings.interval_steps
+        self.model = IntervalModel(
+            eviction_rate_per_hour=settings.eviction_rate_per_hour,
+            min_interval_steps=settings.min_interval_steps,
+            max_interval_steps=settings.max_interval_steps,
+        )
+        self.events = EventLog(store, settings.max_events) if is_coordinator else None
+        self.metrics: Callable[[dict[str, Any]], Any] | None = settings.metrics
+        self.last_started_step = 0
+        self.last_committed_step: int | None = None
+        self._metrics_failed = False
+
+    @property
+    def interval_steps(self) -> int | None:
+        """The current interval: the fixed one, or the one ``"auto"`` chose."""
+        return self.model.interval_steps if self.auto else self.fixed
+
+    def due(self, step: int) -> bool:
+        """Whether `maybe_save` saves `step`: on the fixed interval, or for ``"auto"`` when at
+        least the chosen number of steps passed since the last save (or the restored step)."""
+        interval = self.interval_steps
+        if interval is None:
+            return False
+        if self.auto:
+            return step - self.last_started_step >= interval
+        return step % interval == 0
+
+    def observe_step(self, step: int) -> None:
+        """At every `maybe_save`: measures the step time."""
+        self.model.observe_step(step)
+
+    def stalled(self, step: int, seconds: float, *, emergency: bool) -> None:
+        """A save of `step` blocked the loop for `seconds` (staging, for an async save)."""
+        self.last_started_step = step
+        self.model.record_stall(seconds, periodic=not emergency)
+
+    def recompute(self) -> None:
+        """Recompute the ``"auto"`` interval from the current figures."""
+        if self.auto:
+            self.model.update()
+
+    def adopt(self, interval: int) -> None:
+        """Use the coordinator's choice (ranks must agree on when to save)."""
+        self.model.interval_steps = interval
+
+    def committed(
+        self,
+        step: int,
+        *,
+        stall_s: float,
+        upload_s: float,
+        size: int | None,
+        asynchronous: bool,
+        emergency: bool,
+    ) -> None:
+        """A save of `step` committed: record it."""
+        self.last_committed_step = step
+        self._publish(
+            {
+                "kind": "save",
+                "step": step,
+                "stall_s": stall_s,
+                "upload_s": upload_s,
+                "bytes": size,
+                "throughput_bytes_per_s": size / upload_s if size and upload_s > 0 else None,
+                "async": asynchronous,
+                "emergency": emergency,
+            }
+        )
+
+    def preempted(
+        self, *, source: str, notice_left_s: float | None, step: int, emergency_save_s: float
+    ) -> None:
+        """A preemption was handled at `step`: record what was saved and what was lost."""
+        saved = self.last_committed_step
+        self._publish(
+            {
+                "kind": "preemption",
+                "source": source,
+                "notice_left_s": notice_left_s,
+                "step_at_notice": step,
+                "step_saved": saved,
+                "steps_lost": step - (saved if saved is not None else 0),
+                "emergency_save_s": emergency_save_s,
+            },
+            compact=False,  # the deadline is near: no listing now
+        )
+
+    def restored(self, step: int | None, seconds: float) -> None:
+        """`restore` finished (`step` None: nothing to restore); for ``"auto"`` the run's
+        recorded events seed the model (the manager then recomputes the interval)."""
+        if step is not None:
+            self.last_started_step = step
+            self.last_committed_step = step
+        self.model.restart_measurement()
+        if self.auto and self.events is not None:
+            try:
+                self.model.seed(self.events.totals())
+            except StorageError as error:
+                log.warning(
+                    "could not read the run's events (goodput figures start anew): %s", error
+                )
+        if step is not None:
+            self._publish({"kind": "restore", "step": step, "restore_s": seconds})
+
+    def _publish(self, event: dict[str, Any], *, compact: bool = True) -> None:
+        """Add the common figures; write the event (coordinator) and pass it to `metrics`."""
+        if self.events is None:
+            return
+        event.update(
+            train_s=self.model.take_training_s(),
+            step_time_s=self.model.step_time_s,
+            interval_steps=self.interval_steps,
+            writer=self.events.writer,
+        )
+        try:
+            self.events.record(event, compact=compact)
+        except StorageError as error:
+            log.warning(
+                "could not record the %s event of step %s (the checkpoint is not affected): %s",
+                event["kind"],
+                event.get("step_at_notice", event.get("step")),
+                error,
+            )
+        self._emit(event)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics(dict(record))
+        except Exception as error:  # a user's callable: never let it break training
+            if not self._metrics_failed:
+                self._metrics_failed = True
+                log.warning("the metrics callable failed (reported once): %r", error)
+
+
+# Statistics --------------------------------------------------------------------------------------
+
+
+@dataclass
+class GoodputStats:
+    """What ``spotckpt stats`` reports for one checkpoint root."""
+
+    uri: str
+    events: int
+    saves: int = 0
+    restores: int = 0
+    evictions: int = 0
+    steps_lost: int = 0
+    training_s: float = 0.0
+    stall_median_s: float | None = None
+    stall_p95_s: float | None = None
+    upload_median_s: float | None = None
+    upload_p95_s: float | None = None
+    restore_median_s: float | None = None
+    overhead_share: float | None = None
+    evictions_per_hour: float | None = None
+    step_time_s: float | None = None
+    interval_steps: int | None = None
+    suggested_interval_steps: int | None = None
+    estimated_goodput: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form."""
+        return dict(self.__dict__)
+
+    def one_line(self) -> str:
+        """``goodput: overhead 1.2 % of 0.3 h, 0 steps lost in 3 evictions, interval 25 ...``."""
+        if not self.events:
+            return f"goodput: no events yet at {self.uri}"
+        overhead = "-" if self.overhead_share is None else f"{100 * self.overhead_share:.1f} %"
+        interval = "-" if self.interval_steps is None else f"{self.interval_steps} steps"
+        estimate = "" if self.estimated_goodput is None else f", {self._goodput()} goodput"
+        return (
+            f"goodput: checkpoint overhead {overhead} of {_duration(self.training_s)}, "
+            f"{_count(self.steps_lost, 'step')} lost in {_count(self.evictions, 'eviction')}, "
+            f"interval {interval} "
+            f"(suggested {_or_dash(self.suggested_interval_steps)}){estimate}"
+        )
+
+    def _goodput(self) -> str:
+        return "-" if self.estimated_goodput is None else f"{100 * self.estimated_goodput:.1f} %"
+
+    def text(self) -> str:
+        """The multi-line report."""
+        if not self.events:
+            return f"no events yet at {self.uri}"
+        rows = [
+            (
+                "events",
+                f"{self.events} ({_count(self.saves, 'save')}, {_count(self.restores, 'restore')})",
+            ),
+            ("evictions", str(self.evictions)),
+            ("steps lost", str(self.steps_lost)),
+            ("training time", _duration(self.training_s)),
+            ("save stall", _spread(self.stall_median_s, self.stall_p95_s)),
+            ("save upload", _spread(self.upload_median_s, self.upload_p95_s)),
+            ("restore", f"median {_seconds(self.restore_median_s)}"),
+            ("overhead", _share(self.overhead_share) + " of training time"),
+            ("eviction rate", _rate(self.evictions_per_hour)),
+            ("step time", _seconds(self.step_time_s)),
+            ("interval", f"{_or_dash(self.interval_steps)} steps (last recorded)"),
+            ("suggested", f"{_or_dash(self.suggested_interval_steps)} steps (Daly)"),
+            ("goodput", f"{self._goodput()} (estimated, at the current interval)"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join([f"goodput at {self.uri}"] + [f"  {n.ljust(width)}  {v}" for n, v in rows])
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def _spread(middle: float | None, high: float | None) -> str:
+    return f"median {_seconds(middle)}, p95 {_seconds(high)}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f} %"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} per hour (observed, with the prior)"
+
+
+def stats_from_totals(uri: str, totals: Totals) -> GoodputStats:
+    """The report's figures from a run's `Totals`."""
+    sums, recent, counts = totals.sums, totals.recent, totals.counts
+    training_s = sums.get("train_s", 0.0)
+    stalls = recent.get("stall_s", [])
+    evictions = counts.get("preemption", 0)
+    cost = sums.get("stall_s", 0.0) + sums.get("emergency_save_s", 0.0) + sums.get("restore_s", 0)
+    stats = GoodputStats(
+        uri=uri,
+        events=totals.events,
+        saves=counts.get("save", 0),
+        restores=counts.get("restore", 0),
+        evictions=evictions,
+        steps_lost=int(sums.get("steps_lost", 0)),
+        training_s=training_s,
+        stall_median_s=median(stalls),
+        stall_p95_s=p95(stalls),
+        upload_median_s=median(recent.get("upload_s", [])),
+        upload_p95_s=p95(recent.get("upload_s", [])),
+        restore_median_s=median(recent.get("restore_s", [])),
+        overhead_share=cost / training_s if training_s > 0 else None,
+        evictions_per_hour=eviction_rate(evictions, training_s),
+        step_time_s=totals.last_number("step_time_s"),
+    )
+    interval = _number(totals.last.get("interval_steps"))
+    stats.interval_steps = int(interval) if interval is not None and interval >= 1 else None
+    _add_model_figures(stats)
+    return stats
+
+
+def _add_model_figures(stats: GoodputStats) -> None:
+    if stats.evictions_per_hour is None or stats.stall_median_s is None or not stats.step_time_s:
+        return
+    mtbf = 3600 / stats.evictions_per_hour
+    stats.suggested_interval_steps = interval_steps_for(
+        stats.stall_median_s, mtbf, stats.step_time_s
+    )
+    if stats.interval_steps is not None:
+        stats.estimated_goodput = expected_goodput(
+            stats.stall_median_s,
+            mtbf,
+            stats.interval_steps * stats.step_time_s,
+            stats.restore_median_s or 0.0,
+        )
+
+
+def load_stats(store: ObjectStore) -> GoodputStats:
+    """The report for the root of `store` (raises StorageError)."""
+    return stats_from_totals(store.uri, EventLog(store).totals())
+
+
+__all__ = [
+    "PRIOR_EVICTIONS_PER_HOUR",
+    "STARTING_INTERVAL_STEPS",
+    "EventLog",
+    "GoodputStats",
+    "GoodputTracker",
+    "IntervalModel",
+    "Totals",
+    "daly_interval_s",
+    "eviction_rate",
+    "expected_goodput",
+    "interval_steps_for",
+    "load_stats",
+]
