@@ -39,7 +39,7 @@ def test_every_raised_exception_is_a_checkpoint_error() -> None:
                 continue
             raised = getattr(module, name, None)
             if not isinstance(raised, type):
-                continue  # a function that builds the error (`raise _fail(...)`): its own raises count
+                continue  # a function building the error (`raise _fail(...)`): its raises count
             if not issubclass(raised, CheckpointError):
                 offenders.append(f"{module_name}: raise {name}(...)")
     assert not offenders, offenders
