@@ -50,11 +50,12 @@ class Collective:
         if self.rank != 0 and _RANK_ZERO_ONLY not in log.filters:
             log.addFilter(_RANK_ZERO_ONLY)
         self.world_size = dist.get_world_size() if distributed else 1
-        self.group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            if distributed
-            else None
-        )
+        timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+        # Saves run their collectives on a group of their own: an async save's upload thread
+        # must never share a group with the collectives the training thread runs meanwhile
+        # (preemption agreement), or their messages cross and both hang.
+        self.save_group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
 
     @property
     def single(self) -> bool:

@@ -231,7 +231,7 @@ class CheckpointManager:
         response = dcp.async_save(
             state_dict,
             storage_writer=writer,
-            process_group=self.group,
+            process_group=self.collective.save_group,
             async_stager=self._async_stager(),
             no_dist=self.group is None,
         )
@@ -266,7 +266,7 @@ class CheckpointManager:
         dcp.save(
             state_dict,
             storage_writer=writer,
-            process_group=self.group,
+            process_group=self.collective.save_group,
             no_dist=self.group is None,
         )
 

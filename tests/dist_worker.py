@@ -265,6 +265,18 @@ def coordinator_dies_after_commit(rank: int, world: int, args: dict[str, Any]) -
     os._exit(0)  # the group is broken; leave without collective teardown
 
 
+def async_saves(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Async saves on every rank while the training thread keeps agreeing on preemption."""
+    mgr = CheckpointManager(args["uri"], preemption=False, async_save=True, interval_steps=2)
+    state = {f"w{rank}": torch.zeros(1 << 16)}
+    for step in range(1, 9):
+        state[f"w{rank}"].fill_(float(step))
+        mgr.maybe_save(step, state)
+    mgr.close()
+    if rank == 0:
+        (Path(args["out"]) / "steps.json").write_text(json.dumps(mgr.steps()))
+
+
 def raw_dcp(rank: int, world: int, args: dict[str, Any]) -> None:
     """Plain DCP on a gloo group with spotckpt's writer and reader: save step 4, load it back."""
     import torch.distributed.checkpoint as dcp
@@ -320,6 +332,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "killed_rank": killed_rank,
     "coordinator_dies_after_commit": coordinator_dies_after_commit,
     "raw_dcp": raw_dcp,
+    "async_saves": async_saves,
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog, manifest_key
 from spotckpt.format.manifest import Manifest
 from spotckpt.storage import open_store
@@ -108,6 +109,17 @@ def test_ddp_restore_reads_the_checkpoint_once(s3_uri: str, tmp_path: Path) -> N
     ratio = stats["read"] / manifest.total_bytes
     print(f"4-rank DDP restore read {stats['read']} bytes of {manifest.total_bytes}: {ratio:.3f}x")
     assert ratio <= 1.05  # each rank reading every replicated tensor would be about 4x
+
+
+def test_async_saves_on_two_ranks_do_not_hang(tmp_path: Path) -> None:
+    """An async upload's collectives and the training thread's agreement use separate groups."""
+    uri = str(tmp_path / "ck")
+    run_ranks(2, "async_saves", {"uri": uri, "out": str(tmp_path)})
+    assert json.loads((tmp_path / "steps.json").read_text()) == [4, 6, 8]  # keep_last=3
+    target = {"w0": torch.zeros(1 << 16), "w1": torch.zeros(1 << 16)}
+    with CheckpointManager(uri, preemption=False) as mgr:
+        assert mgr.restore(target) == 8
+    assert torch.equal(target["w1"], torch.full((1 << 16,), 8.0))
 
 
 def test_failing_rank_is_named_and_next_save_works(
