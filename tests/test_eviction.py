@@ -146,3 +146,26 @@ def test_sigterm_before_the_first_periodic_save_exits_promptly(
     assert exited - moment < 20, f"exited {exited - moment:.1f} s after the commit"
     assert "Traceback" not in text, text[-3000:]
     assert not [pid for pid in workers if _alive(pid)], "loader workers outlived the trainer"
+
+
+def test_failed_demo_keeps_its_logs_and_leaves_no_process(tmp_path: Path) -> None:
+    """A trainer that cannot start: the demo says so with its last lines and kills every child."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the checkpoint root should be")
+    env = {**os.environ, "SPOTCKPT_URI": str(blocker), "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "20", "--evictions", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "demo FAILED" in done.stderr and "last lines of" in done.stderr
+    kept = re.search(r"logs kept in (\S+)", done.stderr)
+    assert kept is not None and Path(kept.group(1)).is_dir(), done.stderr
+    assert (Path(kept.group(1)) / "spot.log").read_text()  # the trainer's own words are there
+    leftovers = subprocess.run(
+        ["pgrep", "-f", kept.group(1)], capture_output=True, text=True
+    ).stdout.split()
+    assert leftovers == [], f"processes left behind: {leftovers}"
