@@ -134,7 +134,6 @@ class CheckpointManager:
         self._pending_writer: ObjectStoreWriter | None = None
         self._pending_started = 0.0
         self._pending_stall = 0.0
-        self._interval_unagreed = False
         self._progress = RankProgress("spotckpt/none", self.world_size)
         self._stager: DefaultStager | None = None
         self._stop = False
@@ -197,8 +196,6 @@ class CheckpointManager:
         self._check_open()
         blocking = not self.async_save if blocking is None else blocking
         self.wait()
-        if self._interval_unagreed:  # no upload is in flight on any rank now
-            self._agree_interval()
         self._saves += 1
         progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
         writer = ObjectStoreWriter(
@@ -242,14 +239,10 @@ class CheckpointManager:
         self._pending_stall = time.monotonic() - started
         log.info("checkpoint step %d staged in %.3f s; uploading", step, self._pending_stall)
         self.goodput.stalled(step, self._pending_stall, emergency=emergency)
-        # A collective now would race the upload's own on the same group: agree at the next save.
-        self._interval_unagreed = self.group is not None
-        if self.group is None:
-            self._agree_interval()
+        self._agree_interval()  # safe during the upload: saves use a group of their own
 
     def _agree_interval(self) -> None:
         """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""
-        self._interval_unagreed = False
         if not self.goodput.auto:
             return
         self.goodput.recompute()

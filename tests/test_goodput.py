@@ -483,7 +483,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_two_ranks_agree_on_the_auto_interval(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_two_ranks_agree_on_the_auto_interval(tmp_path: Path, mode: str) -> None:
     """Each rank measures its own step time (a different one); all save the same steps, on the
     coordinator's interval."""
     import subprocess
@@ -500,7 +501,7 @@ def test_two_ranks_agree_on_the_auto_interval(tmp_path: Path) -> None:
                 str(script),
                 str(tmp_path / "ck"),
                 str(tmp_path / f"{r}.json"),
-                "blocking",
+                mode,
             ],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
