@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import Catalog, manifest_key
+from spotckpt.catalog import Catalog, manifest_key, rank_object_key
 from spotckpt.format.manifest import Manifest
 from spotckpt.storage import open_store
 
@@ -67,9 +67,11 @@ def test_fsdp2_save_on_4_and_continue_identically(fsdp_checkpoint: tuple[str, Pa
     manifest = Manifest.from_json(open_store(uri).get(manifest_key(2)))
     assert manifest.world_size == 4
     assert sorted(o.rank for o in manifest.objects.values()) == [0, 1, 2, 3]
-    # prefix spreading: every rank's object sits under its own hashed prefix, kept in the manifest
-    prefixes = {key.split("/")[1] for key in manifest.objects}
-    assert len(prefixes) == 4 and all(len(p) == 3 for p in prefixes)
+    # prefix spreading: each rank's object sits under a hashed prefix of (attempt, rank), kept in
+    # the manifest (4096 prefixes: two ranks may share one, so distinctness is not asserted)
+    expected = {rank_object_key(manifest.attempt, rank, prefix_spread=True) for rank in range(4)}
+    assert set(manifest.objects) == expected
+    assert all(len(key.split("/")[1]) == 3 for key in manifest.objects)
     weight = manifest.tensors["model.0.weight"]
     assert len(weight.chunks) == 4 and weight.shape == (1024, 512)
 
