@@ -15,6 +15,7 @@ values are unpickled only with ``torch.load(weights_only=True)``, whatever plann
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import math
@@ -46,7 +47,7 @@ from torch.futures import Future
 
 from spotckpt.catalog import Catalog, new_attempt_id, rank_object_key, step_folder, step_key
 from spotckpt.chunks import ChunkReader
-from spotckpt.errors import CorruptCheckpointError, InvalidTypeError
+from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError, InvalidTypeError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.manifest import (
     ChunkLocation,
@@ -94,7 +95,12 @@ def _item_name(item: WriteItem) -> str:
 
 
 class ObjectStoreWriter(StorageWriter):
-    """Writes one checkpoint step into `store` through DCP; see the module docstring."""
+    """Writes one checkpoint step into `store` through DCP; see the module docstring.
+
+    It pickles with its store, which rebuilds itself where it is unpickled (DCP's process-mode
+    async save runs the writer in a child process; the caller's copy then keeps ``attempt`` and
+    ``manifest`` at None: read the outcome back from the store).
+    """
 
     def __init__(
         self,
@@ -133,7 +139,7 @@ class ObjectStoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.catalog.check_not_committed(self.step)
+        self.check_step_free()
         attempt = new_attempt_id()
         return [
             dataclasses.replace(
@@ -144,6 +150,11 @@ class ObjectStoreWriter(StorageWriter):
             )
             for rank, plan in enumerate(plans)
         ]
+
+    def check_step_free(self) -> None:
+        """On the coordinator, before any write: CheckpointAlreadyCommittedError if the step
+        is committed in the store (a committed checkpoint is never overwritten)."""
+        self.catalog.check_not_committed(self.step)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()
@@ -390,6 +401,21 @@ class ObjectStoreReader(StorageReader):
         }
         self.stats = ReadStats()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as the store, the manifest and the read settings (the stats start afresh)."""
+        if self.group is not None:
+            raise InvalidArgumentError(
+                "an ObjectStoreReader with a process group cannot be pickled (a group does not "
+                "cross processes); build the reader with group=None in the other process"
+            )
+        rebuild = functools.partial(
+            ObjectStoreReader,
+            max_parallel_reads=self.max_parallel_reads,
+            max_read_bytes=self.max_read_bytes,
+            coalesce_gap=self.coalesce_gap,
+        )
+        return rebuild, (self.store, self.manifest)
+
     def reset(self, checkpoint_id: Any = None) -> None:
         self.stats = ReadStats()
 
@@ -442,6 +468,13 @@ class ObjectStoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+    def byte_ranges(self, plan: LoadPlan) -> dict[str, list[tuple[int, int]]]:
+        """The byte ranges ``[start, end)`` of each object that reading `plan` fetches."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for fetch in self._plan_fetches([self._need(item) for item in plan.items]):
+            ranges.setdefault(fetch.key, []).append((fetch.start, fetch.end))
+        return ranges
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._read_own(plan, planner)

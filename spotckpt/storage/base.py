@@ -8,6 +8,10 @@ a context manager aborts when the block raises and commits when it does not.
 Keys are relative to the store's root (the path part of the URI), use ``/`` as separator and are
 validated by :func:`check_key`: a store never reads or writes outside its root.
 
+Stores pickle as what rebuilds them (URI parts and options), so a storage writer can cross to
+another process, such as the child of DCP's process-mode async save; a ``memory://`` store cannot.
+Explicit credentials cross only inside `ProcessSecrets` (see there), never into a file.
+
 This layer knows nothing of torch, DCP or manifests.
 """
 
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import abc
 import builtins
+import pickle
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from typing_extensions import Self
@@ -257,3 +263,62 @@ def open_store(uri: str, **options: Any) -> ObjectStore:
 def join_key(*parts: str) -> str:
     """Join key segments with single slashes."""
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+class ProcessSecrets:
+    """Explicit credentials of a store that may cross to another process, never into a file.
+
+    multiprocessing pickles what it sends through its pipes and queues (DCP's process-mode async
+    save sends its storage writer to its child over a `multiprocessing.Pipe`) with
+    `ForkingPickler`, for which this class registers a reducer: the values travel in memory
+    through the pipe. Every other pickling (``pickle.dump`` to a file, ``torch.save``) is refused
+    with `InvalidArgumentError`, so the credentials never land on a disk. Copies share the values.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self._values = dict(values)
+
+    @property
+    def values(self) -> dict[str, str]:
+        """The credentials by option name."""
+        return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"ProcessSecrets({', '.join(sorted(self._values))}: hidden)"
+
+    def __reduce__(self) -> NoReturn:
+        raise InvalidArgumentError(
+            f"a store opened with explicit credentials ({', '.join(sorted(self._values))} in its "
+            "storage options) is only sent to a child process through multiprocessing, never "
+            "pickled otherwise, so the credentials cannot end up in a file; let the store take "
+            "them from the environment, a profile or an instance role instead"
+        )
+
+    def __copy__(self) -> ProcessSecrets:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ProcessSecrets:
+        return self
+
+
+def _reduce_secrets(secrets: ProcessSecrets) -> tuple[type[ProcessSecrets], tuple[dict[str, str]]]:
+    return ProcessSecrets, (secrets.values,)
+
+
+ForkingPickler.register(ProcessSecrets, _reduce_secrets)
+
+
+def check_portable(store: ObjectStore) -> None:
+    """Raise InvalidArgumentError unless `store` can be rebuilt in another process (a child of
+    DCP's process-mode async save, say); ``memory://`` stores and unpicklable stores cannot."""
+    try:
+        ForkingPickler.dumps(store)
+    except InvalidArgumentError:
+        raise
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        raise InvalidArgumentError(
+            f"the store {store.uri} cannot be rebuilt in another process ({error}); open it from "
+            "its URI with open_store, or save asynchronously in a thread instead of a process"
+        ) from None

@@ -39,6 +39,9 @@ Design choices:
   ``credentials_file``, or anonymous (``anonymous=True``, and by default when the endpoint comes
   from ``STORAGE_EMULATOR_HOST``). The endpoint is ``endpoint_url``, else
   ``STORAGE_EMULATOR_HOST``, else https://storage.googleapis.com.
+- A store pickles as its bucket, prefix and options with the endpoint and anonymity it resolved,
+  and is rebuilt where it is unpickled (a child of DCP's process-mode async save, say), loading
+  its credentials there the same way; no credential is pickled.
 - GCS cannot list unfinished resumable sessions, so `list_uploads` is always empty; an abandoned
   session exposes nothing, bills nothing and expires after a week. Aborting a writer still
   cancels its session.
@@ -57,7 +60,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
@@ -568,8 +571,8 @@ class GCSStore:
             check_key(self.prefix)
         self.options = options
         self.endpoint, from_emulator_env = _endpoint(options)
-        anonymous = options.anonymous if options.anonymous is not None else from_emulator_env
-        credentials = _credentials(options, anonymous, self.uri)
+        self.anonymous = options.anonymous if options.anonymous is not None else from_emulator_env
+        credentials = _credentials(options, self.anonymous, self.uri)
         self.session = AuthorizedSession(credentials)
         adapter = requests.adapters.HTTPAdapter(
             pool_connections=4, pool_maxsize=options.max_concurrency * 2 + 4, max_retries=0
@@ -856,6 +859,11 @@ class GCSStore:
         """Wait for running uploads, then release the thread pool and connections."""
         self.pool.shutdown(wait=True)
         self.client.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as bucket, prefix and options, with the endpoint and anonymity resolved here."""
+        options = replace(self.options, endpoint_url=self.endpoint, anonymous=self.anonymous)
+        return GCSStore, (self.bucket, self.prefix, options)
 
 
 def open_gcs_store(uri: str, options: dict[str, Any]) -> GCSStore:

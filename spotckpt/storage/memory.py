@@ -1,7 +1,8 @@
 """``memory://name``: an in-process store for tests and the local tier of experiments.
 
 Stores with the same name share their objects within one process, so a manager and a test that
-opens the same URI see the same bytes.
+opens the same URI see the same bytes. They live in that process only: pickling one (to send it to
+another process) is refused with `InvalidArgumentError`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import builtins
 import threading
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from spotckpt.errors import InvalidArgumentError
@@ -129,6 +130,13 @@ class MemoryStore:
 
     def close(self) -> None:
         return None
+
+    def __reduce__(self) -> NoReturn:
+        raise InvalidArgumentError(
+            f"{self.uri} lives in this process only and cannot be rebuilt in another one (DCP's "
+            "process-mode async save runs the writer in a child process); use a file:// folder "
+            "or an object store, or save asynchronously in a thread instead of a process"
+        )
 
 
 def drop_memory_store(name: str) -> None:

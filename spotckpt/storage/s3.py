@@ -19,6 +19,9 @@ Design choices:
   `read_body`, which stops at the deadline; connect and read timeouts are never longer than it.
 - CRC32C of each part is computed with google-crc32c and sent to S3, which verifies it; botocore
   is told not to add checksums of its own (that would hash every byte a second time).
+- A store pickles as its bucket, prefix and options, and is rebuilt (new client, new pool) where
+  it is unpickled, taking credentials from the standard chain there. Explicit credentials in the
+  options travel inside `ProcessSecrets`: through multiprocessing's pipes only, never to a file.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -48,6 +51,7 @@ from spotckpt.storage.base import (
     ObjectInfo,
     ObjectNotFoundError,
     PermissionDeniedError,
+    ProcessSecrets,
     StorageError,
     UploadInfo,
     check_key,
@@ -64,6 +68,7 @@ MAX_PARTS = 10_000
 MAX_OBJECT_SIZE = 5 << 40
 PARTS_PER_DOUBLING = 950
 DELETE_BATCH = 1000
+SECRET_OPTIONS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 _TRANSIENT_CODES = frozenset(
     {
@@ -559,6 +564,31 @@ class S3Store:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.client.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as bucket, prefix and options; explicit credentials cross a pipe only."""
+        found = {name: getattr(self.options, name) for name in SECRET_OPTIONS}
+        secrets = {name: value for name, value in found.items() if value is not None}
+        public = replace(
+            self.options, aws_access_key_id=None, aws_secret_access_key=None, aws_session_token=None
+        )
+        carried = ProcessSecrets(secrets) if secrets else None
+        return reopen_s3_store, (self.bucket, self.prefix, public, carried)
+
+
+def reopen_s3_store(
+    bucket: str, prefix: str, options: S3Options, secrets: ProcessSecrets | None
+) -> S3Store:
+    """Rebuild a pickled `S3Store` in this process (see `S3Store.__reduce__`)."""
+    if secrets is not None:
+        values = secrets.values
+        options = replace(
+            options,
+            aws_access_key_id=values.get("aws_access_key_id"),
+            aws_secret_access_key=values.get("aws_secret_access_key"),
+            aws_session_token=values.get("aws_session_token"),
+        )
+    return S3Store(bucket, prefix, options)
 
 
 def open_s3_store(uri: str, options: dict[str, Any]) -> S3Store:
