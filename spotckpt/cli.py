@@ -738,7 +738,20 @@ def _gc_verb(kind: str, dry_run: bool) -> str:
 )
 @click.option("--prefix", default="model.", show_default=True, help="Export tensors under this.")
 @click.option("--keep-prefix", is_flag=True, help="Keep the prefix in the output names.")
-@click.option("--overwrite", is_flag=True, help="Replace an export already in OUT.")
+@click.option(
+    "--include",
+    "include",
+    multiple=True,
+    metavar="PATH",
+    help="Copy this local file into OUT, or a folder's top-level files but weights and hidden "
+    "ones (repeatable): config.json, tokenizer files.",
+)
+@click.option(
+    "--keep-tied",
+    is_flag=True,
+    help="Write tied weights under every name (by default once, as save_pretrained does).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an export or included files in OUT.")
 @_storage_option
 @_json_option
 def export_command(
@@ -748,6 +761,8 @@ def export_command(
     dtype: str | None,
     prefix: str,
     keep_prefix: bool,
+    include: tuple[str, ...],
+    keep_tied: bool,
     overwrite: bool,
     storage_options: tuple[tuple[str, str], ...],
     as_json: bool,
@@ -755,7 +770,9 @@ def export_command(
     """Write a checkpoint's model weights as Hugging Face safetensors into OUT.
 
     OUT is a folder or a bucket URI. Storage options apply to OUT too when it is of the same
-    kind (scheme) as URI.
+    kind (scheme) as URI. A weight tied to the input embeddings (lm_head.weight) is written once,
+    as save_pretrained does; --include adds config and tokenizer files so that OUT loads with
+    from_pretrained as it is.
     """
     if not 1 <= len(locations) <= 2:
         raise click.UsageError("export-hf takes [URI] OUT: one or two locations")
@@ -781,18 +798,21 @@ def export_command(
                 prefix=prefix,
                 strip_prefix=not keep_prefix,
                 overwrite=overwrite,
+                include=include,
+                dedupe_tied=not keep_tied,
                 progress=progress,
             )
     if as_json:
         _emit_json(report.to_dict())
         return
-    for name in report.files:
+    index = [report.index] if report.index is not None else []
+    for name in [*report.files, *report.included, *index]:  # in the order they were written
         click.echo(printable(f"wrote {report.out_uri}/{name}"))
-    if report.index is not None:
-        click.echo(printable(f"wrote {report.out_uri}/{report.index}"))
+    for dropped, kept in report.tied.items():
+        click.echo(printable(f"{dropped} is tied to {kept}: written once"))
     click.echo(
-        f"step {chosen}: {report.tensors} tensors, {_human_size(report.total_size)} in "
-        f"{_plural(len(report.files), 'file')}"
+        f"step {chosen}: {report.tensors} tensors, {report.total_parameters:,} parameters, "
+        f"{_human_size(report.total_size)} in {_plural(len(report.files), 'file')}"
     )
 
 

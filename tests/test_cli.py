@@ -20,7 +20,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import STEP, assert_same, fsdp_checkpoint, full_weights
+from test_export import (
+    STEP,
+    assert_same,
+    fsdp_checkpoint,
+    full_weights,
+    tied_checkpoint,
+    tied_weights,
+)
 from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
@@ -285,6 +292,53 @@ def test_export_hf_from_s3_and_local(
     assert "model.safetensors" in single.stdout
     cast = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in want.items()}
     assert_same(load_file(tmp_path / "single" / "model.safetensors"), cast)
+
+
+def test_export_hf_writes_tied_weights_once_and_copies_includes(tmp_path: Path) -> None:
+    tied = Path(shutil.copytree(tied_checkpoint(), tmp_path / "tied"))
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "config.json").write_text('{"model_type": "llama"}')
+    (template / "tokenizer.json").write_text('{"version": "1.0"}')
+    odd = tmp_path / "config.json\x1b[2J"
+    odd.write_text("{}")
+    text, as_json, keep, refused = run_all(
+        [
+            ["export-hf", str(tied), str(tmp_path / "text"), "--include", str(template)],
+            [
+                *["export-hf", str(tied), str(tmp_path / "json"), "--json"],
+                *["--include", str(template / "config.json"), "--max-shard-size", "1KB"],
+            ],
+            ["export-hf", str(tied), str(tmp_path / "keep"), "--keep-tied"],
+            ["export-hf", str(tied), str(tmp_path / "refused"), "--include", str(odd)],
+        ],
+        cwd=tmp_path,
+    )
+    assert text.returncode == 0, text.stderr
+    out = open_store(str(tmp_path / "text")).uri
+    assert text.stdout.splitlines() == [
+        f"wrote {out}/model.safetensors",
+        f"wrote {out}/config.json",
+        f"wrote {out}/tokenizer.json",
+        "lm_head.weight is tied to model.embed_tokens.weight: written once",
+        "step 7: 3 tensors, 512 parameters, 2.0 KiB in 1 file",
+    ]
+    assert_same(load_file(tmp_path / "text" / "model.safetensors"), tied_weights())
+    assert (tmp_path / "text" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    assert report["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert report["included"] == ["config.json"] and report["total_parameters"] == 512
+    index = json.loads((tmp_path / "json" / report["index"]).read_text())
+    assert index["metadata"] == {"total_parameters": 512, "total_size": 2048}
+    assert "lm_head.weight" not in index["weight_map"]
+
+    assert keep.returncode == 0, keep.stderr
+    assert "lm_head.weight" in load_file(tmp_path / "keep" / "model.safetensors")
+    line = one_line_error(refused, 2)
+    assert "include" in line and "\\x1b" in line and "\x1b" not in refused.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 def test_usage_errors_are_one_line_with_exit_2(tmp_path: Path, moto_endpoint: str) -> None:
