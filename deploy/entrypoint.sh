@@ -20,7 +20,10 @@
 #                                             `docker run --stop-timeout`, systemd TimeoutStopSec
 # torchrun's own default shutdown timeout is 30 s whatever the save needs; it is set here.
 #
-# Arguments are passed to the training script (e.g. --steps 1000 --save-every 100).
+# Arguments: the training command, which is the image's CMD (or Kubernetes `args`):
+#   SCRIPT [ARGS...]           run that Python script, e.g. /app/train.py --epochs 3
+#   -m MODULE [ARGS...]        run a module, e.g. -m mytrainer.main --epochs 3 (on PYTHONPATH)
+#   [ARGS...]                  only options, or nothing: the default script, with these arguments
 # Environment (all optional). The entry point's own variables are LAUNCH_*, not SPOTCKPT_*:
 # spotckpt's Config rejects SPOTCKPT_* names it does not know, and the workers inherit this
 # environment.
@@ -29,8 +32,8 @@
 #   LAUNCH_EXIT_MARGIN_S     see above (default 5)
 #   LAUNCH_NPROC_PER_NODE    worker processes (default: one per visible GPU, else 1)
 #   LAUNCH_TORCHRUN_ARGS     rendezvous arguments for torchrun (default: --standalone)
-#   LAUNCH_TRAIN_SCRIPT      the training script (default: train.py beside this file, else
-#                            ../examples/train.py, as laid out in the repository)
+#   LAUNCH_TRAIN_SCRIPT      the default script, when the arguments name none (default: train.py
+#                            beside this file, else ../examples/train.py, as in the repository)
 #   LAUNCH_PYTHON            the interpreter (default: python3)
 #   LAUNCH_DRY_RUN=1         print the command, one argument per line, and exit 0
 set -euo pipefail
@@ -72,15 +75,28 @@ if [[ -z $nproc ]]; then
 fi
 [[ $nproc =~ ^[1-9][0-9]*$ ]] || die "LAUNCH_NPROC_PER_NODE must be a positive integer, got '$nproc'"
 
-script="${LAUNCH_TRAIN_SCRIPT:-}"
-if [[ -z $script ]]; then
-	if [[ -f $here/train.py ]]; then
-		script="$here/train.py"
+# The training program: a module (-m NAME), a script named by the first argument, or the default.
+if [[ ${1:-} == -m ]]; then
+	[[ -n ${2:-} ]] || die "-m needs a module name"
+	program=(-m "$2")
+	shift 2
+else
+	if [[ $# -gt 0 && $1 != -* ]]; then
+		script="$1"
+		shift
 	else
-		script="$here/../examples/train.py"
+		script="${LAUNCH_TRAIN_SCRIPT:-}"
+		if [[ -z $script ]]; then
+			if [[ -f $here/train.py ]]; then
+				script="$here/train.py"
+			else
+				script="$here/../examples/train.py"
+			fi
+		fi
 	fi
+	[[ -f $script ]] || die "training script not found: $script"
+	program=("$script")
 fi
-[[ -f $script ]] || die "training script not found: $script"
 
 # Word splitting is intended: the variable holds several torchrun options.
 # shellcheck disable=SC2206
@@ -93,7 +109,7 @@ cmd=(
 	--max-restarts=0
 	--shutdown-timeout="$shutdown_timeout"
 	--signals-to-handle="$signals"
-	"$script" "$@"
+	"${program[@]}" "$@"
 )
 
 if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
@@ -102,6 +118,6 @@ if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
 fi
 
 echo "entrypoint: save budget ${budget}s, torchrun shutdown timeout ${shutdown_timeout}s," \
-	"$nproc worker(s), script $script" >&2
+	"$nproc worker(s), running ${program[*]}" >&2
 # exec: no shell stays in between to swallow the stop signal.
 exec "${cmd[@]}"

@@ -3,7 +3,9 @@
 Terraform modules are read with python-hcl2 and checked statically: no terraform binary and no
 provider download is needed. Template files are rendered by a small subset of terraform's
 `templatefile` (``${name}``, line-level ``%{ if name ~}`` / ``%{ else ~}`` / ``%{ endif ~}``),
-enough for the templates in terraform/, and strict: an unknown name is an error.
+enough for the templates in terraform/, and strict: an unknown name is an error. Likewise the
+Kubernetes overlays are built by the subset of kustomize they use (resources, components, images,
+JSON 6902 patches), strict too: any other kustomization field is an error, so no kubectl is needed.
 """
 
 from __future__ import annotations
@@ -20,15 +22,23 @@ from pathlib import Path
 from typing import Any
 
 import hcl2
+import jsonpatch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 TERRAFORM = REPO / "terraform"
 ENTRYPOINT = DEPLOY / "entrypoint.sh"
-K8S_MANIFESTS = {"eks": DEPLOY / "k8s" / "eks.yaml", "gke": DEPLOY / "k8s" / "gke.yaml"}
-SKYPILOT_TASK = DEPLOY / "skypilot.yaml"
+K8S = DEPLOY / "k8s"
+# The overlays a user applies (`kubectl apply -k`), by cloud and image variant.
+K8S_VARIANTS = {
+    f"{cloud}-{variant}": K8S / cloud / variant
+    for cloud in ("eks", "gke")
+    for variant in ("cpu", "cuda")
+}
+SKYPILOT_TASKS = {"cpu": DEPLOY / "skypilot.yaml", "cuda": DEPLOY / "skypilot-cuda.yaml"}
 DOCKERFILE = DEPLOY / "Dockerfile"
+DOCKERFILE_TRAINER = DEPLOY / "Dockerfile.trainer"
 
 # Seconds the launcher needs to exit after torchrun's shutdown timeout; every caller's stop timeout
 # (grace period, docker --stop-timeout) must exceed the shutdown timeout by at least this.
@@ -324,6 +334,71 @@ def shutdown_timeout(env: Mapping[str, str]) -> int:
 def yaml_docs(path: Path) -> list[dict[str, Any]]:
     with path.open() as f:
         return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "images", "patches"}
+
+
+def _kustomization(folder: Path, kind: str) -> dict[str, Any]:
+    (doc,) = yaml_docs(folder / "kustomization.yaml")
+    assert doc.get("kind", "Kustomization") == kind, f"{folder}: not a {kind}"
+    unknown = set(doc) - KUSTOMIZATION_KEYS
+    if unknown:
+        raise ValueError(f"{folder}: kustomization fields this helper does not build: {unknown}")
+    return doc
+
+
+def _set_image(container: dict[str, Any], images: list[dict[str, Any]]) -> None:
+    """kustomize's image transformer on one container: match the name without tag or digest."""
+    name, _, digest = container["image"].partition("@")
+    tag = ""
+    if ":" in name.rsplit("/", 1)[-1]:
+        name, tag = name.rsplit(":", 1)
+    for image in images:
+        if image["name"] == name:
+            name = image.get("newName", name)
+            tag = "" if "digest" in image else image.get("newTag", tag)
+            digest = image.get("digest", digest)
+    container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
+
+
+def _targeted(doc: dict[str, Any], target: Mapping[str, str]) -> bool:
+    assert set(target) <= {"kind", "name"}, f"unsupported patch target {target}"
+    return (
+        doc["kind"] == target["kind"]
+        and target.get("name", doc["metadata"]["name"]) == (doc["metadata"]["name"])
+    )
+
+
+def _transform(docs: list[dict[str, Any]], kustomization: dict[str, Any]) -> list[dict[str, Any]]:
+    """Apply a kustomization's patches, then its images, as kustomize orders them."""
+    for patch in kustomization.get("patches", []):
+        assert set(patch) == {"target", "patch"}, f"only inline JSON 6902 patches: {patch}"
+        operations = jsonpatch.JsonPatch(yaml.safe_load(patch["patch"]))
+        hits = [_targeted(d, patch["target"]) for d in docs]
+        assert any(hits), f"patch target {patch['target']} matches nothing"
+        docs = [operations.apply(d) if hit else d for d, hit in zip(docs, hits, strict=True)]
+    for doc in docs:
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for container in [*spec.get("initContainers", []), *spec.get("containers", [])]:
+            _set_image(container, kustomization.get("images", []))
+    return docs
+
+
+def kustomize_build(folder: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl kustomize folder` prints, for the kustomize subset deploy/k8s uses:
+    resources (files, or folders with their own kustomization), then components, then this
+    kustomization's patches and images."""
+    kustomization = _kustomization(folder, "Kustomization")
+    docs: list[dict[str, Any]] = []
+    for entry in kustomization.get("resources", []):
+        path = folder / entry
+        docs.extend(kustomize_build(path) if path.is_dir() else yaml_docs(path))
+    for entry in kustomization.get("components", []):
+        component = _kustomization(folder / entry, "Component")
+        assert "resources" not in component, f"{entry}: component resources are not built here"
+        docs = _transform(docs, component)
+    return _transform(docs, kustomization)
 
 
 def k8s_object(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:

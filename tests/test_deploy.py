@@ -1,8 +1,10 @@
-"""The deployment kit under deploy/: image, entry point, Kubernetes Jobs, SkyPilot task.
+"""The deployment kit under deploy/: images, entry point, Kubernetes Jobs, SkyPilot tasks.
 
-Static checks read the files; the entry-point tests run deploy/entrypoint.sh for real (torchrun
-with one worker on the CPU, no Docker): a stop signal sent to the entry point must reach the
-training process, which saves and exits 75, and the entry point must exit 75 too.
+Static checks read the files (the Kubernetes overlays built as kustomize builds them); the SkyPilot
+tasks' scripts run against a stand-in `docker` that records its arguments; the entry-point tests
+run deploy/entrypoint.sh for real (torchrun with one worker on the CPU, no Docker): a stop signal
+sent to the entry point must reach the training process, which saves and exits 75, and the entry
+point must exit 75 too.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import spotckpt
 from spotckpt.config import Config
@@ -27,17 +31,20 @@ from spotckpt.config import Config
 from deploy_helpers import (
     DEPLOY,
     DOCKERFILE,
+    DOCKERFILE_TRAINER,
     ENTRYPOINT,
-    K8S_MANIFESTS,
+    K8S,
+    K8S_VARIANTS,
     LAUNCHER_EXIT_S,
     REPO,
-    SKYPILOT_TASK,
+    SKYPILOT_TASKS,
     clean_env,
     credential_findings,
     dockerfile_instructions,
     effective_env,
     entrypoint_dry_run,
     k8s_object,
+    kustomize_build,
     option,
     pod_spec,
     shutdown_timeout,
@@ -47,6 +54,16 @@ from deploy_helpers import (
 
 PREEMPTED = 75
 TRAINER = REPO / "examples" / "train.py"
+GPU = "nvidia.com/gpu"
+
+
+def _docs(variant: str) -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k deploy/k8s/CLOUD/VARIANT` creates."""
+    return kustomize_build(K8S_VARIANTS[variant])
+
+
+def _cloud(variant: str) -> str:
+    return variant.split("-")[0]
 
 
 def test_preempted_exit_code_is_the_documented_one() -> None:
@@ -62,30 +79,29 @@ def test_preempted_exit_code_is_the_documented_one() -> None:
 # ---- YAML ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [*K8S_MANIFESTS.values(), SKYPILOT_TASK], ids=lambda p: p.name)
+YAML_FILES = sorted(DEPLOY.rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_yaml_parses(path: Path) -> None:
     docs = yaml_docs(path)
     assert docs and all(isinstance(d, dict) for d in docs)
 
 
-def _kinds(cloud: str) -> list[str]:
-    return [d["kind"] for d in yaml_docs(K8S_MANIFESTS[cloud])]
-
-
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_manifest_has_configmap_serviceaccount_and_job(cloud: str) -> None:
-    kinds = _kinds(cloud)
-    for kind in ("ConfigMap", "ServiceAccount", "Job", "NetworkPolicy"):
-        assert kinds.count(kind) == 1, f"{cloud}: {kind}"
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_manifest_has_configmap_serviceaccount_and_job(variant: str) -> None:
+    kinds = [d["kind"] for d in _docs(variant)]
+    for kind in ("Namespace", "ConfigMap", "ServiceAccount", "Job", "NetworkPolicy"):
+        assert kinds.count(kind) == 1, f"{variant}: {kind}"
     assert "Secret" not in kinds
 
 
 # ---- Kubernetes: restart on preemption -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_job_restarts_on_preemption_without_spending_retries(cloud: str) -> None:
-    docs = yaml_docs(K8S_MANIFESTS[cloud])
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_job_restarts_on_preemption_without_spending_retries(variant: str) -> None:
+    docs = _docs(variant)
     job = k8s_object(docs, "Job")["spec"]
     # podFailurePolicy needs restartPolicy Never; the Job controller makes the new pod.
     assert pod_spec(docs)["restartPolicy"] == "Never"
@@ -115,35 +131,35 @@ SPOT_SELECTORS = {
 }
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_job_lands_on_spot_nodes_and_tolerates_their_taint(cloud: str) -> None:
-    spec = pod_spec(yaml_docs(K8S_MANIFESTS[cloud]))
-    key, value = SPOT_SELECTORS[cloud]
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_job_lands_on_spot_nodes_and_tolerates_their_taint(variant: str) -> None:
+    spec = pod_spec(_docs(variant))
+    key, value = SPOT_SELECTORS[_cloud(variant)]
     assert spec["nodeSelector"][key] == value
     tolerations = {(t["key"], t.get("value"), t["effect"]) for t in spec["tolerations"]}
     assert (key, value, "NoSchedule") in tolerations
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_bucket_uri_comes_from_the_configmap(cloud: str) -> None:
-    docs = yaml_docs(K8S_MANIFESTS[cloud])
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_bucket_uri_comes_from_the_configmap(variant: str) -> None:
+    docs = _docs(variant)
     uri = k8s_object(docs, "ConfigMap")["data"]["SPOTCKPT_URI"]
-    assert uri.startswith({"eks": "s3://", "gke": "gs://"}[cloud])
+    assert uri.startswith({"eks": "s3://", "gke": "gs://"}[_cloud(variant)])
     container = trainer_container(docs)
     literal = [e for e in container.get("env", []) if e["name"] == "SPOTCKPT_URI" and "value" in e]
     assert not literal, "the URI belongs in the ConfigMap"
     assert effective_env(docs)["SPOTCKPT_URI"] == uri
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_k8s_settings_are_ones_spotckpt_accepts(
-    cloud: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """spotckpt's Config rejects unknown SPOTCKPT_* variables: the trainer would not start."""
     for name in list(os.environ):
         if name.startswith("SPOTCKPT_"):
             monkeypatch.delenv(name)
-    env = effective_env(yaml_docs(K8S_MANIFESTS[cloud]))
+    env = effective_env(_docs(variant))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     config = Config.load(cwd=tmp_path)
@@ -157,9 +173,10 @@ IDENTITY_ANNOTATIONS = {
 }
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_cloud_identity_without_static_keys(cloud: str) -> None:
-    docs = yaml_docs(K8S_MANIFESTS[cloud])
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
+    cloud = _cloud(variant)
+    docs = _docs(variant)
     account = k8s_object(docs, "ServiceAccount")
     annotation = account["metadata"]["annotations"][IDENTITY_ANNOTATIONS[cloud]]
     if cloud == "eks":
@@ -185,10 +202,10 @@ def test_k8s_cloud_identity_without_static_keys(cloud: str) -> None:
 # ---- Kubernetes: time to save, and the signal's path ---------------------------------------------
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_grace_period_covers_the_save_budget(cloud: str) -> None:
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_grace_period_covers_the_save_budget(variant: str) -> None:
     """save budget <= torchrun shutdown timeout; + launcher exit <= grace period."""
-    docs = yaml_docs(K8S_MANIFESTS[cloud])
+    docs = _docs(variant)
     env = effective_env(docs)
     budget = float(env["SPOTCKPT_SAVE_BUDGET_S"])
     timeout = shutdown_timeout(env)  # what the entry point passes to torchrun with this env
@@ -196,16 +213,16 @@ def test_k8s_grace_period_covers_the_save_budget(cloud: str) -> None:
     assert timeout >= budget + 1, "the workers need time to exit after the save"
     assert grace >= timeout + LAUNCHER_EXIT_S
     assert grace >= budget
-    if cloud == "eks":
+    if _cloud(variant) == "eks":
         assert grace < 120, "AWS reclaims a spot instance 2 minutes after the notice"
     else:
         # GKE's graceful node shutdown gives regular pods the first 15 s of the 30 s notice.
         assert timeout <= 15
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_stop_signal_goes_to_the_image_entry_point(cloud: str) -> None:
-    docs = yaml_docs(K8S_MANIFESTS[cloud])
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_stop_signal_goes_to_the_image_entry_point(variant: str) -> None:
+    docs = _docs(variant)
     container = trainer_container(docs)
     # No command: the image's ENTRYPOINT (tini -> entrypoint.sh -> torchrun) is PID 1 and gets
     # the kubelet's SIGTERM. A `sh -c` command would swallow it.
@@ -216,9 +233,9 @@ def test_k8s_stop_signal_goes_to_the_image_entry_point(cloud: str) -> None:
     assert not pod_spec(docs).get("shareProcessNamespace", False)
 
 
-@pytest.mark.parametrize("cloud", K8S_MANIFESTS)
-def test_k8s_runs_as_the_image_user(cloud: str) -> None:
-    docs = yaml_docs(K8S_MANIFESTS[cloud])
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_runs_as_the_image_user(variant: str) -> None:
+    docs = _docs(variant)
     security = pod_spec(docs)["securityContext"]
     assert security["runAsNonRoot"] is True
     assert security["runAsUser"] == _dockerfile_uid()
@@ -226,11 +243,159 @@ def test_k8s_runs_as_the_image_user(cloud: str) -> None:
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
 
 
+# ---- Kubernetes: the image and the training command ---------------------------------------------
+
+
+def _overlay(folder: Path) -> dict[str, Any]:
+    (doc,) = yaml_docs(folder / "kustomization.yaml")
+    return doc
+
+
+def _command_patch(overlay: dict[str, Any]) -> dict[str, Any]:
+    """The overlay's JSON patch operation that sets the trainer's args (the training command)."""
+    operations = [
+        op
+        for patch in overlay["patches"]
+        for op in yaml.safe_load(patch["patch"])
+        if op["path"] == "/spec/template/spec/containers/0/args"
+    ]
+    assert len(operations) == 1, operations
+    return operations[0]
+
+
+def _copied_into_image(dockerfile: Path) -> dict[str, str]:
+    """Destination in the image -> source in the repository, for the Dockerfile's COPY lines."""
+    copies: dict[str, str] = {}
+    for word, args in dockerfile_instructions(dockerfile):
+        if word == "COPY" and not args.startswith("--"):
+            *sources, target = args.split()
+            for source in sources:
+                name = target + Path(source).name if target.endswith("/") else target
+                copies[name] = source
+    return copies
+
+
+def _runs_the_example(command: list[str]) -> None:
+    """The command is the example trainer in the base image, with options the example has."""
+    assert _copied_into_image(DOCKERFILE)[command[0]] == "examples/train.py"
+    options = TRAINER.read_text()
+    for word in command[1:]:
+        if word.startswith("--"):
+            assert f'"{word}"' in options, f"examples/train.py has no {word}"
+
+
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_image_and_command_come_from_the_overlay(variant: str) -> None:
+    overlay = _overlay(K8S_VARIANTS[variant])
+    (image,) = overlay["images"]
+    container = trainer_container(_docs(variant))
+    assert container["image"] == f"{image['newName']}:{image['newTag']}"
+    operation = _command_patch(overlay)
+    assert container["args"] == operation["value"]
+    assert all(isinstance(a, str) for a in container["args"])
+    _runs_the_example(container["args"])
+    # The base names the image kustomize replaces, and leaves the command to the overlay: without
+    # the patch the image's own CMD runs.
+    base = trainer_container(kustomize_build(K8S_VARIANTS[variant].parent / "base"))
+    assert base["image"].split(":")[0] == image["name"]
+    assert "args" not in base and operation["op"] == "add"
+
+
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_overlay_settings_reach_the_container(variant: str, tmp_path: Path) -> None:
+    """What a user writes in the overlay (image, training command) is what the pod runs."""
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s)
+    folder = k8s / K8S_VARIANTS[variant].relative_to(K8S)
+    overlay = _overlay(folder)
+    overlay["images"][0].update(newName="registry.example/team/my-trainer", newTag="7-x")
+    command = ["-m", "my_trainer.main", "--epochs", "3", "--name", "a b"]
+    for patch in overlay["patches"]:
+        operations = yaml.safe_load(patch["patch"])
+        for op in operations:
+            if op["path"].endswith("/args"):
+                op["value"] = command
+        patch["patch"] = yaml.safe_dump(operations)
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    container = trainer_container(kustomize_build(folder))
+    assert container["image"] == "registry.example/team/my-trainer:7-x"
+    assert container["args"] == command
+    # The entry point hands that command to torchrun unchanged.
+    argv = entrypoint_dry_run({}, *command)
+    assert argv[-len(command) :] == command
+
+
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_k8s_gpu_requests_only_with_the_cuda_image(variant: str) -> None:
+    docs = _docs(variant)
+    container = trainer_container(docs)
+    spec = pod_spec(docs)
+    tag = container["image"].rsplit(":", 1)[1]
+    tolerated = {t["key"] for t in spec["tolerations"]}
+    if variant.endswith("-cpu"):
+        assert "cuda" not in tag
+        assert GPU not in yaml.safe_dump(docs), "a CPU image has no use for a GPU"
+        assert "cloud.google.com/gke-accelerator" not in spec["nodeSelector"]
+        return
+    assert "cuda" in tag
+    resources = container["resources"]
+    assert int(resources["limits"][GPU]) >= 1
+    assert resources["requests"][GPU] == resources["limits"][GPU]
+    assert GPU in tolerated
+    dshm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"]["medium"] == "Memory" and dshm["emptyDir"]["sizeLimit"] == "8Gi"
+    if _cloud(variant) == "gke":
+        assert spec["nodeSelector"]["cloud.google.com/gke-accelerator"].startswith("nvidia-")
+
+
+def test_k8s_gpu_requests_live_in_the_gpu_component_only() -> None:
+    """The bases and the CPU overlays name no GPU; the CUDA overlays get theirs from one place."""
+    naming = {p.relative_to(K8S) for p in K8S.rglob("*.yaml") if GPU in p.read_text()}
+    assert naming == {Path("components/gpu/kustomization.yaml")}
+    for variant, folder in K8S_VARIANTS.items():
+        components = _overlay(folder).get("components", [])
+        expected = ["../../components/gpu"] if variant.endswith("-cuda") else []
+        assert components == expected, variant
+
+
 # ---- SkyPilot ------------------------------------------------------------------------------------
 
 
-def test_skypilot_task_uses_spot_recovers_and_sets_the_uri() -> None:
-    (task,) = yaml_docs(SKYPILOT_TASK)
+def _task(variant: str) -> dict[str, Any]:
+    (task,) = yaml_docs(SKYPILOT_TASKS[variant])
+    return task
+
+
+FAKE_DOCKER = """#!/bin/sh
+# Records its arguments, one per line, then a separator.
+printf '%s\n' "$@" >> "$DOCKER_CALLS"
+echo --- >> "$DOCKER_CALLS"
+"""
+
+
+def _run_task_scripts(task: dict[str, Any], tmp_path: Path, **env: str) -> list[list[str]]:
+    """Run the task's setup and run scripts as SkyPilot does (envs exported), with a `docker` that
+    records its calls instead of pulling or running anything."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    docker = bin_dir / "docker"
+    docker.write_text(FAKE_DOCKER)
+    docker.chmod(0o755)
+    calls = tmp_path / "docker-calls"
+    full = clean_env(**{k: str(v) for k, v in task["envs"].items()})
+    full.update(env, DOCKER_CALLS=str(calls), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for section in ("setup", "run"):
+        result = subprocess.run(
+            ["bash", "-c", task[section]], env=full, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, f"{section}: {result.stderr}"
+    text = calls.read_text()
+    return [call.splitlines() for call in text.split("---\n") if call.strip()]
+
+
+@pytest.mark.parametrize("variant", SKYPILOT_TASKS)
+def test_skypilot_task_uses_spot_recovers_and_sets_the_uri(variant: str) -> None:
+    task = _task(variant)
     resources = task["resources"]
     assert resources["use_spot"] is True
     recovery = resources["job_recovery"]
@@ -239,20 +404,70 @@ def test_skypilot_task_uses_spot_recovers_and_sets_the_uri() -> None:
     assert isinstance(recovery["max_restarts_on_errors"], int)
     envs = {k: str(v) for k, v in task["envs"].items()}
     assert re.match(r"(s3|gs)://[^/]+/.+", envs["SPOTCKPT_URI"])
-    # The same entry point as the image, so the same timing and exit statuses.
-    assert "deploy/entrypoint.sh" in task["run"]
-    assert re.search(r"pip install .*\s\.\s*$", task["setup"], re.M), "installs the package"
     # The shortest notice among the clouds SkyPilot may pick is 30 s (GCE, Azure).
     assert shutdown_timeout(envs) + LAUNCHER_EXIT_S <= 30
 
 
+@pytest.mark.parametrize("variant", SKYPILOT_TASKS)
+def test_skypilot_runs_the_image_with_the_training_command(variant: str, tmp_path: Path) -> None:
+    task = _task(variant)
+    envs = {k: str(v) for k, v in task["envs"].items()}
+    image = "registry.example/team/my-trainer:7-x"
+    pull, run = _run_task_scripts(
+        task, tmp_path, TRAIN_IMAGE=image, TRAIN_COMMAND="-m my_trainer.main --epochs 3"
+    )
+    assert pull == ["pull", image]
+    assert run[0] == "run" and run.count(image) == 1
+    # The image, then the training command in place of its CMD.
+    assert run[run.index(image) + 1 :] == ["-m", "my_trainer.main", "--epochs", "3"]
+    options = run[: run.index(image)]
+    # Every spotckpt and entry-point setting reaches the container (by name: the value comes from
+    # the task's environment, so none is written into the command line).
+    passed = {options[i + 1] for i, w in enumerate(options) if w == "-e"}
+    assert passed == {n for n in envs if n.startswith(("SPOTCKPT_", "LAUNCH_"))}
+    assert option(options, "--network") == "host"
+    stop = int(option(options, "--stop-timeout"))
+    assert shutdown_timeout(envs) + LAUNCHER_EXIT_S <= stop <= 30
+    # The task's defaults: the example trainer in the base image.
+    _, default_run = _run_task_scripts(task, tmp_path / "defaults")
+    _runs_the_example(default_run[default_run.index(envs["TRAIN_IMAGE"]) + 1 :])
+
+
+@pytest.mark.parametrize("variant", SKYPILOT_TASKS)
+def test_skypilot_gpus_only_with_the_cuda_image(variant: str, tmp_path: Path) -> None:
+    task = _task(variant)
+    tag = task["envs"]["TRAIN_IMAGE"].rsplit(":", 1)[1]
+    (_, run) = _run_task_scripts(task, tmp_path)
+    options = run[: run.index(task["envs"]["TRAIN_IMAGE"])]
+    if variant == "cpu":
+        assert "cuda" not in tag
+        assert "accelerators" not in task["resources"]
+        assert "--gpus" not in options
+    else:
+        assert "cuda" in tag
+        assert task["resources"]["accelerators"]
+        assert option(options, "--gpus") == "all"
+
+
+def test_skypilot_tasks_differ_only_in_resources_and_image() -> None:
+    """One task per image variant: everything but the machine, the image and the GPU flag agrees."""
+    cpu, cuda = _task("cpu"), _task("cuda")
+    for task in (cpu, cuda):
+        del task["resources"]["cpus" if task is cpu else "accelerators"]
+        task["resources"].pop("memory", None)
+        task["envs"].pop("TRAIN_IMAGE")
+        task["run"] = re.sub(r"^ *--gpus all --ipc host \\\n", "", task["run"], flags=re.M)
+    assert cpu == cuda
+
+
+@pytest.mark.parametrize("variant", SKYPILOT_TASKS)
 def test_skypilot_settings_are_ones_spotckpt_accepts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in list(os.environ):
         if name.startswith("SPOTCKPT_"):
             monkeypatch.delenv(name)
-    (task,) = yaml_docs(SKYPILOT_TASK)
+    task = _task(variant)
     for name, value in task["envs"].items():
         monkeypatch.setenv(name, str(value))
     assert Config.load(cwd=tmp_path).uri == task["envs"]["SPOTCKPT_URI"]
@@ -316,6 +531,43 @@ def test_dockerfile_stop_signal_reaches_the_trainer() -> None:
     assert code[-1] == 'exec "${cmd[@]}"'
 
 
+def test_dockerfile_default_command_is_the_example_trainer() -> None:
+    command = json.loads(dict(_instructions())["CMD"])  # exec form: the entry point's arguments
+    assert command == ["/opt/spotckpt/train.py"]
+    _runs_the_example(command)
+
+
+def test_dockerfile_keeps_torch_in_images_built_from_it() -> None:
+    """A `pip install` in an image FROM the base must not swap its torch (CPU wheel, version)."""
+    instructions = _instructions()
+    settings = " ".join(args for word, args in instructions if word == "ENV")
+    found = re.search(r"\bPIP_CONSTRAINT=(\S+)", settings)
+    assert found, "no PIP_CONSTRAINT"
+    runs = " ".join(args for word, args in instructions if word == "RUN")
+    assert f'echo "torch==${{TORCH_VERSION}}" > {found.group(1)}' in runs
+
+
+def test_trainer_dockerfile_builds_on_the_base_with_its_own_command() -> None:
+    """deploy/Dockerfile.trainer, the documented path: FROM the base, COPY the code, CMD."""
+    instructions = list(dockerfile_instructions(DOCKERFILE_TRAINER))
+    base_text = DOCKERFILE.read_text()
+    assert ("ARG", "BASE=spotckpt:cpu") in instructions
+    assert "-t spotckpt:cpu ." in base_text and "-t spotckpt:cuda ." in base_text
+    assert "--build-arg BASE=spotckpt:cuda" in DOCKERFILE_TRAINER.read_text()
+    assert [args for word, args in instructions if word == "FROM"] == ["${BASE}"]
+    assert "ENTRYPOINT" not in dict(instructions), "the base's entry point must stay"
+    users = [args for word, args in instructions if word == "USER"]
+    uid = _dockerfile_uid()
+    assert users[-1] == f"{uid}:{uid}"
+    copies = _copied_into_image(DOCKERFILE_TRAINER)
+    for source in copies.values():
+        assert (REPO / source).exists(), f"COPY source {source} missing"
+    command = json.loads(dict(instructions)["CMD"])
+    assert copies[command[0]] == "examples/train.py"
+    argv = entrypoint_dry_run({}, str(REPO / copies[command[0]]), *command[1:])
+    assert argv[-len(command) :] == [str(REPO / copies[command[0]]), *command[1:]]
+
+
 # ---- the entry point: dry runs -------------------------------------------------------------------
 
 
@@ -339,6 +591,50 @@ def test_entrypoint_command_runs_the_trainer_under_torchrun() -> None:
     assert "--standalone" in cmd and "--max-restarts=0" in cmd
     assert option(cmd, "--nproc-per-node") == "4"
     assert cmd[cmd.index(script) :] == [script, "--steps", "7", "--save-every", "a b"]
+
+
+def _torchrun_reads(argv: list[str]) -> tuple[bool, str, list[str]]:
+    """(module?, script or module, its arguments) as torchrun parses the launcher's arguments."""
+    from torch.distributed.run import parse_args
+
+    args = parse_args(argv[2:])
+    return args.module, args.training_script, args.training_script_args
+
+
+def test_entrypoint_runs_the_training_command_it_is_given() -> None:
+    """The arguments (the image's CMD, Kubernetes args) are a script or -m MODULE, then its
+    arguments; options alone go to the default script."""
+    default = str(DEPLOY / "launch.py")
+    env = {"LAUNCH_TRAIN_SCRIPT": default}
+    script = str(TRAINER)
+    assert _torchrun_reads(entrypoint_dry_run(env, script, "--steps", "7", "a b")) == (
+        False,
+        script,
+        ["--steps", "7", "a b"],
+    )
+    assert _torchrun_reads(entrypoint_dry_run(env, "-m", "my_trainer.main", "--epochs", "3")) == (
+        True,
+        "my_trainer.main",
+        ["--epochs", "3"],
+    )
+    assert _torchrun_reads(entrypoint_dry_run(env, "--steps", "7")) == (
+        False,
+        default,
+        ["--steps", "7"],
+    )
+    assert _torchrun_reads(entrypoint_dry_run(env)) == (False, default, [])
+
+
+@pytest.mark.parametrize(
+    "args", [["/nonexistent/train.py", "--steps", "1"], ["-m"]], ids=["no-such-script", "no-module"]
+)
+def test_entrypoint_rejects_bad_commands(args: list[str]) -> None:
+    full = clean_env(LAUNCH_DRY_RUN="1", LAUNCH_NPROC_PER_NODE="1")
+    result = subprocess.run(
+        ["bash", str(ENTRYPOINT), *args], env=full, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "entrypoint:" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -378,7 +674,7 @@ def stop(signum, frame):
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGUSR1, stop)
 (out / "ready").write_text(str(os.getpid()))
-if sys.argv[1] == "exit":
+if sys.argv[1] == "--exit":
     sys.exit(int(sys.argv[2]))
 time.sleep(120)
 sys.exit(0)
@@ -435,7 +731,8 @@ def test_entrypoint_exit_status_follows_the_worker(
 ) -> None:
     """torchrun alone exits 1 for any worker failure; the launcher keeps 75 apart."""
     folder, env = fake_worker
-    proc = _start(env, "exit", str(worker_status))
+    # The training command names the script, as an image's CMD does.
+    proc = _start(env, str(folder / "worker.py"), "--exit", str(worker_status))
     try:
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -448,7 +745,7 @@ def test_stop_signal_to_the_entrypoint_reaches_the_worker(
     fake_worker: tuple[Path, dict[str, str]], signum: signal.Signals
 ) -> None:
     folder, env = fake_worker
-    proc = _start(env, "sleep")
+    proc = _start(env, "--sleep")  # options only: the default script (LAUNCH_TRAIN_SCRIPT)
     try:
         _wait_for((folder / "ready").exists, 90, proc)
         proc.send_signal(signum)

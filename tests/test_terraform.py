@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -87,10 +88,17 @@ def test_variables_for_names_region_and_instance_types(folder: Path, names: set[
         assert body.get("description"), f"variable {name} has no description"
 
 
-@pytest.mark.parametrize("folder", [AWS, GCP], ids=["aws", "gcp"])
-def test_example_tfvars_sets_every_required_variable_and_nothing_unknown(folder: Path) -> None:
+EXAMPLES = [(folder, name) for folder in (AWS, GCP) for name in ("example", "example-cuda")]
+
+
+@pytest.mark.parametrize(
+    ("folder", "example"), EXAMPLES, ids=[f"{f.name}-{n}" for f, n in EXAMPLES]
+)
+def test_example_tfvars_sets_every_required_variable_and_nothing_unknown(
+    folder: Path, example: str
+) -> None:
     module = load_module(folder)
-    example = load_hcl(folder / "example.tfvars")
+    example = load_hcl(folder / f"{example}.tfvars")
     assert set(example) <= set(module.variables), set(example) - set(module.variables)
     required = {n for n, v in module.variables.items() if "default" not in v}
     assert required <= set(example), required - set(example)
@@ -283,8 +291,25 @@ def _rendered(module: Module, folder: Path, template: str, expr: str, **values: 
     return render_template(text, values)
 
 
-def _aws_user_data(aws: Module, gpus: bool) -> tuple[str, dict[str, Any]]:
-    variables = aws.defaults(bucket_name="ckpt-bucket", container_image="registry/img:1", gpus=gpus)
+# A training command with the characters the shell quoting in compute.tf must keep intact.
+ODD_COMMAND = ["-m", "my_trainer.main", "--name", "it's a b", "--glob", "*"]
+# The expression both modules use to pass the command to the start-up script, quoted for the shell.
+QUOTED_COMMAND = (
+    'join(" ", [for a in var.train_command : format("\'%s\'", replace(a, "\'", "\'\\\\\'\'"))])'
+)
+
+
+def _shell_quoted(words: list[str]) -> str:
+    """What QUOTED_COMMAND renders for `words`."""
+    return " ".join("'" + w.replace("'", "'\\''") + "'" for w in words)
+
+
+def _aws_user_data(
+    aws: Module, gpus: bool, command: list[str] | None = None
+) -> tuple[str, dict[str, Any]]:
+    variables = aws.defaults(
+        bucket_name="ckpt-bucket", container_image="registry/img:1", accelerator_count=int(gpus)
+    )
     values = {
         "image": variables["container_image"],
         "ecr_registry": "123456789012.dkr.ecr.us-east-1.amazonaws.com",
@@ -295,25 +320,30 @@ def _aws_user_data(aws: Module, gpus: bool) -> tuple[str, dict[str, Any]]:
         "exit_margin_s": variables["exit_margin_s"],
         "stop_timeout_s": eval_number(aws.locals["stop_timeout_s"], aws, variables),
         "unit_stop_timeout_s": eval_number(aws.locals["unit_stop_timeout_s"], aws, variables),
-        "train_args": "'--steps' '100' '--save-every' '10'",
+        "train_command": _shell_quoted(variables["train_command"] if command is None else command),
     }
     template = aws.resource("aws_launch_template", "train")
     assert "templatefile(" in template["user_data"]
     return _rendered(aws, AWS, "user_data.sh.tftpl", template["user_data"], **values), values
 
 
-def _gcp_startup(gcp: Module, gpus: bool) -> tuple[str, dict[str, Any]]:
-    variables = gcp.defaults(bucket_name="ckpt-bucket", container_image="registry/img:1", gpus=gpus)
+def _gcp_startup(
+    gcp: Module, gpus: bool, command: list[str] | None = None
+) -> tuple[str, dict[str, Any]]:
+    variables = gcp.defaults(
+        bucket_name="ckpt-bucket", container_image="registry/img:1", accelerator_count=int(gpus)
+    )
     values = {
         "image": variables["container_image"],
         "registry": "registry",
         "gpus": gpus,
+        "gpu_devices": "--device /dev/nvidia0:/dev/nvidia0" if gpus else "",
         "checkpoint_uri": f"gs://ckpt-bucket/{variables['run_prefix']}",
         "save_budget_s": variables["save_budget_s"],
         "exit_margin_s": variables["exit_margin_s"],
         "stop_timeout_s": eval_number(gcp.locals["stop_timeout_s"], gcp, variables),
         "unit_stop_timeout_s": eval_number(gcp.locals["unit_stop_timeout_s"], gcp, variables),
-        "train_args": "'--steps' '100'",
+        "train_command": _shell_quoted(variables["train_command"] if command is None else command),
     }
     template = gcp.resource("google_compute_instance_template", "train")
     expr = template["metadata"]["startup-script"]
@@ -328,9 +358,9 @@ def _check_startup(script: str, values: dict[str, Any], notice_s: int) -> None:
     env = {w.split("=", 1)[0]: w.split("=", 1)[1] for i, w in enumerate(run) if run[i - 1] == "-e"}
     assert env["SPOTCKPT_URI"] == values["checkpoint_uri"]
     assert env["SPOTCKPT_SAVE_BUDGET_S"] == str(values["save_budget_s"])
-    # The image comes right after the options, then the trainer's arguments.
+    # The image comes right after the options, then the training command, word for word.
     assert values["image"] in run
-    assert run[run.index(values["image"]) + 1 :][:1] == ["--steps"]
+    assert run[run.index(values["image"]) + 1 :] == shlex.split(values["train_command"])
     # Timing chain: save budget -> torchrun shutdown timeout -> docker stop -> systemd -> notice.
     timeout = shutdown_timeout(
         {
@@ -367,6 +397,103 @@ def test_gcp_startup_script_starts_the_container_with_the_bucket_uri(
     script, values = _gcp_startup(gcp, gpus)
     _check_startup(script, values, notice_s=30)
     assert ("cos-extensions install gpu" in script) is gpus
+    run = joined_command(heredoc(script, "SCRIPT"), "docker", "run")
+    assert ("/dev/nvidia0:/dev/nvidia0" in run) is gpus
+
+
+# ---- the image, the training command and the GPUs ------------------------------------------------
+
+
+def _startup_arguments(module: Module) -> str:
+    if module.path == AWS:
+        return module.resource("aws_launch_template", "train")["user_data"]
+    return module.resource("google_compute_instance_template", "train")["metadata"][
+        "startup-script"
+    ]
+
+
+@pytest.mark.parametrize("folder", [AWS, GCP], ids=["aws", "gcp"])
+def test_image_and_command_reach_the_docker_run(folder: Path) -> None:
+    module = load_module(folder)
+    expr = _startup_arguments(module)
+    assert "image = var.container_image" in expr
+    assert f"train_command = {QUOTED_COMMAND}" in expr
+    assert "gpus = local.gpus" in expr
+    command = module.variables["train_command"]
+    assert command["type"] == "${list(string)}"
+    startup = _aws_user_data if folder == AWS else _gcp_startup
+    for words in (command["default"], ODD_COMMAND, []):
+        script, _ = startup(module, False, words)
+        run = joined_command(heredoc(script, "SCRIPT"), "docker", "run")
+        assert run[run.index("registry/img:1") + 1 :] == words
+    # The default is the example trainer in the base image.
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert f"COPY examples/train.py {command['default'][0]}" in dockerfile
+
+
+CUDA_RULE = '${(var.accelerator_count > 0) == (var.image_variant == "cuda")}'
+
+
+@pytest.mark.parametrize("folder", [AWS, GCP], ids=["aws", "gcp"])
+def test_gpus_need_a_cuda_image(folder: Path) -> None:
+    """The variables refuse GPUs with a CPU image and a CUDA image without GPUs."""
+    module = load_module(folder)
+    variant = module.variables["image_variant"]
+    assert variant["default"] == "cpu"
+    (allowed,) = blocks(variant, "validation")
+    assert allowed["condition"] == '${contains(["cpu", "cuda"], var.image_variant)}'
+    count = module.variables["accelerator_count"]
+    assert count["default"] == 0
+    rules = {b["condition"]: b["error_message"] for b in blocks(count, "validation")}
+    assert CUDA_RULE in rules and "CUDA image" in rules[CUDA_RULE]
+    # Validations that refer to other variables need terraform 1.9.
+    (settings,) = load_hcl(folder / "versions.tf")["terraform"]
+    assert settings["required_version"] == ">= 1.9"
+    # Everything GPU-specific follows the count.
+    assert module.locals["gpus"] == "${var.accelerator_count > 0}"
+    for name in ("example", "example-cuda"):
+        example = load_hcl(folder / f"{name}.tfvars")
+        cuda = example["image_variant"] == "cuda"
+        assert (example["accelerator_count"] > 0) is cuda is (name == "example-cuda")
+        assert example["container_image"].endswith("-cuda" if cuda else "-cpu")
+
+
+def test_aws_instance_types_match_the_gpu_count(aws: Module) -> None:
+    rule = (
+        '${alltrue([for t in var.instance_types : can(regex("^[gp][0-9]", t)) '
+        "== (var.accelerator_count > 0)])}"
+    )
+    assert rule in [
+        b["condition"] for b in blocks(aws.variables["accelerator_count"], "validation")
+    ]
+    gpu_type = re.compile("^[gp][0-9]")
+    assert not [t for t in aws.variables["instance_types"]["default"] if gpu_type.match(t)]
+    cuda = load_hcl(AWS / "example-cuda.tfvars")
+    assert all(gpu_type.match(t) for t in cuda["instance_types"])
+    # The AMI follows: Amazon Linux for CPU instances, the Deep Learning AMI (driver) with GPUs.
+    assert aws.data[("aws_ssm_parameter", "ami")]["name"] == "${local.ami_ssm_parameter}"
+    ami = aws.locals["ami_ssm_parameter"]
+    assert aws.variables["ami_ssm_parameter"]["default"] == ""
+    gpu_ami, cpu_ami = re.findall(r'local\.gpus \? "([^"]+)" : "([^"]+)"', ami)[0]
+    assert "nvidia-driver" in gpu_ami and "al2023" in cpu_ami and "nvidia" not in cpu_ami
+
+
+def test_gcp_machine_type_matches_the_gpu_count(gcp: Module) -> None:
+    rules = [b["condition"] for b in blocks(gcp.variables["accelerator_count"], "validation")]
+    assert (
+        '${(var.accelerator_count > 0) == (can(regex("^(a2|a3|a4|g2|g4)-", var.machine_type)) '
+        '|| var.accelerator_type != "")}'
+    ) in rules
+    assert not re.match(r"^(a2|a3|a4|g2|g4|n1)-", gcp.variables["machine_type"]["default"])
+    assert gcp.variables["accelerator_type"]["default"] == ""
+    # GPUs are attached only when a type is named (N1); g2, a2, a3 come with theirs.
+    template = gcp.resource("google_compute_instance_template", "train")
+    (attached,) = [d["guest_accelerator"] for d in template["dynamic"] if "guest_accelerator" in d]
+    assert attached["for_each"] == '${var.accelerator_type != "" ? [var.accelerator_type] : []}'
+    assert one_block(attached, "content")["count"] == "${var.accelerator_count}"
+    # One device per GPU for the container.
+    assert "range(var.accelerator_count)" in gcp.locals["gpu_devices"]
+    assert "gpu_devices = local.gpu_devices" in _startup_arguments(gcp)
 
 
 @pytest.mark.parametrize(("folder", "notice_s"), [(AWS, 120), (GCP, 30)], ids=["aws", "gcp"])
@@ -525,10 +652,16 @@ def test_checkov_passes_with_every_skip_justified() -> None:
     assert failures == [], "\n".join(failures)
     assert result.returncode == 0, result.stderr[-4000:]
     # Every module and manifest was scanned, not silently passed over.
-    for expected in ("/aws/bucket.tf", "/aws/compute.tf", "/gcp/compute.tf", "k8s/eks.yaml"):
+    for expected in (
+        "/aws/bucket.tf",
+        "/aws/compute.tf",
+        "/gcp/compute.tf",
+        "k8s/eks/base/spotckpt.yaml",
+        "k8s/gke/base/spotckpt.yaml",
+        "/Dockerfile",
+        "/Dockerfile.trainer",
+    ):
         assert any(f.endswith(expected) for f in files), expected
-    assert any(f.endswith("k8s/gke.yaml") for f in files)
-    assert any(f.endswith("Dockerfile") for f in files)
 
     for skip in skips:
         reason = (skip.get("check_result") or {}).get("suppress_comment") or ""

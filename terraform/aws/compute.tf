@@ -2,10 +2,18 @@
 # auto-scaling group that keeps one trainer running on whichever spot pool has capacity.
 
 data "aws_ssm_parameter" "ami" {
-  name = var.ami_ssm_parameter
+  name = local.ami_ssm_parameter
 }
 
 locals {
+  # GPUs go with a CUDA image and GPU instance types (the variables' validations check both).
+  gpus = var.accelerator_count > 0
+  # Docker on both; the Deep Learning AMI adds the NVIDIA driver and container toolkit.
+  ami_ssm_parameter = var.ami_ssm_parameter != "" ? var.ami_ssm_parameter : (
+    local.gpus
+    ? "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-amazon-linux-2023/latest/ami-id"
+    : "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
+  )
   shutdown_timeout_s = var.save_budget_s + var.exit_margin_s
   # docker stop waits for torchrun's shutdown timeout plus the launcher's exit.
   stop_timeout_s      = local.shutdown_timeout_s + 10
@@ -71,13 +79,13 @@ resource "aws_launch_template" "train" {
     image               = var.container_image
     ecr_registry        = local.ecr_registry
     region              = var.region
-    gpus                = var.gpus
+    gpus                = local.gpus
     checkpoint_uri      = local.checkpoint_uri
     save_budget_s       = var.save_budget_s
     exit_margin_s       = var.exit_margin_s
     stop_timeout_s      = local.stop_timeout_s
     unit_stop_timeout_s = local.unit_stop_timeout_s
-    train_args          = join(" ", [for a in var.train_args : format("'%s'", replace(a, "'", "'\\''"))])
+    train_command       = join(" ", [for a in var.train_command : format("'%s'", replace(a, "'", "'\\''"))])
   }))
 
   tag_specifications {

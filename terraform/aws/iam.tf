@@ -16,7 +16,7 @@ data "aws_iam_policy_document" "assume" {
     }
   }
 
-  # IRSA: the EKS service account of deploy/k8s/eks.yaml, and only that one.
+  # IRSA: the EKS service account of deploy/k8s/eks/base/spotckpt.yaml, and only that one.
   dynamic "statement" {
     for_each = var.eks_oidc_provider_arn == "" ? [] : [var.eks_oidc_provider_arn]
     content {

@@ -9,7 +9,7 @@ output "bucket_name" {
 }
 
 output "role_arn" {
-  description = "The training role (for IRSA: the eks.amazonaws.com/role-arn annotation in deploy/k8s/eks.yaml)."
+  description = "The training role (for IRSA: the eks.amazonaws.com/role-arn annotation in deploy/k8s/eks/base/spotckpt.yaml)."
   value       = aws_iam_role.train.arn
 }
 

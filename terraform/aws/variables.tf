@@ -26,21 +26,33 @@ variable "run_prefix" {
 }
 
 variable "instance_types" {
-  description = "Instance types the spot group may use; more types give the capacity-optimised allocation more pools."
+  description = "Instance types the spot group may use; more types give the capacity-optimised allocation more pools. CPU types by default; GPU types (g*, p*) with accelerator_count > 0."
   type        = list(string)
-  default     = ["g5.xlarge", "g6.xlarge", "g4dn.xlarge"]
+  default     = ["m7i.xlarge", "m6i.xlarge", "m6a.xlarge", "m5.xlarge"]
+}
+
+variable "accelerator_count" {
+  description = "NVIDIA GPUs of each instance type (g5.xlarge: 1), passed to the container; 0 for CPU instances. More than 0 needs a CUDA image (image_variant = \"cuda\")."
+  type        = number
+  default     = 0
+  validation {
+    condition     = var.accelerator_count >= 0 && floor(var.accelerator_count) == var.accelerator_count
+    error_message = "accelerator_count must be a whole number of GPUs: 0 for CPU instances."
+  }
+  validation {
+    condition     = (var.accelerator_count > 0) == (var.image_variant == "cuda")
+    error_message = "GPUs need a CUDA image and a CUDA image needs GPUs: set image_variant = \"cuda\" (an image built FROM spotckpt:cuda) with accelerator_count > 0, or image_variant = \"cpu\" with accelerator_count = 0."
+  }
+  validation {
+    condition     = alltrue([for t in var.instance_types : can(regex("^[gp][0-9]", t)) == (var.accelerator_count > 0)])
+    error_message = "With accelerator_count > 0 every instance type must be an NVIDIA GPU type (g4dn, g5, g6, p4d, p5, ...); with 0, none may be (they would idle their GPUs)."
+  }
 }
 
 variable "ami_ssm_parameter" {
-  description = "SSM parameter holding the AMI id: a GPU image with Docker and the NVIDIA container toolkit by default."
+  description = "SSM parameter holding the AMI id; empty for the default: Amazon Linux 2023 for CPU instances, the AWS Deep Learning base AMI (NVIDIA driver, container toolkit) with accelerator_count > 0."
   type        = string
-  default     = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-amazon-linux-2023/latest/ami-id"
-}
-
-variable "gpus" {
-  description = "Whether the instances have NVIDIA GPUs to pass to the container."
-  type        = bool
-  default     = true
+  default     = ""
 }
 
 variable "vpc_id" {
@@ -54,8 +66,18 @@ variable "subnet_ids" {
 }
 
 variable "container_image" {
-  description = "The image built from deploy/Dockerfile (VARIANT=cuda for GPU instances)."
+  description = "The training image: the spotckpt base image built from deploy/Dockerfile (runs the example), or your trainer built FROM it (deploy/Dockerfile.trainer)."
   type        = string
+}
+
+variable "image_variant" {
+  description = "How container_image was built: cpu (FROM spotckpt:cpu, torch's CPU wheel) or cuda (FROM spotckpt:cuda). Must match accelerator_count."
+  type        = string
+  default     = "cpu"
+  validation {
+    condition     = contains(["cpu", "cuda"], var.image_variant)
+    error_message = "image_variant must be cpu or cuda."
+  }
 }
 
 variable "ecr_repository_arn" {
@@ -64,10 +86,10 @@ variable "ecr_repository_arn" {
   default     = ""
 }
 
-variable "train_args" {
-  description = "Arguments passed to the trainer (examples/train.py)."
+variable "train_command" {
+  description = "The training command in place of the image's CMD: a script in the image and its arguments, or -m MODULE and its arguments; [] runs the image's CMD."
   type        = list(string)
-  default     = ["--steps", "100000", "--save-every", "500"]
+  default     = ["/opt/spotckpt/train.py", "--steps", "100000", "--save-every", "500"]
 }
 
 variable "save_budget_s" {
@@ -105,7 +127,7 @@ variable "eks_oidc_provider_arn" {
 }
 
 variable "eks_service_account" {
-  description = "namespace/name of the Kubernetes service account for IRSA (deploy/k8s/eks.yaml)."
+  description = "namespace/name of the Kubernetes service account for IRSA (deploy/k8s/eks/base/spotckpt.yaml)."
   type        = string
   default     = "spotckpt/spotckpt-train"
 }

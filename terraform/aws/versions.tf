@@ -1,7 +1,8 @@
 # Checkpoint bucket, least-privilege identity and spot capacity for spotckpt on AWS.
 #   terraform init && terraform apply -var-file=example.tfvars
 terraform {
-  required_version = ">= 1.5"
+  # 1.9: a variable's validation may refer to other variables (GPUs <-> CUDA image).
+  required_version = ">= 1.9"
   required_providers {
     aws = {
       source  = "hashicorp/aws"

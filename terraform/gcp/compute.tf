@@ -15,6 +15,9 @@ locals {
   stop_timeout_s      = local.shutdown_timeout_s + 3
   unit_stop_timeout_s = local.stop_timeout_s + 2
   checkpoint_uri      = "gs://${google_storage_bucket.checkpoints.name}/${var.run_prefix}"
+  # GPUs go with a CUDA image and a GPU machine type (the variables' validations check both).
+  gpus        = var.accelerator_count > 0
+  gpu_devices = join(" ", [for i in range(var.accelerator_count) : "--device /dev/nvidia${i}:/dev/nvidia${i}"])
 }
 
 resource "google_compute_instance_template" "train" {
@@ -33,8 +36,9 @@ resource "google_compute_instance_template" "train" {
     instance_termination_action = "STOP"
   }
 
+  # Attached GPUs (N1 machine types); g2, a2 and a3 machine types come with theirs.
   dynamic "guest_accelerator" {
-    for_each = var.accelerator_count > 0 ? [var.accelerator_type] : []
+    for_each = var.accelerator_type != "" ? [var.accelerator_type] : []
     content {
       type  = guest_accelerator.value
       count = var.accelerator_count
@@ -74,13 +78,14 @@ resource "google_compute_instance_template" "train" {
     startup-script = templatefile("${path.module}/startup.sh.tftpl", {
       image               = var.container_image
       registry            = split("/", var.container_image)[0]
-      gpus                = var.gpus
+      gpus                = local.gpus
+      gpu_devices         = local.gpu_devices
       checkpoint_uri      = local.checkpoint_uri
       save_budget_s       = var.save_budget_s
       exit_margin_s       = var.exit_margin_s
       stop_timeout_s      = local.stop_timeout_s
       unit_stop_timeout_s = local.unit_stop_timeout_s
-      train_args          = join(" ", [for a in var.train_args : format("'%s'", replace(a, "'", "'\\''"))])
+      train_command       = join(" ", [for a in var.train_command : format("'%s'", replace(a, "'", "'\\''"))])
     })
   }
 

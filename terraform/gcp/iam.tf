@@ -16,7 +16,7 @@ resource "google_storage_bucket_iam_member" "train_objects" {
   member = "serviceAccount:${google_service_account.train.email}"
 }
 
-# Workload Identity for deploy/k8s/gke.yaml: only the named Kubernetes service account.
+# Workload Identity for deploy/k8s/gke/base/spotckpt.yaml: only the named Kubernetes service account.
 resource "google_service_account_iam_member" "gke_workload_identity" {
   count              = var.gke_workload_identity == "" ? 0 : 1
   service_account_id = google_service_account.train.name

@@ -9,7 +9,7 @@ output "bucket_name" {
 }
 
 output "service_account_email" {
-  description = "The training service account (for Workload Identity: the iam.gke.io/gcp-service-account annotation in deploy/k8s/gke.yaml)."
+  description = "The training service account (for Workload Identity: the iam.gke.io/gcp-service-account annotation in deploy/k8s/gke/base/spotckpt.yaml)."
   value       = google_service_account.train.email
 }
 

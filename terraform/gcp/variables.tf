@@ -37,27 +37,37 @@ variable "run_prefix" {
 }
 
 variable "machine_type" {
-  description = "Machine type of the Spot VMs (g2-standard-8 comes with one L4 GPU)."
+  description = "Machine type of the Spot VMs: a CPU type by default; with GPUs an N1 type (GPUs attached: accelerator_type) or one that comes with them (g2-standard-8: one L4; a2, a3)."
   type        = string
-  default     = "g2-standard-8"
+  default     = "n2-standard-4"
 }
 
 variable "accelerator_type" {
-  description = "Extra GPU type to attach (for N1 machine types, e.g. nvidia-tesla-t4); empty for none or for machine types that come with GPUs."
+  description = "GPU type to attach to an N1 machine type (e.g. nvidia-tesla-t4); empty for CPU VMs and for machine types that come with GPUs."
   type        = string
   default     = ""
 }
 
 variable "accelerator_count" {
-  description = "Number of accelerator_type GPUs to attach."
+  description = "NVIDIA GPUs per VM: those attached (accelerator_type) or those the machine type comes with (g2-standard-8: 1); 0 for CPU VMs. More than 0 needs a CUDA image (image_variant = \"cuda\")."
   type        = number
   default     = 0
-}
-
-variable "gpus" {
-  description = "Whether the VMs have NVIDIA GPUs (installs the driver on Container-Optimized OS and passes them to the container)."
-  type        = bool
-  default     = true
+  validation {
+    condition     = var.accelerator_count >= 0 && floor(var.accelerator_count) == var.accelerator_count
+    error_message = "accelerator_count must be a whole number of GPUs: 0 for CPU VMs."
+  }
+  validation {
+    condition     = (var.accelerator_count > 0) == (var.image_variant == "cuda")
+    error_message = "GPUs need a CUDA image and a CUDA image needs GPUs: set image_variant = \"cuda\" (an image built FROM spotckpt:cuda) with accelerator_count > 0, or image_variant = \"cpu\" with accelerator_count = 0."
+  }
+  validation {
+    condition     = (var.accelerator_count > 0) == (can(regex("^(a2|a3|a4|g2|g4)-", var.machine_type)) || var.accelerator_type != "")
+    error_message = "With accelerator_count > 0 the VM needs GPUs: a machine type that comes with them (g2, a2, a3, ...) or an N1 type with accelerator_type; with 0, a machine type without GPUs."
+  }
+  validation {
+    condition     = var.accelerator_type == "" || (startswith(var.machine_type, "n1-") && var.accelerator_count > 0)
+    error_message = "accelerator_type attaches accelerator_count GPUs to an N1 machine type only; other GPU machine types come with theirs (leave it empty)."
+  }
 }
 
 variable "subnetwork" {
@@ -66,8 +76,18 @@ variable "subnetwork" {
 }
 
 variable "container_image" {
-  description = "The image built from deploy/Dockerfile (VARIANT=cuda for GPU VMs)."
+  description = "The training image: the spotckpt base image built from deploy/Dockerfile (runs the example), or your trainer built FROM it (deploy/Dockerfile.trainer)."
   type        = string
+}
+
+variable "image_variant" {
+  description = "How container_image was built: cpu (FROM spotckpt:cpu, torch's CPU wheel) or cuda (FROM spotckpt:cuda). Must match accelerator_count."
+  type        = string
+  default     = "cpu"
+  validation {
+    condition     = contains(["cpu", "cuda"], var.image_variant)
+    error_message = "image_variant must be cpu or cuda."
+  }
 }
 
 variable "artifact_registry_repository" {
@@ -76,10 +96,10 @@ variable "artifact_registry_repository" {
   default     = ""
 }
 
-variable "train_args" {
-  description = "Arguments passed to the trainer (examples/train.py)."
+variable "train_command" {
+  description = "The training command in place of the image's CMD: a script in the image and its arguments, or -m MODULE and its arguments; [] runs the image's CMD."
   type        = list(string)
-  default     = ["--steps", "100000", "--save-every", "200"]
+  default     = ["/opt/spotckpt/train.py", "--steps", "100000", "--save-every", "200"]
 }
 
 variable "save_budget_s" {
@@ -111,7 +131,7 @@ variable "boot_disk_gb" {
 }
 
 variable "gke_workload_identity" {
-  description = "namespace/name of a GKE service account (deploy/k8s/gke.yaml) allowed to act as the service account through Workload Identity; empty to skip."
+  description = "namespace/name of a GKE service account (deploy/k8s/gke/base/spotckpt.yaml) allowed to act as the service account through Workload Identity; empty to skip."
   type        = string
   default     = ""
 }
