@@ -6,7 +6,9 @@ pytest puts ``tests/`` on ``sys.path`` because the folder has no ``__init__.py``
 The emulator runs as a child process (``python -m gcp_storage_emulator start --in-memory``) on
 127.0.0.1 and a free port, once per test session. What it cannot do (it ignores
 ``ifGenerationMatch``, does not paginate listings, cannot cancel a resumable session) is listed in
-`EMULATOR_IGNORES_PRECONDITIONS` and covered by `tests/test_gcs.py` through a faulting proxy.
+`EMULATOR_IGNORES_PRECONDITIONS` and covered by `tests/test_gcs.py` through a faulting proxy;
+create-only is also tested there against fake-gcs-server (`tests/fake_gcs.py`), which checks
+``ifGenerationMatch`` on single-request uploads itself.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ EMULATOR_IGNORES_PRECONDITIONS = frozenset(
         "test_concurrent_create_only_has_one_winner",
     }
 )
-"""Contract tests that need a server honouring ``ifGenerationMatch=0``; the emulator overwrites."""
+"""Contract tests that need a server honouring ``ifGenerationMatch=0``; the emulator overwrites.
+
+`tests/test_gcs.py` runs their create-only and racing-writer checks on fake-gcs-server too."""
 
 
 def free_port() -> int:

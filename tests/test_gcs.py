@@ -5,12 +5,18 @@ session and never fails. `GCSFront`, a small HTTP proxy on loopback in front of 
 request and adds those behaviours the way GCS has them: it answers 412 to a create-only upload
 whose object exists, pages listings, answers a cancelled session with 499, and injects faults
 (429/503 answers, answers lost after the server acted).
+
+Create-only is also tried on servers that check ``ifGenerationMatch`` themselves, with no proxy
+in between: fake-gcs-server (`fake_gcs`) refuses a second single-request upload, so racing
+writers and two jobs committing the same step are seen to commit exactly one manifest; the same
+tests are expected to fail on the emulator, which overwrites.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import multiprocessing
 import os
 import re
 import threading
@@ -23,8 +29,10 @@ from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import pytest
 
+from spotckpt.catalog import manifest_key
 from spotckpt.storage import (
     AlreadyExistsError,
+    ObjectInfo,
     ObjectNotFoundError,
     PermissionDeniedError,
     RetryPolicy,
@@ -33,6 +41,7 @@ from spotckpt.storage import (
 )
 from spotckpt.storage.gcs import GCSOptions, GCSStore, _ChunkStream, is_transient
 
+from fake_gcs import IGNORES_RESUMABLE_PRECONDITIONS, fake_gcs_endpoint  # noqa: F401
 from gcs_emulator import admin_client, create_bucket, gcs_endpoint  # noqa: F401
 
 KIB = 1 << 10
@@ -367,6 +376,171 @@ def test_lost_answer_to_own_create_only_put_is_not_a_conflict(front: GCSFront, b
     finally:
         store.close()
     assert len([s for s in front.uploads() if s.method == "POST"]) == 3
+
+
+# Create-only on servers that check it themselves ----------------------------------------
+
+RACE_TIMEOUT_S = 300.0
+PRECONDITION_FAILURES = (AssertionError, pytest.fail.Exception)
+"""How a create-only test fails on a server that overwrites: never a crash or an HTTP error."""
+
+SERVERS = [
+    pytest.param(
+        "gcs_endpoint",
+        id="gcp-storage-emulator",
+        marks=pytest.mark.xfail(
+            strict=True,
+            raises=PRECONDITION_FAILURES,
+            reason="gcp-storage-emulator ignores ifGenerationMatch=0 and overwrites",
+        ),
+    ),
+    pytest.param("fake_gcs_endpoint", id="fake-gcs-server"),
+]
+
+
+@pytest.fixture(params=SERVERS)
+def server(request: pytest.FixtureRequest) -> str:
+    """Endpoint of a GCS fake with no proxy in front: the emulator or fake-gcs-server."""
+    return str(request.getfixturevalue(request.param))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_create_only_conflicts_on_the_server_itself(
+    server: str, shape: str, request: pytest.FixtureRequest
+) -> None:
+    if shape == "streamed-resumable" and request.node.callspec.params["server"] != "gcs_endpoint":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True, raises=PRECONDITION_FAILURES, reason=IGNORES_RESUMABLE_PRECONDITIONS
+            )
+        )
+    key = "step-000000001/manifest.json"
+    store = _open(server, create_bucket(server))
+    write = SHAPES[shape]
+    first, second = _data(3 * CHUNK + 17, seed=1), _data(3 * CHUNK + 17, seed=2)
+    try:
+        write(store, key, first)
+        with pytest.raises(AlreadyExistsError, match="already committed"):
+            write(store, key, second)
+        assert store.get(key) == (first[:1000] if shape == "streamed-small" else first)
+        store.put(key, b"plain")  # without the precondition the server replaces it
+        assert store.get(key) == b"plain"
+    finally:
+        store.close()
+
+
+def test_create_only_puts_racing_from_a_barrier_have_one_winner(server: str) -> None:
+    key = "step-000000001/manifest.json"
+    writers = 6
+    start = threading.Barrier(writers)
+    won: list[int] = []
+    lost: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    store = _open(server, create_bucket(server), max_concurrency=writers)
+
+    def attempt(i: int) -> None:
+        start.wait(timeout=RACE_TIMEOUT_S)
+        try:
+            store.put(key, f"writer-{i}".encode(), create_only=True)
+            outcome = won
+        except AlreadyExistsError:
+            outcome = lost
+        except Exception as error:  # reported below, not lost in a thread
+            with lock:
+                errors.append(error)
+            return
+        with lock:
+            outcome.append(i)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(writers)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(RACE_TIMEOUT_S)
+        stored = store.get(key)
+    finally:
+        store.close()
+    assert not errors, errors
+    assert len(won) == 1 and sorted(won + lost) == list(range(writers)), (won, lost)
+    assert stored == f"writer-{won[0]}".encode()
+
+
+def _commit_race_job(endpoint: str, bucket: str, value: float, start: Any, results: Any) -> None:
+    """A job saving step 7; its manifest put waits at `start` until the other job's is ready."""
+    import torch
+
+    from spotckpt import CheckpointAlreadyCommittedError, CheckpointManager
+
+    plain_put = GCSStore.put
+    sent: list[bytes] = []
+
+    def put_at_the_barrier(
+        store: GCSStore, key: str, data: bytes, *, create_only: bool = False
+    ) -> ObjectInfo:
+        if create_only and key == manifest_key(7):
+            sent.append(bytes(data))
+            start.wait(timeout=RACE_TIMEOUT_S)
+        return plain_put(store, key, data, create_only=create_only)
+
+    GCSStore.put = put_at_the_barrier  # type: ignore[method-assign]  # in this process only
+    options = {"endpoint_url": endpoint, "anonymous": True, "chunk_size": MIB}
+    try:
+        uri = f"gs://{bucket}/runs/exp1"
+        with CheckpointManager(uri, preemption=False, storage_options=options) as manager:
+            manager.save(7, {"w": torch.full((MIB,), value)})
+        results.put(("committed", value, sent, ""))
+    except CheckpointAlreadyCommittedError as error:
+        results.put(("refused", value, sent, str(error)))
+    except BaseException as error:
+        start.abort()  # the other job must not wait for this one
+        results.put(("error", value, sent, repr(error)))
+
+
+def test_two_jobs_racing_to_commit_one_step_commit_exactly_one(server: str) -> None:
+    import torch
+
+    from spotckpt import CheckpointManager
+
+    bucket = create_bucket(server)
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(2)
+    results = context.Queue()
+    jobs = [
+        context.Process(target=_commit_race_job, args=(server, bucket, value, start, results))
+        for value in (1.0, 2.0)
+    ]
+    for job in jobs:
+        job.start()
+    try:
+        outcomes = sorted(results.get(timeout=RACE_TIMEOUT_S) for _ in jobs)
+    finally:
+        for job in jobs:
+            job.join(RACE_TIMEOUT_S)
+            if job.is_alive():
+                job.kill()
+                job.join()
+    verdicts = [(outcome[0], outcome[3]) for outcome in outcomes]
+    assert [verdict for verdict, _ in verdicts] == ["committed", "refused"], verdicts
+    (_, winner, winner_sent, _), (_, _, loser_sent, message) = outcomes
+    assert "already committed" in message
+    assert len(winner_sent) == len(loser_sent) == 1 and winner_sent != loser_sent
+    client = admin_client(server)
+    try:
+        names = [b.name for b in client.list_blobs(bucket) if b.name.endswith("manifest.json")]
+        stored = client.bucket(bucket).blob(f"runs/exp1/{manifest_key(7)}").download_as_bytes()
+    finally:
+        client.close()
+    assert names == [f"runs/exp1/{manifest_key(7)}"]
+    assert stored == winner_sent[0]  # the winner's manifest, byte for byte
+    options = {"endpoint_url": server, "anonymous": True}
+    target = {"w": torch.empty(MIB)}
+    uri = f"gs://{bucket}/runs/exp1"
+    with CheckpointManager(uri, preemption=False, storage_options=options) as manager:
+        assert manager.steps() == [7]
+        assert manager.restore(target) == 7
+    assert torch.equal(target["w"], torch.full((MIB,), winner))
 
 
 # Retries and resumption -------------------------------------------------------------------
