@@ -54,6 +54,7 @@ log = logging.getLogger("spotckpt")
 STEP_PREFIX = "step-"
 STEP_DIGITS = 9
 MANIFEST_NAME = "manifest.json"
+TIER_RECORD_NAME = "tier.json"
 ATTEMPT_PREFIX = "a-"
 QUARANTINE_PREFIX = "quarantined-"
 REASON_NAME = "reason.json"
@@ -135,6 +136,17 @@ def rank_object_key(attempt: str, rank: int, prefix_spread: bool = False) -> str
         return f"{attempt_folder(attempt)}/{name}"
     spread = hashlib.sha256(f"{attempt}/{rank}".encode()).hexdigest()[:3]
     return f"{attempt_folder(attempt)}/{spread}/{name}"
+
+
+def parity_object_key(attempt: str, group: int, index: int) -> str:
+    """Key (relative to the step folder) of an erasure-coded group's parity piece, in the fast
+    tier only; beside the rank objects of the same attempt."""
+    return f"{attempt_folder(attempt)}/parity-g{group:05d}-p{index:03d}.ec"
+
+
+def tier_record_key(step: int) -> str:
+    """Key of a fast-tier step's placement record, written just before its manifest."""
+    return f"{step_folder(step)}/{TIER_RECORD_NAME}"
 
 
 def step_key(step: int, relative: str) -> str:

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from spotckpt.errors import CheckpointError, InvalidArgumentError
 from spotckpt.redact import redact, secret_values
+from spotckpt.tiers.node import NODE_VARIABLE, ZONE_VARIABLE
+from spotckpt.tiers.redundancy import parse_redundancy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,6 +30,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 ENV_PREFIX = "SPOTCKPT_"
 _CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
+_NOT_SETTINGS = frozenset({_CONFIG_VARIABLE, NODE_VARIABLE, ZONE_VARIABLE})
 _MAX_SHOWN = 60
 
 
@@ -63,6 +66,13 @@ class Settings:
     - `agree_every`: with several ranks, agree on the preemption flag every N steps.
     - `save_budget_s`: time an emergency save may take after a signal.
     - `storage_options`: back-end options, e.g. ``endpoint_url``; never logged.
+    - `local_dir`: the fast tier, a folder on each node (``{node}`` in it is replaced by the
+      node id); None: no fast tier. See `spotckpt.tiers`.
+    - `local_interval_steps`: `maybe_save` also saves to the fast tier only, every N steps
+      (None: the tier is written only as part of durable saves).
+    - `redundancy`: copies of each rank's fast-tier object on other nodes: ``"replicate:F"``,
+      ``"ec:K+M"`` (erasure coding), or None (the node's own copy only).
+    - `local_keep_last`: fast-tier steps each node keeps.
     """
 
     keep_last: int | None = 3
@@ -79,6 +89,10 @@ class Settings:
     agree_every: int = 1
     save_budget_s: float = 25.0
     storage_options: dict[str, Any] = field(default_factory=dict)
+    local_dir: str | None = None
+    local_interval_steps: int | None = None
+    redundancy: str | None = None
+    local_keep_last: int = 2
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -148,9 +162,21 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "agree_every": (int,),
     "save_budget_s": (int, float),
     "storage_options": (dict,),
+    "local_dir": (str, type(None)),
+    "local_interval_steps": (int, type(None)),
+    "redundancy": (str, type(None)),
+    "local_keep_last": (int,),
 }
 _AT_LEAST_ONE = frozenset(
-    {"keep_last", "interval_steps", "agree_every", "min_interval_steps", "max_interval_steps"}
+    {
+        "keep_last",
+        "interval_steps",
+        "agree_every",
+        "min_interval_steps",
+        "max_interval_steps",
+        "local_interval_steps",
+        "local_keep_last",
+    }
 )
 _POSITIVE = frozenset({"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour"})
 _CODE_ONLY = frozenset({"metrics"})
@@ -202,8 +228,13 @@ def _code_only_problem(value: Any) -> str | None:
 
 def _range_problem(key: str, value: Any) -> str | None:
     """What is wrong with a value of the right type, or None."""
-    if key == "uri" and not value:
+    if key in ("uri", "local_dir") and value == "":
         return "must be a non-empty string"
+    if key == "redundancy" and value is not None:
+        try:
+            parse_redundancy(value)
+        except InvalidArgumentError as error:
+            return str(error).removeprefix("redundancy ")
     if isinstance(value, str) or value is None:
         return None
     if key in _AT_LEAST_ONE and value < 1:
@@ -294,7 +325,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == _CONFIG_VARIABLE:
+        if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key in _CODE_ONLY:

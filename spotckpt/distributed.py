@@ -7,6 +7,7 @@ timeout, so a dead rank fails them in bounded time even when training uses NCCL.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -85,13 +86,27 @@ class Collective:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group)
         return [int(v) for v in totals.tolist()]
 
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's `value` on every rank (pickled by torch between our own processes only)."""
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        """Rank `src`'s `value` on every rank (pickled by torch between our own processes only)."""
         if self.group is None:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
+    def for_saves(self) -> Collective:
+        """The same collectives on the saves' own group (see `save_group`)."""
+        view = copy.copy(self)
+        view.group = self.save_group
+        return view
 
     def run_on_coordinator(self, fn: Callable[[], T]) -> T:
         """`fn()` run on rank 0 only; every rank returns its result or raises its error.

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,9 +23,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
 
 from spotckpt.catalog import Catalog
-from spotckpt.config import Config, Settings
+from spotckpt.config import Config, ConfigError, Settings
 from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.errors import (
@@ -48,6 +50,8 @@ from spotckpt.state import (
     write_back,
 )
 from spotckpt.storage.base import ObjectStore, StorageError, open_store
+from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
+from spotckpt.tiers.redundancy import parse_redundancy
 from spotckpt.values import ValueLoadError
 from spotckpt.verify import VerifyReport, verify_checkpoint
 from spotckpt.version import __version__
@@ -141,6 +145,27 @@ class CheckpointManager:
         self._saves = 0
         self.last_save_seconds: float | None = None
         self.last_read_stats: ReadStats | None = None
+        self.last_restore_sources: dict[str, int] = {}
+        self.tier = self._open_tier()
+        self._pending_durable = True
+        self._fast_save_seconds: float | None = None
+        self._drain_seconds: float | None = None
+        self._deadline: float | None = None
+        self._continuation_pool: ThreadPoolExecutor | None = None
+
+    def _open_tier(self) -> FastTier | None:
+        settings = self.settings
+        if settings.local_dir is None:
+            if settings.redundancy is not None or settings.local_interval_steps is not None:
+                raise ConfigError("redundancy and local_interval_steps need a local_dir")
+            return None
+        return FastTier(
+            settings.local_dir,
+            redundancy=parse_redundancy(settings.redundancy),
+            keep_last=settings.local_keep_last,
+            collective=self.collective,
+            prefix_spread=self.prefix_spread,
+        )
 
     @classmethod
     def from_config(cls, config: Config | None = None, **overrides: Any) -> CheckpointManager:
@@ -192,22 +217,26 @@ class CheckpointManager:
         user_metadata: Mapping[str, Any] | None,
         *,
         emergency: bool,
+        durable: bool = True,
     ) -> None:
         self._check_open()
         blocking = not self.async_save if blocking is None else blocking
         self.wait()
         self._saves += 1
         progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
-        writer = ObjectStoreWriter(
-            self.store,
-            step,
-            prefix_spread=self.prefix_spread,
-            user_metadata=dict(user_metadata or {}),
-            versions={"spotckpt": __version__, "torch": torch.__version__},
-            on_written=progress.mark_written if self.group is not None else None,
-        )
         self._progress = progress
+        options: dict[str, Any] = {
+            "user_metadata": dict(user_metadata or {}),
+            "versions": {"spotckpt": __version__, "torch": torch.__version__},
+            "on_written": progress.mark_written if self.group is not None else None,
+        }
         state_dict = as_dcp_state(state, step)
+        if self.tier is not None and self._tier_has_room(step, state_dict):
+            self._tier_save(step, state_dict, options, blocking, durable, emergency)
+            return
+        if not durable:
+            return
+        writer = ObjectStoreWriter(self.store, step, prefix_spread=self.prefix_spread, **options)
         started = time.monotonic()
         if blocking:
             self._run_save(step, writer, lambda: self._dcp_save(state_dict, writer))
@@ -234,12 +263,127 @@ class CheckpointManager:
         )
         upload = response.upload_completion if hasattr(response, "upload_completion") else response
         self._pending, self._pending_step = upload, step
-        self._pending_writer = writer
+        self._pending_writer, self._pending_durable = writer, True
         self._pending_started = started
         self._pending_stall = time.monotonic() - started
         log.info("checkpoint step %d staged in %.3f s; uploading", step, self._pending_stall)
         self.goodput.stalled(step, self._pending_stall, emergency=emergency)
         self._agree_interval()  # safe during the upload: saves use a group of their own
+
+    # The fast tier ---------------------------------------------------------------------------
+
+    def _tier_has_room(self, step: int, state_dict: dict[str, Any]) -> bool:
+        """Whether every node's tier has room for this save (agreed); warns when not."""
+        tier = self.tier
+        if tier is None:
+            return False
+        room = self.collective.all(tier.has_room(state_bytes(state_dict)))
+        if not room:
+            log.warning(
+                "fast tier: not enough free space under %s on some node for step %d; skipping "
+                "the fast save (durable saves go straight to the store)",
+                tier.root,
+                step,
+            )
+        return room
+
+    def _tier_save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        options: dict[str, Any],
+        blocking: bool,
+        durable: bool,
+        emergency: bool,
+    ) -> None:
+        """A save through the fast tier: stage once, copy to peers, then (`durable`) drain."""
+        tier = cast(FastTier, self.tier)
+        writer = tier.writer(step, **options)
+        started = time.monotonic()
+        finish = functools.partial(
+            self._finish_tier_save, step, writer, durable, emergency, started
+        )
+        if blocking:
+
+            def run() -> None:
+                self._dcp_save(state_dict, writer)
+                finish()
+
+        else:
+            response = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.collective.save_group,
+                async_stager=self._async_stager(),
+                no_dist=self.group is None,
+            )
+            upload = cast(Future[Any], getattr(response, "upload_completion", response))
+            self._pending = self._continuations().submit(lambda: (upload.result(), finish())[1])
+            self._pending_step, self._pending_writer = step, writer
+            self._pending_durable = durable
+            self._pending_started = started
+            self._pending_stall = time.monotonic() - started
+            self.goodput.stalled(step, self._pending_stall, emergency=emergency)
+            log.info("checkpoint step %d staged in %.3f s (fast tier)", step, self._pending_stall)
+            return
+        if durable:
+            self._run_save(step, writer, run)
+            self.last_save_seconds = time.monotonic() - started
+            self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
+            if writer.manifest is not None:
+                log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
+                self.goodput.committed(
+                    step,
+                    stall_s=self.last_save_seconds,
+                    upload_s=self.last_save_seconds,
+                    size=_size(writer),
+                    asynchronous=False,
+                    emergency=emergency,
+                )
+        else:
+            self._run_fast(step, run)
+
+    def _finish_tier_save(
+        self, step: int, writer: TierWriter, durable: bool, emergency: bool, started: float
+    ) -> None:
+        """After DCP wrote the tier: copies and commit on every node, then the drain."""
+        tier = cast(FastTier, self.tier)
+        saves = self.collective.for_saves()
+        manifest, data = tier.complete(step, writer, saves)
+        self._fast_save_seconds = time.monotonic() - started
+        log.info(
+            "fast tier: step %d committed on every node in %.2f s", step, self._fast_save_seconds
+        )
+        if not durable:
+            return
+        if emergency and not saves.all(self._time_for(self._drain_seconds)):
+            log.warning(
+                "no time left to upload step %d to the store; resuming will use the fast-tier "
+                "copies on the surviving nodes",
+                step,
+            )
+            return
+        drain_started = time.monotonic()
+        tier.drain(manifest, self.catalog, saves, data)
+        writer.manifest = manifest
+        self._drain_seconds = time.monotonic() - drain_started
+
+    def _run_fast(self, step: int, run: Any) -> None:
+        """A fast-only save: its failure costs the cached copy, never the training run."""
+        try:
+            run()
+        except (CheckpointError, CheckpointException, StorageError, OSError) as error:
+            log.warning(
+                "fast-tier save of step %d failed; training goes on, the tier keeps its older "
+                "steps: %s",
+                step,
+                error,
+            )
+
+    def _continuations(self) -> ThreadPoolExecutor:
+        if self._continuation_pool is None:
+            self._continuation_pool = ThreadPoolExecutor(1, thread_name_prefix="spotckpt-tier")
+        return self._continuation_pool
 
     def _agree_interval(self) -> None:
         """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""
@@ -330,6 +474,9 @@ class CheckpointManager:
         if pending is None or step is None or writer is None:
             return
         self._pending = self._pending_step = self._pending_writer = None
+        if not self._pending_durable:
+            self._run_fast(step, pending.result)
+            return
         self._run_save(step, writer, pending.result)
         self.last_save_seconds = time.monotonic() - self._pending_started
         log.info("checkpoint step %d committed in %.2f s (async)", step, self.last_save_seconds)
@@ -388,6 +535,10 @@ class CheckpointManager:
         if self.goodput.due(step):
             self.save(step, state, user_metadata=user_metadata)
             return True
+        local = self.settings.local_interval_steps
+        if self.tier is not None and local is not None and step % local == 0:
+            self._save(step, state, None, user_metadata, emergency=False, durable=False)
+            return True
         return False
 
     def _preemption_agreed(self, step: int) -> bool:
@@ -416,6 +567,7 @@ class CheckpointManager:
         )
         started = time.monotonic()
         pending = self._pending_step
+        self._deadline = deadline
         self.wait()  # an in-flight upload is closest to done: let it commit first
         if pending != step and self.collective.all(self._time_for_another_save(deadline)):
             self._save(step, state, True, user_metadata, emergency=True)
@@ -440,10 +592,21 @@ class CheckpointManager:
         release_worker_shields()  # the save is in: loader workers may now be shut down
 
     def _time_for_another_save(self, deadline: float | None) -> bool:
-        """Whether the predicted save time (the last one's, plus 20 %) fits before `deadline`."""
-        if deadline is None or self.last_save_seconds is None:
+        """Whether the predicted save time (the last one's, plus 20 %) fits before `deadline`.
+
+        With a fast tier the prediction is the last fast save's: the upload comes after it,
+        only if there is time left (`_time_for`).
+        """
+        predicted = self._fast_save_seconds if self.tier is not None else self.last_save_seconds
+        if deadline is None or predicted is None:
             return True
-        return time.monotonic() + 1.2 * self.last_save_seconds < deadline
+        return time.monotonic() + 1.2 * predicted < deadline
+
+    def _time_for(self, seconds: float | None) -> bool:
+        """Whether `seconds` (plus 20 %) fit before the emergency deadline (unknown: yes)."""
+        if self._deadline is None or seconds is None:
+            return True
+        return time.monotonic() + 1.2 * seconds < self._deadline
 
     def should_stop(self) -> bool:
         """True on every rank once a preemption save has committed: leave the training loop."""
@@ -481,6 +644,8 @@ class CheckpointManager:
         self.wait()
         started = time.monotonic()
         restored = self._restore_any(state, step, fallback, strict)
+        if self.tier is not None:
+            self.tier.discard_newer(restored)
         self.goodput.restored(restored, time.monotonic() - started)
         self._agree_interval()
         return restored
@@ -489,6 +654,10 @@ class CheckpointManager:
         self, state: TrainState | Mapping[str, Any], step: int | None, fallback: bool, strict: bool
     ) -> int | None:
         candidates = self.collective.run_on_coordinator(lambda: self._restore_candidates(step))
+        if self.tier is not None and step is None:
+            restored = self._restore_from_tier(state, candidates[0] if candidates else None, strict)
+            if restored is not None:
+                return restored
         for index, candidate in enumerate(candidates):
             try:
                 self._restore_step(state, candidate, strict)
@@ -530,22 +699,27 @@ class CheckpointManager:
     def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
         data = self.collective.run_on_coordinator(lambda: self.catalog.manifest_bytes(step))
         manifest = Manifest.from_json(data, expected_step=step)
-        reader = ObjectStoreReader(self.store, manifest, group=self.group)
+        stats = self._load(state, manifest, self.store, strict)
+        self.last_restore_sources = {"local": 0, "peer": 0, "store": stats.bytes_read}
+
+    def _load(
+        self,
+        state: TrainState | Mapping[str, Any],
+        manifest: Manifest,
+        store: ObjectStore,
+        strict: bool,
+    ) -> ReadStats:
+        """Load `manifest`'s checkpoint from `store` into `state`; returns job-wide read stats."""
+        step = manifest.step
+        reader = ObjectStoreReader(store, manifest, group=self.group)
         started = time.monotonic()
         loaded = as_dcp_state(state)
-        restoring = (
-            state.restoring(step, manifest.world_size, self.rank, self.world_size)
-            if isinstance(state, TrainState)
-            else contextlib.nullcontext()
-        )
         try:
-            with restoring:
+            with self._restoring(state, manifest):
                 dcp.load(
                     loaded,
                     storage_reader=reader,
-                    planner=CheckedLoadPlanner(
-                        allow_missing=not strict, allow_unexpected=not strict
-                    ),
+                    planner=self._planner(strict),
                     process_group=self.group,
                     no_dist=self.group is None,
                 )
@@ -563,6 +737,52 @@ class CheckpointManager:
             read,
             needed,
         )
+        return self.last_read_stats
+
+    def _restoring(
+        self, state: TrainState | Mapping[str, Any], manifest: Manifest
+    ) -> contextlib.AbstractContextManager[None]:
+        if not isinstance(state, TrainState):
+            return contextlib.nullcontext()
+        return state.restoring(manifest.step, manifest.world_size, self.rank, self.world_size)
+
+    @staticmethod
+    def _planner(strict: bool) -> CheckedLoadPlanner:
+        return CheckedLoadPlanner(allow_missing=not strict, allow_unexpected=not strict)
+
+    def _restore_from_tier(
+        self, state: TrainState | Mapping[str, Any], durable: int | None, strict: bool
+    ) -> int | None:
+        """Restore the newest step the fast tiers can give whole (not older than `durable`)."""
+        tier = cast(FastTier, self.tier)
+
+        def needs(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
+            with self._restoring(state, manifest):
+                plan = _local_plan(as_dcp_state(state), manifest, self._planner(strict))
+            return ObjectStoreReader(tier.store, manifest).byte_ranges(plan)
+
+        found = tier.recover(self.collective, durable, needs)
+        if found is None:
+            return None
+        manifest, moved = found
+        try:
+            stats = self._load(state, manifest, tier.store, strict)
+        except (CorruptCheckpointError, ManifestError) as error:
+            log.warning(
+                "the fast-tier copy of step %d did not load (%s); restoring from the store",
+                manifest.step,
+                error,
+            )
+            return None
+        self.last_restore_sources = {
+            "local": max(0, stats.bytes_read - moved),
+            "peer": moved,
+            "store": 0,
+        }
+        log.info(
+            "restored step %d from the fast tier: %s", manifest.step, self.last_restore_sources
+        )
+        return manifest.step
 
     # Maintenance --------------------------------------------------------------------------
 
@@ -605,6 +825,8 @@ class CheckpointManager:
                 self.watcher.stop()
             if self._stager is not None:
                 self._stager.close()
+            if self._continuation_pool is not None:
+                self._continuation_pool.shutdown()
             self.store.close()
 
     def __enter__(self) -> CheckpointManager:
@@ -612,6 +834,16 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _local_plan(
+    state_dict: dict[str, Any], manifest: Manifest, planner: CheckedLoadPlanner
+) -> LoadPlan:
+    """This rank's load plan of `manifest`, as DCP's own local planning makes it."""
+    metadata, _ = manifest.to_dcp()
+    plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    planner.set_up_planner(plain, metadata, False)
+    return planner.create_local_plan()
 
 
 def _size(writer: ObjectStoreWriter) -> int | None:

@@ -1,0 +1,570 @@
+"""`FastTier`: one node's `local_dir` and the job-wide protocol over the nodes' tiers.
+
+A fast save, on every rank (the manager calls these in order; collectives run on `group`):
+
+1. `writer(step)`: each rank's object goes to its node's folder through DCP (`TierWriter`);
+   the coordinator builds the manifest but commits nothing.
+2. `complete(...)`: the manifest is shared; the copies are made over the process group
+   (replicas, or parity pieces for erasure coding); all ranks agree that every copy is written;
+   then every node leader writes the tier record and the manifest (create-only, the same
+   commit discipline as the bucket) and applies the tier's retention. A step is visible in a
+   node's tier only once all copies exist.
+3. `drain(...)` (a durable save): each rank streams its own object from its tier to the bucket,
+   checking its CRC32C on the way; once all ranks uploaded, the coordinator commits the same
+   manifest to the bucket. The state is staged once, for the tier.
+
+A restore (`recover`): node leaders verify what their tier holds (size and CRC32C of every
+object), all ranks share those reports and their load plans' needs, choose the newest step the
+union can restore (`spotckpt.tiers.recovery`), bring each node the objects it lacks from peers
+or by rebuilding them from parity, and load it from the node's folder. Files are written
+without fsync: the tier outlives a killed process, not a lost machine, which counts as lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spotckpt.catalog import (
+    MANIFEST_NAME,
+    STEP_PREFIX,
+    Catalog,
+    parity_object_key,
+    parse_step_folder,
+    step_folder,
+    step_key,
+    tier_record_key,
+)
+from spotckpt.checksum import crc32c
+from spotckpt.dcp import ObjectStoreWriter
+from spotckpt.distributed import Collective
+from spotckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    ManifestError,
+    StorageError,
+)
+from spotckpt.format.manifest import Manifest
+from spotckpt.storage.base import ObjectStore
+from spotckpt.storage.local import LocalStore
+from spotckpt.tiers.erasure import data_block, parity_block
+from spotckpt.tiers.exchange import PIECE_BYTES, Job, Piece, pieces_of, run_jobs
+from spotckpt.tiers.node import NodeIdentity, node_identity
+from spotckpt.tiers.record import GroupRecord, ParityRecord, TierRecord
+from spotckpt.tiers.recovery import (
+    Choice,
+    Code,
+    Copy,
+    HeldStep,
+    NodeReport,
+    Ranges,
+    choose_step,
+    restore_jobs,
+)
+from spotckpt.tiers.redundancy import Placement, Redundancy
+
+log = logging.getLogger("spotckpt")
+NODE_FIELD = "{node}"
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+SPACE_MARGIN = 1.10  # free space wanted beyond the estimate of what a fast save writes
+
+
+class TierSaveError(CheckpointError):
+    """A fast-tier save failed on some rank; nothing was committed in the tier."""
+
+
+def resolve_local_dir(template: str, node: str) -> Path:
+    """`template` with ``{node}`` replaced, created below its existing part, and writable.
+
+    The part before ``{node}`` (the whole path without it) must exist: a missing mount is an
+    error at start-up, not a folder quietly created on the root disk.
+    """
+    base = Path(template.partition(NODE_FIELD)[0] or ".") if NODE_FIELD in template else None
+    root = Path(template.replace(NODE_FIELD, node))
+    must_exist = base if base is not None else root
+    if not must_exist.is_dir():
+        raise InvalidArgumentError(
+            f"local_dir {template!r}: {str(must_exist)!r} does not exist or is not a folder"
+        )
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".spotckpt-probe-"):
+            pass
+    except OSError as error:
+        raise InvalidArgumentError(
+            f"local_dir {str(root)!r} is not writable: {error.strerror or error}"
+        ) from None
+    return root
+
+
+class TierWriter(ObjectStoreWriter):
+    """`ObjectStoreWriter` into a node's tier: `finish` builds the manifest (`built`) and
+    commits nothing; `FastTier.complete` commits it on every node once the copies exist. A
+    step already in the tier is a stale cache entry, not a commit to protect."""
+
+    built: Manifest | None = None
+
+    def check_step_free(self) -> None:
+        return None
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        self.built = self.build_manifest(metadata, results)
+
+
+class _Sink:
+    """Objects this rank's jobs write into its tier: pieces land at their offsets in files
+    sized to the object (sparse where nothing was written), so that a restore brings only the
+    ranges it reads. The CRC32C of an object written front to back (a copy or parity made at a
+    save) is kept for its record."""
+
+    def __init__(self, store: LocalStore, step: int) -> None:
+        self.store = store
+        self.step = step
+        self.files: dict[str, int] = {}
+        self.crcs: dict[str, tuple[int, int]] = {}  # key -> (bytes written in order, CRC32C)
+
+    def write(self, key: str, size: int, offset: int, data: bytes) -> None:
+        fd = self.files.get(key)
+        if fd is None:
+            fd = self._open(key, size)
+        os.pwrite(fd, data, offset)
+        done, crc = self.crcs.get(key, (0, 0))
+        if done == offset:
+            self.crcs[key] = (done + len(data), crc32c(data, crc))
+
+    def _open(self, key: str, size: int) -> int:
+        path = step_key(self.step, key)
+        folder = self.store.folder_for_write(path)
+        try:
+            fd = os.open(path.rsplit("/", 1)[-1], _WRITE_FLAGS, 0o644, dir_fd=folder)
+        finally:
+            os.close(folder)
+        os.ftruncate(fd, size)
+        self.files[key] = fd
+        return fd
+
+    def crc(self, key: str, size: int) -> int | None:
+        """The CRC32C of `key` if all its `size` bytes were written front to back."""
+        done, crc = self.crcs.get(key, (0, 0))
+        return crc if done == size else None
+
+    def close(self) -> None:
+        """Close every file (on failure too: what was written is checked before any use)."""
+        for fd in self.files.values():
+            os.close(fd)
+        self.files.clear()
+
+
+class FastTier:
+    """This node's fast tier and the protocol with the other nodes'; see the module docstring."""
+
+    def __init__(
+        self,
+        local_dir: str,
+        *,
+        redundancy: Redundancy,
+        keep_last: int,
+        collective: Collective,
+        prefix_spread: bool = False,
+    ) -> None:
+        self.identity: NodeIdentity = node_identity()
+        self.rank = collective.rank
+        try:
+            self.root: Path = resolve_local_dir(local_dir, self.identity.node)
+            problem = None
+        except InvalidArgumentError as error:
+            problem = f"rank {self.rank} on node {self.identity.node}: {error}"
+        shared = collective.gather((self.identity, problem))  # every rank fails, or none
+        problems = [p for _, p in shared if p is not None]
+        if problems:
+            raise InvalidArgumentError("; ".join(problems))
+        self.placement = Placement(redundancy, [identity for identity, _ in shared])
+        self.redundancy = redundancy
+        self.is_leader = self.placement.is_leader(self.rank)
+        self.store = LocalStore(self.root, fsync=False)
+        self.catalog = Catalog(self.store)
+        self.keep_last = keep_last
+        self.prefix_spread = prefix_spread
+
+    # Saving -----------------------------------------------------------------------------------
+
+    def has_room(self, state_bytes: int) -> bool:
+        """Whether this node's disk can take a fast save of `state_bytes` per rank (with copies)."""
+        ranks = len(self.placement.node_ranks[self.identity.node])
+        wanted = state_bytes * ranks * self.redundancy.storage_factor * SPACE_MARGIN
+        return shutil.disk_usage(self.root).free >= wanted
+
+    def writer(self, step: int, **options: Any) -> TierWriter:
+        """The DCP writer of a fast save of `step` (a stale copy of the step is removed first)."""
+        if self.is_leader:
+            self._remove_folder(step)
+        return TierWriter(self.store, step, prefix_spread=self.prefix_spread, **options)
+
+    def complete(
+        self, step: int, writer: TierWriter, collective: Collective
+    ) -> tuple[Manifest, bytes]:
+        """Share the manifest, make the copies, then commit on every node (TierSaveError).
+
+        Returns the manifest and its encoding (what the bucket's commit writes, unchanged)."""
+        data = collective.broadcast(writer.built.to_json() if writer.built is not None else None)
+        if data is None:
+            raise TierSaveError(f"fast save of step {step}: the coordinator built no manifest")
+        manifest = Manifest.from_json(data, expected_step=step)
+        sink = _Sink(self.store, step)
+        failure: str | None = None
+        jobs: list[Job] = []
+        try:
+            jobs = self._copy_jobs(manifest)
+            run_jobs(jobs, self.rank, collective.group, self._read(step), _complete(sink))
+        except (CheckpointError, OSError) as error:
+            failure = f"rank {self.rank}: {error}"
+        finally:
+            sink.close()
+        outcomes = collective.gather((failure, _parity_records(sink, manifest, jobs, self.rank)))
+        failures = [f for f, _ in outcomes if f is not None]
+        if failures:
+            if self.is_leader:
+                self._remove_folder(step)
+            raise TierSaveError(f"fast save of step {step} failed: {'; '.join(failures)}")
+        parity = {record.key: record for _, records in outcomes for record in records}
+        if self.is_leader:
+            self._commit(manifest, data, self._record(manifest, parity))
+        return manifest, data
+
+    def _copy_jobs(self, manifest: Manifest) -> list[Job]:
+        objects = sorted(manifest.objects.values(), key=lambda r: r.rank)
+        if not self.redundancy.erasure:
+            return [
+                Job(holder, (piece,), Copy(record.key, record.size))
+                for record in objects
+                for holder in self.placement.replica_holders(record.rank)
+                for piece in pieces_of(record.rank, record.key, record.size)
+            ]
+        jobs = []
+        for index, group in enumerate(self._groups(manifest)):
+            jobs.extend(_parity_jobs(manifest, index, group, self.placement.groups[index].parity))
+        return jobs
+
+    def _groups(self, manifest: Manifest) -> list[GroupRecord]:
+        """The erasure-coded groups of a save, without parity checksums yet."""
+        by_rank = {record.rank: record for record in manifest.objects.values()}
+        groups = []
+        for index, group in enumerate(self.placement.groups):
+            records = [by_rank.get(rank) for rank in group.data]
+            block = max((r.size for r in records if r is not None), default=0)
+            parity = tuple(
+                ParityRecord(parity_object_key(manifest.attempt, index, j), block, 0)
+                for j in range(len(group.parity))
+            )
+            keys = tuple(r.key if r is not None else "" for r in records)
+            groups.append(GroupRecord(keys, parity, block))
+        return groups
+
+    def _record(self, manifest: Manifest, parity: dict[str, ParityRecord]) -> TierRecord:
+        groups: tuple[GroupRecord, ...] = ()
+        if self.redundancy.erasure:
+            groups = tuple(
+                dataclasses.replace(g, parity=tuple(parity[p.key] for p in g.parity))
+                for g in self._groups(manifest)
+            )
+        return TierRecord(manifest.step, manifest.attempt, str(self.redundancy), groups)
+
+    def _commit(self, manifest: Manifest, data: bytes, record: TierRecord) -> None:
+        self.store.put(tier_record_key(manifest.step), record.to_json(), create_only=True)
+        self.catalog.commit(manifest, data)
+        self._retain(manifest.step)
+
+    def _retain(self, newest: int) -> None:
+        """Keep the newest `keep_last` committed steps of this node's tier; delete the rest."""
+        committed = [s for s in self.catalog.steps() if s <= newest]
+        keep = set(committed[-self.keep_last :])
+        for step in self._folders():
+            if step not in keep and step <= newest:
+                self._remove_folder(step)
+
+    def drain(
+        self, manifest: Manifest, bucket: Catalog, collective: Collective, data: bytes
+    ) -> None:
+        """Upload this rank's object from the tier, then commit `manifest` to the bucket."""
+        failure: str | None = None
+        try:
+            for record in manifest.objects.values():
+                if record.rank == self.rank:
+                    self._upload(
+                        manifest.step, record.key, record.size, record.crc32c, bucket.store
+                    )
+        except (CheckpointError, OSError) as error:
+            failure = f"rank {self.rank}: {error}"
+        failures = [f for f in collective.gather(failure) if f is not None]
+        if failures:
+            raise TierSaveError(
+                f"upload of step {manifest.step} from the fast tier failed: {'; '.join(failures)}"
+            )
+        collective.run_on_coordinator(lambda: bucket.commit(manifest, data))
+
+    def _upload(self, step: int, key: str, size: int, expected: int, bucket: ObjectStore) -> None:
+        """Stream one object from the tier to the bucket; refused if its CRC32C changed."""
+        crc = 0
+        with bucket.open_writer(step_key(step, key)) as writer:  # commits on a clean exit
+            for piece in pieces_of(self.rank, key, size):
+                data = self.store.get_range(step_key(step, key), piece.offset, piece.length)
+                crc = crc32c(data, crc)
+                writer.write(data)
+            if crc != expected:
+                raise CorruptCheckpointError(
+                    f"fast-tier copy of {key} changed since it was written (CRC32C {crc:08x}, "
+                    f"manifest {expected:08x}); not uploaded"
+                )
+
+    # Restoring --------------------------------------------------------------------------------
+
+    def recover(
+        self,
+        collective: Collective,
+        not_older_than: int | None,
+        needs: Any,
+    ) -> tuple[Manifest, int] | None:
+        """Make the newest step the tiers can restore whole on this node; None if none can.
+
+        `needs(manifest)` gives the byte ranges, per object key, that this rank's load plan reads
+        (or raises). Returns the manifest to load from `store`, and the bytes moved between
+        nodes (job-wide).
+        """
+        report = self._inventory(not_older_than) if self.is_leader else None
+        reports = [r for r in collective.gather(report) if r is not None]
+        choice, reasons = choose_step(reports, not_older_than)
+        for reason in reasons:
+            log.warning("%s; trying older copies", reason)
+        if choice is None:
+            return None
+        data = collective.broadcast(
+            self._manifest_bytes(choice.step) if self.rank == choice.manifest_source else None,
+            src=choice.manifest_source,
+        )
+        manifest = Manifest.from_json(data, expected_step=choice.step)
+        failure, wanted = None, {}
+        try:
+            wanted = needs(manifest)
+        except CheckpointError as error:
+            failure = f"{type(error).__name__}: {error}"
+        shared = collective.gather((failure, wanted))
+        if any(f is not None for f, _ in shared):
+            log.warning(
+                "fast-tier restore of step %d: %s", choice.step, next(f for f, _ in shared if f)
+            )
+            return None
+        moved = self._gather_objects(choice, [w for _, w in shared], reports, collective)
+        return (manifest, moved) if moved is not None else None
+
+    def _gather_objects(
+        self,
+        choice: Choice,
+        wanted: list[dict[str, Ranges]],
+        reports: list[NodeReport],
+        collective: Collective,
+    ) -> int | None:
+        node_needs: dict[int, dict[str, Ranges]] = {}
+        for rank, ranges in enumerate(wanted):
+            needs = node_needs.setdefault(self.placement.leader(self.placement.node_of(rank)), {})
+            for key, spans in ranges.items():
+                needs.setdefault(key, []).extend(spans)
+        held = {
+            r.leader: next((h.held for h in r.steps if h.digest == choice.digest), frozenset())
+            for r in reports
+        }
+        jobs = restore_jobs(choice, node_needs, held)
+        sink = _Sink(self.store, choice.step)
+        failure: str | None = None
+        received = 0
+        try:
+            received = run_jobs(
+                jobs, self.rank, collective.group, self._read(choice.step), _complete(sink)
+            )
+        except (CheckpointError, OSError) as error:
+            failure = f"rank {self.rank}: {error}"
+        finally:
+            sink.close()
+        outcomes = collective.gather((failure, received))
+        failures = [f for f, _ in outcomes if f is not None]
+        if failures:
+            log.warning(
+                "fast-tier restore of step %d failed while copying: %s",
+                choice.step,
+                "; ".join(failures),
+            )
+            return None
+        return sum(n for _, n in outcomes)
+
+    def _manifest_bytes(self, step: int) -> bytes:
+        return self.catalog.manifest_bytes(step)
+
+    def _inventory(self, not_older_than: int | None) -> NodeReport:
+        """This node's tier steps (not older than `not_older_than`) and their intact objects."""
+        steps = []
+        for step in reversed(self.catalog.steps()):
+            if not_older_than is not None and step < not_older_than:
+                break
+            held = self._held_step(step)
+            if held is not None:
+                steps.append(held)
+        return NodeReport(self.identity.node, self.identity.zone, self.rank, tuple(steps))
+
+    def _held_step(self, step: int) -> HeldStep | None:
+        try:
+            data = self.catalog.manifest_bytes(step)
+            manifest = Manifest.from_json(data, expected_step=step)
+            record = TierRecord.from_json(
+                self.store.get(tier_record_key(step)), step=step, attempt=manifest.attempt
+            )
+        except (ManifestError, StorageError) as error:
+            log.warning(
+                "fast-tier step %d on node %s is unusable: %s", step, self.identity.node, error
+            )
+            return None
+        expected = {k: (r.size, r.crc32c) for k, r in manifest.objects.items()}
+        expected.update({p.key: (p.size, p.crc32c) for g in record.groups for p in g.parity})
+        held = frozenset(
+            k for k, (size, crc) in expected.items() if self._intact(step, k, size, crc)
+        )
+        for key in sorted(set(expected) - held):
+            log.debug("fast-tier step %d: %s is missing or corrupt on this node", step, key)
+        return HeldStep(
+            step,
+            hashlib.sha256(data).hexdigest(),
+            {k: r.size for k, r in manifest.objects.items()},
+            held,
+            record,
+        )
+
+    def _intact(self, step: int, key: str, size: int, expected: int) -> bool:
+        info = self.store.head(step_key(step, key))
+        if info is None or info.size != size:
+            return False
+        crc = 0
+        for piece in pieces_of(self.rank, key, size):
+            crc = crc32c(self.store.get_range(step_key(step, key), piece.offset, piece.length), crc)
+        return crc == expected
+
+    def discard_newer(self, step: int | None) -> None:
+        """After a restore of `step` (None: from nothing): newer tier steps are stale; drop them."""
+        if not self.is_leader:
+            return
+        for folder_step in self._folders():
+            if step is None or folder_step > step:
+                self._remove_folder(folder_step)
+
+    # Plumbing ---------------------------------------------------------------------------------
+
+    def _read(self, step: int) -> Any:
+        def read(piece: Piece) -> bytes:
+            return self.store.get_range(step_key(step, piece.key), piece.offset, piece.length)
+
+        return read
+
+    def _folders(self) -> list[int]:
+        steps = set()
+        for info in self.store.list(STEP_PREFIX):
+            step = parse_step_folder(info.key.partition("/")[0])
+            if step is not None:
+                steps.add(step)
+        return sorted(steps)
+
+    def _remove_folder(self, step: int) -> None:
+        """Delete a tier step, manifest first (never half-visible)."""
+        folder = step_folder(step)
+        self.store.delete_many([f"{folder}/{MANIFEST_NAME}"])
+        self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
+
+
+def _complete(sink: _Sink) -> Any:
+    """What a job's target does with the pieces it gathered."""
+
+    def complete(job: Job, pieces: list[bytes]) -> None:
+        action = job.action
+        if isinstance(action, Copy):
+            sink.write(action.key, action.size, job.inputs[0].offset, pieces[0])
+        elif isinstance(action, Code):
+            sink.write(action.key, action.size, action.offset, _code(action, pieces))
+        else:
+            raise CorruptCheckpointError(f"unknown fast-tier job {action!r}")
+
+    return complete
+
+
+def _code(action: Code, pieces: list[bytes]) -> bytes:
+    """The output block of a parity or rebuild job, from its inputs and known-zero blocks."""
+    blocks = {n: p.ljust(action.length, b"\0") for n, p in zip(action.numbers, pieces, strict=True)}
+    blocks.update({n: bytes(action.length) for n in action.zeros})
+    if action.parity:
+        data = [blocks[n] for n in range(action.data)]
+        return parity_block(data, action.parity_count, action.index)[: action.keep]
+    return data_block(blocks, action.data, action.parity_count, action.index)[: action.keep]
+
+
+def _parity_jobs(
+    manifest: Manifest, index: int, group: GroupRecord, holders: tuple[int, ...]
+) -> list[Job]:
+    """For each parity holder of group `index`, one job per stripe bringing it the data."""
+    ranks = {record.key: record.rank for record in manifest.objects.values()}
+    sizes = {record.key: record.size for record in manifest.objects.values()}
+    jobs = []
+    for j, holder in enumerate(holders):
+        for offset in range(0, max(group.block_size, 1), PIECE_BYTES):
+            length = max(0, min(PIECE_BYTES, group.block_size - offset))
+            inputs, numbers, zeros = [], [], []
+            for n, key in enumerate(group.data):
+                if key and sizes[key] > offset:
+                    inputs.append(Piece(ranks[key], key, offset, min(length, sizes[key] - offset)))
+                    numbers.append(n)
+                else:
+                    zeros.append(n)
+            code = Code(
+                group.parity[j].key,
+                group.block_size,
+                offset,
+                j,
+                len(group.data),
+                len(holders),
+                tuple(numbers),
+                tuple(zeros),
+                length,
+                length,
+                parity=True,
+            )
+            jobs.append(Job(holder, tuple(inputs), code))
+    return jobs
+
+
+def _parity_records(
+    sink: _Sink, manifest: Manifest, jobs: list[Job], rank: int
+) -> list[ParityRecord]:
+    """The parity objects this rank wrote, with their sizes and CRC32Cs (None if unfinished)."""
+    records = []
+    for job in jobs:
+        action = job.action
+        if job.target == rank and isinstance(action, Code) and action.offset == 0:
+            crc = sink.crc(action.key, action.size)
+            if crc is not None:
+                records.append(ParityRecord(action.key, action.size, crc))
+    return records
+
+
+def state_bytes(value: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict, local shards only."""
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return int(local.numel() * local.element_size())
+    if isinstance(value, dict):
+        return sum(state_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(state_bytes(v) for v in value)
+    return 0

@@ -1,0 +1,52 @@
+"""Which node and zone this process runs on: the keys of copy placement and of `local_dir`.
+
+The node id is ``SPOTCKPT_NODE`` when set, else the host name: what must stay the same across a
+restart is the machine whose disk holds the copies, and the host name names it. (torchrun's
+``GROUP_RANK`` is not used: an elastic restart may hand the same machine another node rank.)
+``SPOTCKPT_ZONE`` (optional) names the failure domain, for example a cloud zone or spot pool:
+placement puts a rank's copies in other zones first, since one reclaim often takes several
+nodes of one pool at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from spotckpt.errors import InvalidArgumentError
+
+NODE_VARIABLE = "SPOTCKPT_NODE"
+ZONE_VARIABLE = "SPOTCKPT_ZONE"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+@dataclass(frozen=True, order=True)
+class NodeIdentity:
+    """A process's node id and zone ("" when no zone is given)."""
+
+    node: str
+    zone: str = ""
+
+
+def check_name(value: str, what: str) -> str:
+    """`value` if it is a safe node or zone name (it becomes a folder name); else an error."""
+    if not _NAME.fullmatch(value):
+        raise InvalidArgumentError(
+            f"{what} must be 1-63 letters, digits, '.', '_' or '-' starting with a letter or "
+            f"digit, got {value!r}"
+        )
+    return value
+
+
+def node_identity(environ: Mapping[str, str] | None = None) -> NodeIdentity:
+    """This process's node and zone, from ``SPOTCKPT_NODE`` / ``SPOTCKPT_ZONE`` or the host."""
+    environ = os.environ if environ is None else environ
+    node = environ.get(NODE_VARIABLE) or socket.gethostname().split(".")[0]
+    zone = environ.get(ZONE_VARIABLE, "")
+    return NodeIdentity(
+        check_name(node, NODE_VARIABLE if NODE_VARIABLE in environ else "the host name"),
+        check_name(zone, ZONE_VARIABLE) if zone else "",
+    )

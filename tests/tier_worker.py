@@ -1,0 +1,171 @@
+"""Rank processes for the fast-tier tests: each "node" is one gloo rank with its own local dir.
+
+`launch_nodes` starts one process per rank with ``SPOTCKPT_NODE`` (and ``SPOTCKPT_ZONE``) of its
+own, like torchrun on separate machines would; results come back as files in the test's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spotckpt import CheckpointManager, TrainState
+
+from dist_worker import _perturbed, free_port, fsdp, full_state, make_model, train
+
+HERE = Path(__file__).resolve().parent
+
+
+def launch_nodes(
+    nodes: list[str], scenario: str, args: dict[str, Any], *, zones: list[str] | None = None
+) -> list[subprocess.Popen[str]]:
+    """Start `scenario` on one rank per entry of `nodes` (the rank's node id)."""
+    port = str(free_port())
+    processes = []
+    for rank, node in enumerate(nodes):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
+            "SPOTCKPT_NODE": node,
+        }
+        if zones is not None:
+            env["SPOTCKPT_ZONE"] = zones[rank]
+        command = [sys.executable, __file__, scenario, str(rank), str(len(nodes)), port]
+        processes.append(
+            subprocess.Popen(
+                [*command, json.dumps(args)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    return processes
+
+
+def finish(processes: list[subprocess.Popen[str]], timeout: float = 300) -> list[tuple[int, str]]:
+    """Wait for every rank; (exit status, output) each. Kills all on a timeout."""
+    results = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise
+        results.append((process.returncode, output))
+    return results
+
+
+def run_nodes(nodes: list[str], scenario: str, args: dict[str, Any], **kw: Any) -> list[str]:
+    """Run `scenario` to its end on every rank; raises with the output if a rank failed."""
+    results = finish(launch_nodes(nodes, scenario, args, **kw))
+    for rank, (status, output) in enumerate(results):
+        if status != 0:
+            raise AssertionError(f"rank {rank} exited {status}:\n{output[-6000:]}")
+    return [output for _, output in results]
+
+
+def _manager(args: dict[str, Any], **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(
+        args["uri"],
+        local_dir=args["local_dir"],
+        redundancy=args.get("redundancy"),
+        local_interval_steps=args.get("local_interval_steps"),
+        interval_steps=args.get("interval_steps"),
+        async_save=args.get("async_save", False),
+        collective_timeout_s=120,
+        **kwargs,
+    )
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    state = full_state(model, optimizer)  # a collective: every rank calls it
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+
+
+def save_then_die(rank: int, world: int, args: dict[str, Any]) -> None:
+    """FSDP2 training with durable and fast saves; snapshots at the save steps, then the
+    ranks named in `kill` die by SIGKILL (no cleanup) and the others leave without a word."""
+    out = Path(args["out"])
+    model = fsdp(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = _manager(args, preemption=False)
+    state = TrainState(model=model, optimizer=optimizer, rng=False)
+    for step in range(1, args["steps"] + 1):
+        train(model, optimizer, 1, rank)
+        if mgr.maybe_save(step, state):
+            mgr.wait()
+            _snapshot(model, optimizer, out / f"expected-{step}.pt")
+    dist.barrier()
+    if rank in args.get("kill", []):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)
+
+
+def restore(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Restore into perturbed FSDP2 shards; write the gathered state and where bytes came from."""
+    out = Path(args["out"])
+    model = fsdp(_perturbed())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = _manager(args, preemption=False)
+    step = mgr.restore(TrainState(model=model, optimizer=optimizer, rng=False))
+    _snapshot(model, optimizer, out / f"restored-{world}.pt")
+    if rank == 0:
+        (out / f"sources-{world}.json").write_text(
+            json.dumps({"step": step, "sources": mgr.last_restore_sources})
+        )
+    mgr.close()
+
+
+def evicted(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Trains until SIGTERM; the emergency save goes to the tier first, then exit 75."""
+    out = Path(args["out"])
+    model = fsdp(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = _manager(args)
+    state = TrainState(model=model, optimizer=optimizer, rng=False)
+    step = 0
+    while step < 10_000:
+        step += 1
+        train(model, optimizer, 1, rank)
+        mgr.maybe_save(step, state)
+        if mgr.should_stop():
+            _snapshot(model, optimizer, out / f"expected-{step}.pt")
+            if rank == 0:
+                (out / "evicted-at.txt").write_text(str(step))
+            mgr.close()
+            dist.destroy_process_group()
+            sys.exit(75)
+        if step == args["ready_at"] and rank == 0:
+            (out / "ready").write_text(str(step))
+    raise SystemExit("never evicted")
+
+
+SCENARIOS = {"save_then_die": save_then_die, "restore": restore, "evicted": evicted}
+
+
+def main() -> None:
+    scenario, rank, world, port, raw = sys.argv[1:6]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=int(rank), world_size=int(world), timeout=timedelta(seconds=120)
+    )
+    SCENARIOS[scenario](int(rank), int(world), json.loads(raw))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
