@@ -60,6 +60,9 @@ class Settings:
     - `metrics`: a callable that receives one dict per save, restore and preemption (code only:
       never from a file or the environment); see `spotckpt.metrics`.
     - `async_save`: stage to CPU memory and upload in the background.
+    - `async_mode`: where that upload runs: ``"thread"`` (default), or ``"process"``: DCP's
+      separate upload process (needs an initialised process group; the store is rebuilt there
+      from its URI and options; not with `local_dir`).
     - `preemption`: True to watch signals and cloud notices, False not to, or a watcher.
     - `prefix_spread`: spread rank objects over 4096 key prefixes (S3 request-rate partitions).
     - `collective_timeout_s`: bound on every collective of the manager's own gloo group.
@@ -83,6 +86,7 @@ class Settings:
     max_events: int = 500
     metrics: Any = None
     async_save: bool = False
+    async_mode: Literal["thread", "process"] = "thread"
     preemption: Any = True
     prefix_spread: bool = False
     collective_timeout_s: float = 300.0
@@ -156,6 +160,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_interval_steps": (int, type(None)),
     "max_events": (int,),
     "async_save": (bool,),
+    "async_mode": (str,),
     "preemption": (bool,),
     "prefix_spread": (bool,),
     "collective_timeout_s": (int, float),
@@ -230,6 +235,8 @@ def _range_problem(key: str, value: Any) -> str | None:
     """What is wrong with a value of the right type, or None."""
     if key in ("uri", "local_dir") and value == "":
         return "must be a non-empty string"
+    if key == "async_mode" and value not in ("thread", "process"):
+        return f'must be "thread" or "process", got {_shown(value)}'
     if key == "redundancy" and value is not None:
         try:
             parse_redundancy(value)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from spotckpt.catalog import Catalog
@@ -49,7 +50,7 @@ from spotckpt.state import (
     release_worker_shields,
     write_back,
 )
-from spotckpt.storage.base import ObjectStore, StorageError, open_store
+from spotckpt.storage.base import ObjectStore, StorageError, check_portable, open_store
 from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
 from spotckpt.tiers.redundancy import parse_redundancy
 from spotckpt.values import ValueLoadError
@@ -147,6 +148,7 @@ class CheckpointManager:
         self.last_read_stats: ReadStats | None = None
         self.last_restore_sources: dict[str, int] = {}
         self.tier = self._open_tier()
+        self._check_async_mode()
         self._pending_durable = True
         self._fast_save_seconds: float | None = None
         self._drain_seconds: float | None = None
@@ -166,6 +168,25 @@ class CheckpointManager:
             collective=self.collective,
             prefix_spread=self.prefix_spread,
         )
+
+    def _marks_progress(self, blocking: bool) -> bool:
+        """Rank markers name dead ranks; a process-mode upload's child cannot set them."""
+        if self.group is None:
+            return False
+        return blocking or self.settings.async_mode != "process"
+
+    def _check_async_mode(self) -> None:
+        """``async_mode="process"`` needs a process group and a store that can leave."""
+        if self.settings.async_mode != "process":
+            return
+        if self.group is None:
+            raise ConfigError(
+                'async_mode="process" needs torch.distributed initialised (even for one rank): '
+                "DCP's upload process joins a process group of its own"
+            )
+        if self.tier is not None:
+            raise ConfigError('async_mode="process" does not combine with local_dir')
+        check_portable(self.store)
 
     @classmethod
     def from_config(cls, config: Config | None = None, **overrides: Any) -> CheckpointManager:
@@ -228,7 +249,7 @@ class CheckpointManager:
         options: dict[str, Any] = {
             "user_metadata": dict(user_metadata or {}),
             "versions": {"spotckpt": __version__, "torch": torch.__version__},
-            "on_written": progress.mark_written if self.group is not None else None,
+            "on_written": progress.mark_written if self._marks_progress(blocking) else None,
         }
         state_dict = as_dcp_state(state, step)
         if self.tier is not None and self._tier_has_room(step, state_dict):
@@ -260,6 +281,7 @@ class CheckpointManager:
             process_group=self.collective.save_group,
             async_stager=self._async_stager(),
             no_dist=self.group is None,
+            **self._checkpointer_type(),
         )
         upload = response.upload_completion if hasattr(response, "upload_completion") else response
         self._pending, self._pending_step = upload, step
@@ -396,8 +418,14 @@ class CheckpointManager:
     def _async_stager(self) -> DefaultStager:
         if self._stager is None:
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+            process = self.settings.async_mode == "process"  # the child maps shared memory
+            self._stager = DefaultStager(StagingOptions(cuda, process, False, cuda))
         return self._stager
+
+    def _checkpointer_type(self) -> dict[str, Any]:
+        if self.settings.async_mode != "process":
+            return {}
+        return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
 
     def _dcp_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
         dcp.save(

@@ -28,7 +28,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import spotckpt
+from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog
+from spotckpt.config import ConfigError
 from spotckpt.dcp import ObjectStoreReader
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage import ObjectStore, open_store
@@ -192,6 +194,22 @@ def test_process_mode_with_explicit_credentials_writes_them_nowhere(
         assert not any(s in body for s in secrets), f"a credential was stored in {key}"
 
 
+def test_manager_async_mode_process_saves_in_the_child_and_restores(
+    tmp_path: Path, s3_uri: str
+) -> None:
+    result = _run_worker(tmp_path, {"uri": s3_uri, "manager": True})
+    assert result["child_pid"] != result["pid"]
+    assert result["steps"] == [1, 2] and result["restored"] == 2
+    assert result["bit_identical"] == [True]
+
+
+def test_manager_async_mode_process_is_refused_where_it_cannot_work(memory_uri: str) -> None:
+    with pytest.raises(ConfigError, match=r"needs torch\.distributed initialised"):
+        CheckpointManager(memory_uri, async_save=True, async_mode="process", preemption=False)
+    with pytest.raises(ConfigError, match='must be "thread" or "process"'):
+        CheckpointManager(memory_uri, async_mode="fork", preemption=False)
+
+
 def _check(result: dict[str, Any]) -> None:
     assert result["child_pid"] != result["pid"], "the save did not run in DCP's child process"
     assert result["parent_writer_untouched"], "the writer's state should stay in the child"
@@ -286,6 +304,25 @@ def _error_type(error: BaseException) -> str:
     return type(error).__name__
 
 
+def _manager_worker(args: dict[str, Any], result: dict[str, Any]) -> None:
+    """Two async saves through `CheckpointManager(async_mode="process")`, then a restore."""
+    from torch.distributed.checkpoint import _async_process_executor as process_executor
+
+    mgr = CheckpointManager(
+        args["uri"], async_save=True, async_mode="process", preemption=False, keep_last=None
+    )
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.wait()
+    checkpoint = process_executor._CHECKPOINT_PROCESS
+    result["child_pid"] = checkpoint._save_process.pid if checkpoint is not None else None
+    result["steps"] = mgr.steps()
+    loaded = _blank(2)
+    result["restored"] = mgr.restore(loaded)
+    result["bit_identical"] = [_same_bits(_state(2), loaded)]
+    mgr.close()
+
+
 def _worker(args: dict[str, Any]) -> None:
     from torch.distributed.checkpoint import _async_process_executor as process_executor
 
@@ -296,6 +333,11 @@ def _worker(args: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))
     uri, options = args["uri"], args.get("options", {})
     result: dict[str, Any] = {"pid": os.getpid(), "bit_identical": []}
+    if args.get("manager"):
+        _manager_worker(args, result)
+        Path(args["out"]).write_text(json.dumps(result))
+        dist.destroy_process_group()
+        return
     untouched = True
     for step in (1, 2):
         writer = spotckpt.dcp_writer(uri, step, **options)
