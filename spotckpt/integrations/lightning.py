@@ -1,0 +1,308 @@
+"""PyTorch Lightning: `SpotckptCallback` makes a `Trainer` survive spot eviction.
+
+    from spotckpt.integrations.lightning import SpotckptCallback
+
+    trainer = Trainer(callbacks=[SpotckptCallback("s3://bucket/runs/exp1", interval_steps=500)])
+    trainer.fit(model, datamodule)   # resumes from the latest committed checkpoint, if any
+
+What is saved is the full Lightning checkpoint, as ``Trainer`` dumps it for a ``.ckpt`` file:
+the LightningModule's parameters and buffers and every optimizer's state go through `TrainState`
+(DCP tensors, optimizer state keyed by parameter name, so nothing depends on how a serializer
+treats the optimizer's integer keys); everything else (loops and their progress, including a
+stateful data loader's position; LR schedulers; callbacks' state; the precision plugin; the
+datamodule's state; what ``on_save_checkpoint`` hooks add) is one value, encoded by
+`spotckpt.values` and serialized whole, so every key and value keeps its exact type; plus this
+rank's RNGs. Hyper-parameters are left out: the restarted script builds its own module.
+
+At fit start the latest committed checkpoint is restored through Lightning's own restore steps
+(module and datamodule hooks, callbacks, precision plugin, loops, optimizers, schedulers); it
+takes precedence over ``fit(ckpt_path=...)``, which then only seeds a run that has none. After
+each optimizer step the callback calls `CheckpointManager.maybe_save` with ``trainer.global_step``.
+On a preemption notice (SIGTERM, SIGUSR1, a cloud notice) it saves that step, stops the trainer
+and ends the process with `spotckpt.PREEMPTED_EXIT_CODE` (75): started again, the same command
+continues bit for bit. When training ends, the last step is saved too.
+
+For an exact mid-epoch resume, train from a torchdata ``StatefulDataLoader`` (Lightning stores
+its position in the loop state) with ``generator=`` and a sampler that has a generator of its
+own, e.g. ``sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0))``; the
+callback warns at train start when a stateful loader lacks either.
+
+Lightning stops a run by itself on SIGTERM (at the end of the batch, or of an epoch or a
+validation batch); a signal that lands after this callback's check of a batch is handled there:
+the state, still that of a completed optimizer step, is saved and the exit status becomes 75.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # only the standalone package is installed
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+from spotckpt import PREEMPTED_EXIT_CODE
+from spotckpt.errors import CheckpointError
+from spotckpt.manager import CheckpointManager
+from spotckpt.state import TrainState
+from spotckpt.values import decode, encode, load_plain
+
+log = logging.getLogger("spotckpt")
+
+CHECKPOINT_KEY = "lightning"
+"""The top-level key of the Lightning checkpoint's non-tensor part in the stored state."""
+
+_OWN_PARTS = ("state_dict", "optimizer_states")
+"""Checkpoint entries that `TrainState` stores as tensors and that are rebuilt on restore."""
+
+_LEFT_OUT = tuple(
+    getattr(owner, f"CHECKPOINT_HYPER_PARAMS_{what}")
+    for owner in (pl.LightningModule, pl.LightningDataModule)
+    for what in ("KEY", "NAME", "TYPE")
+)
+"""Hyper-parameter entries: not needed to resume, and free to hold any Python object."""
+
+
+def _connector(trainer: pl.Trainer) -> Any:
+    """Lightning's checkpoint connector: the one place that dumps and restores a checkpoint."""
+    return trainer._checkpoint_connector
+
+
+def pack_checkpoint(checkpoint: dict[str, Any]) -> bytes:
+    """The checkpoint, encoded (or refused) by `spotckpt.values`, serialized as one blob."""
+    buffer = io.BytesIO()
+    torch.save(encode(checkpoint, CHECKPOINT_KEY), buffer)
+    return buffer.getvalue()
+
+
+def unpack_checkpoint(data: bytes) -> dict[str, Any]:
+    """The inverse of `pack_checkpoint`; loads with ``torch.load(weights_only=True)`` only."""
+    unpacked: dict[str, Any] = decode(load_plain(data, CHECKPOINT_KEY), CHECKPOINT_KEY)
+    return unpacked
+
+
+class TrainerCheckpoint:
+    """The Lightning checkpoint minus model and optimizer tensors, as a DCP Stateful.
+
+    `state_dict` dumps the trainer only when a save asks for it (so checkpoint hooks run at
+    saves, not at every step); while `restoring`, it offers DCP an empty slot to load into.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.restoring = False
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"blob": bytes}``: the packed checkpoint (``None`` while restoring)."""
+        if self.restoring:
+            return {"blob": None}
+        checkpoint = _connector(self.trainer).dump_checkpoint(weights_only=False)
+        for key in (*_OWN_PARTS, *_LEFT_OUT):
+            checkpoint.pop(key, None)
+        return {"blob": pack_checkpoint(checkpoint)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the unpacked checkpoint for `SpotckptCallback` to hand to Lightning."""
+        self.loaded = unpack_checkpoint(state_dict["blob"])
+
+
+class LightningTrainState(TrainState):
+    """`TrainState` of a trainer: its LightningModule, optimizers, RNGs and `TrainerCheckpoint`."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        optimizers = {str(index): opt for index, opt in enumerate(trainer.optimizers)}
+        super().__init__(model=trainer.lightning_module, optimizer=optimizers or None)
+        self.checkpoint = TrainerCheckpoint(trainer)
+
+    def parts(self, step: int | None = None) -> dict[str, Any]:
+        """TrainState's parts plus the Lightning checkpoint under `CHECKPOINT_KEY`."""
+        return {**super().parts(step), CHECKPOINT_KEY: self.checkpoint}
+
+
+class SpotckptCallback(pl.callbacks.Checkpoint):
+    """Restore at fit start, save every `interval_steps` and on preemption (then exit 75).
+
+    As a `Checkpoint` callback it runs after the other callbacks, so that a save includes what
+    they did in the same batch; the Trainer then adds no default ``ModelCheckpoint`` (add one
+    for ``.ckpt`` files) and needs ``enable_checkpointing=True`` (its default).
+
+    `manager_options` are `CheckpointManager`'s keyword arguments (`keep_last`, `async_save`,
+    `storage_options`, ...). The manager is created when fitting starts (after Lightning has set
+    up the process group) as `manager`, and closed when fitting ends.
+    """
+
+    def __init__(
+        self, uri: str, *, interval_steps: int | str | None = None, **manager_options: Any
+    ) -> None:
+        self.uri = uri
+        self.options = {"interval_steps": interval_steps, **manager_options}
+        self.manager: CheckpointManager | None = None
+        self._state: LightningTrainState | None = None
+        self._step = 0  # global step of the last optimizer step seen
+        self._saved: int | None = None  # last step saved or restored
+        self._at_step_end = True  # the state is that of a completed optimizer step
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Open the manager (and its preemption watcher) for a fit."""
+        if stage == "fit":
+            self.manager = CheckpointManager(self.uri, **self.options)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Restore the latest committed checkpoint into the trainer, if there is one."""
+        manager = self._manager()
+        self._state = LightningTrainState(trainer)
+        self._state.checkpoint.restoring = True
+        try:
+            step = manager.restore(self._state)
+        finally:
+            self._state.checkpoint.restoring = False
+        self._step, self._saved, self._at_step_end = trainer.global_step, step, True
+        loaded = self._state.checkpoint.loaded
+        if step is None or loaded is None:
+            log.info("no committed checkpoint under %s: training from the start", self.uri)
+            return
+        self._state.checkpoint.loaded = None
+        _restore_trainer(trainer, loaded)
+        self._step = trainer.global_step
+        log.info("resumed from step %d (%s)", step, self.uri)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Warn when a stateful training loader cannot resume exactly."""
+        for loader in _flatten(trainer.train_dataloader):
+            problem = _inexact_resume(loader)
+            if problem:
+                warnings.warn(
+                    f"the training data loader {problem}: a resumed run may not match an "
+                    "uninterrupted one bit for bit (give the loader generator=torch.Generator() "
+                    "and its sampler a generator of its own)",
+                    stacklevel=2,
+                )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """From here until the batch's optimizer step the state is not one to save."""
+        self._at_step_end = False
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """After an optimizer step: save if due or preempted; after a preemption save, exit."""
+        step = trainer.global_step
+        self._at_step_end = step != self._step
+        if not self._at_step_end:
+            return  # gradients are being accumulated: no step to save yet
+        self._step = step
+        self._maybe_save(step)
+        if self._manager().should_stop():
+            raise SystemExit(PREEMPTED_EXIT_CODE)  # on_exception logs it and closes the manager
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Save the last step, unless it is saved already."""
+        manager = self._manager()
+        manager.wait()
+        if self._saved != trainer.global_step and self._state is not None:
+            manager.save(trainer.global_step, self._state)
+            self._saved = trainer.global_step
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Lightning stopped the run (on SIGTERM it does so by itself): save, exit with 75."""
+        try:
+            if isinstance(exception, SystemExit) and self.manager is not None:
+                self._stopped(trainer, exception)
+        finally:
+            self._close()
+
+    def _stopped(self, trainer: pl.Trainer, exception: SystemExit) -> None:
+        step = trainer.global_step
+        if self._at_step_end and self._saved != step:
+            self._maybe_save(step)
+        manager = self._manager()
+        noticed = manager.watcher is not None and manager.watcher.preempted
+        if manager.should_stop() or noticed or trainer.received_sigterm:
+            log.warning(
+                "preempted: the run resumes after step %s; exiting with status %d",
+                self._saved,
+                PREEMPTED_EXIT_CODE,
+            )
+            exception.code = PREEMPTED_EXIT_CODE
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Close the manager: wait for uploads in flight, stop the preemption watcher."""
+        if stage == "fit":
+            self._close()
+
+    def _maybe_save(self, step: int) -> None:
+        if self._state is not None and self._manager().maybe_save(step, self._state):
+            self._saved = step
+
+    def _manager(self) -> CheckpointManager:
+        if self.manager is None:
+            raise CheckpointError("SpotckptCallback is used outside Trainer.fit")
+        return self.manager
+
+    def _close(self) -> None:
+        manager, self.manager, self._state = self.manager, None, None
+        if manager is not None:
+            manager.close()
+
+
+def _flatten(loaders: Any) -> list[Any]:
+    """The loaders of ``trainer.train_dataloader``: one, or a list, tuple or dict of them."""
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    return [] if loaders is None else [loaders]
+
+
+def _inexact_resume(loader: Any) -> str | None:
+    """Why a stateful loader would draw differently after a resume, or None.
+
+    A new iterator draws its base seed from ``generator=`` (the global torch RNG without one,
+    which the restore has just set, so the draw shifts every later random number). torchdata
+    restores the sampler's position by resetting the sampler's generator, so a generator shared
+    with the loader loses that draw and the next epoch is shuffled differently.
+    """
+    if not hasattr(loader, "load_state_dict"):
+        return None
+    generator = getattr(loader, "generator", None)
+    if generator is None:
+        return "has no generator="
+    if getattr(getattr(loader, "sampler", None), "generator", None) is generator:
+        return "shares its generator with its sampler (shuffle=True with generator=)"
+    return None
+
+
+def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Hand a checkpoint to Lightning's own restore steps, as ``fit(ckpt_path=...)`` would.
+
+    The module and optimizers already hold the restored tensors: their entries are rebuilt from
+    them, with the key types torch itself uses.
+    """
+    strategy = trainer.strategy
+    checkpoint["state_dict"] = strategy.lightning_module_state_dict()
+    checkpoint["optimizer_states"] = [strategy.optimizer_state(o) for o in trainer.optimizers]
+    connector = _connector(trainer)
+    connector._loaded_checkpoint = checkpoint
+    try:
+        connector.restore_datamodule()
+        connector.restore_model()
+        connector.restore_callbacks()
+        connector.restore_training_state()
+    finally:
+        connector._loaded_checkpoint = {}
