@@ -46,8 +46,9 @@ from spotckpt.errors import (
     ObjectNotFoundError,
     StorageError,
 )
+from spotckpt.format.index import INDEXED_FORMAT, full_manifest, manifest_format, parse_root
 from spotckpt.format.manifest import MAX_INT, Manifest, read_manifest_bytes
-from spotckpt.storage.base import ObjectInfo, ObjectStore, UploadInfo
+from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo
 
 log = logging.getLogger("spotckpt")
 
@@ -61,6 +62,10 @@ REASON_NAME = "reason.json"
 COPY_PIECE = 512 << 10
 EVENTS_PREFIX = "events/"
 EVENT_SUMMARY_KEY = f"{EVENTS_PREFIX}summary.json"
+STEP_LISTING_DELIMITER = f"/{ATTEMPT_PREFIX}"
+"""Lists step folders without their attempt objects: ``step-N/a-...`` rolls up as ``step-N/a-``."""
+RETIRE_FOLDER_LISTINGS = 16
+"""Up to this many retired folders, `Catalog.retire` lists each on its own."""
 _STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
 _EVENT_NAME = re.compile(
     r"events/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z)-([a-z]{1,32})-[0-9a-f]{1,32}-[0-9]{1,12}\.json"
@@ -136,6 +141,11 @@ def rank_object_key(attempt: str, rank: int, prefix_spread: bool = False) -> str
         return f"{attempt_folder(attempt)}/{name}"
     spread = hashlib.sha256(f"{attempt}/{rank}".encode()).hexdigest()[:3]
     return f"{attempt_folder(attempt)}/{spread}/{name}"
+
+
+def index_part_key(attempt: str, rank: int) -> str:
+    """Key (relative to the step folder) of a rank's index part in an indexed manifest."""
+    return f"{attempt_folder(attempt)}/index-r{rank:05d}.json"
 
 
 def parity_object_key(attempt: str, group: int, index: int) -> str:
@@ -227,16 +237,33 @@ class Catalog:
     # Reading ----------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending; look-alike folders are reported once and left out."""
+        """Committed steps, ascending; look-alike folders are reported once and left out.
+
+        One delimited listing (`STEP_LISTING_DELIMITER`): each step folder's manifest is listed
+        and its attempt objects are rolled up into one prefix, so the cost is about one request
+        per 500 steps, however many objects each holds.
+        """
+        return sorted(self._committed(self._step_listing()))
+
+    def _step_listing(self) -> Listing:
+        """The step folders' manifests and other top objects; attempt objects rolled up."""
+        listing = self.store.list_delimited(STEP_PREFIX, STEP_LISTING_DELIMITER)
+        folders = {info.key.partition("/")[0] for info in listing.objects}
+        folders.update(prefix.partition("/")[0] for prefix in listing.prefixes)
+        for folder in sorted(folders):
+            if parse_step_folder(folder) is None:
+                self._report_look_alike(folder)
+        return listing
+
+    @staticmethod
+    def _committed(listing: Listing) -> set[int]:
         found = set()
-        for info in self.store.list(STEP_PREFIX):
+        for info in listing.objects:
             folder, _, name = info.key.partition("/")
             step = parse_step_folder(folder)
-            if step is None:
-                self._report_look_alike(folder)
-            elif name == MANIFEST_NAME:
+            if step is not None and name == MANIFEST_NAME:
                 found.add(step)
-        return sorted(found)
+        return found
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -263,13 +290,20 @@ class Catalog:
         return read_manifest_bytes(self.store, manifest_key(step), step)
 
     def read_manifest(self, step: int) -> Manifest:
-        """The validated manifest of a committed step (ManifestError, NoCheckpointError)."""
-        return Manifest.from_json(self.manifest_bytes(step), expected_step=step)
+        """The validated manifest of a committed step, whole (ManifestError, NoCheckpointError);
+        an indexed one with all its index parts read and checked."""
+        data = self.manifest_bytes(step)
+        if manifest_format(data) == INDEXED_FORMAT:
+            return full_manifest(self.store, step_folder(step), parse_root(data, step))
+        return Manifest.from_json(data, expected_step=step)
 
     def committed_attempt(self, step: int) -> str | None:
         """The attempt id a step's manifest names; None if it has none or it does not parse."""
         try:
-            return self.read_manifest(step).attempt
+            data = self.manifest_bytes(step)
+            if manifest_format(data) == INDEXED_FORMAT:
+                return parse_root(data, step).attempt
+            return Manifest.from_json(data, expected_step=step).attempt
         except (NoCheckpointError, ManifestError):
             return None
 
@@ -359,6 +393,10 @@ class Catalog:
     # Committing -------------------------------------------------------------------------------
 
     def commit(self, manifest: Manifest, data: bytes) -> None:
+        """`commit_bytes` for an encoded `manifest`."""
+        self.commit_bytes(manifest.step, manifest.attempt, data)
+
+    def commit_bytes(self, step: int, attempt: str, data: bytes) -> None:
         """Write `data` (the encoded `manifest`) create-only: the commit point of a save.
 
         When the put's outcome is ambiguous (a 412 after a retried put whose first answer was
@@ -366,23 +404,23 @@ class Catalog:
         back: if it names this attempt the save is committed. Raises
         CheckpointAlreadyCommittedError when another writer's manifest is there.
         """
-        key = manifest_key(manifest.step)
+        key = manifest_key(step)
         try:
             self.store.put(key, data, create_only=True)
             return
         except AlreadyExistsError:
-            if self.committed_attempt(manifest.step) == manifest.attempt:
+            if self.committed_attempt(step) == attempt:
                 return
             raise CheckpointAlreadyCommittedError(
-                f"step {manifest.step} was already committed by another writer while this one "
-                f"was saving; this attempt ({manifest.attempt}) is discarded"
+                f"step {step} was already committed by another writer while this one "
+                f"was saving; this attempt ({attempt}) is discarded"
             ) from None
         except StorageError:
-            if self.committed_attempt(manifest.step) == manifest.attempt:
+            if self.committed_attempt(step) == attempt:
                 log.warning(
                     "the manifest put of step %d failed, but reading it back shows it was "
                     "written: the checkpoint is committed",
-                    manifest.step,
+                    step,
                 )
                 return
             raise
@@ -435,16 +473,39 @@ class Catalog:
         self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
 
     def retire(self, keep_last: int) -> list[int]:
-        """Delete committed checkpoints beyond the newest `keep_last`; returns their steps."""
+        """Delete committed checkpoints beyond the newest `keep_last`; returns their steps.
+
+        Every retired manifest goes first (no checkpoint is ever half-visible), then the objects
+        of the retired step folders and nothing else: no other folder, look-alike or event.
+        Listing costs one delimited listing of the steps, then one listing per retired folder
+        or, when more than `RETIRE_FOLDER_LISTINGS` retire at once, one listing that stops past
+        the last of them.
+        """
         if keep_last < 1:
             raise InvalidArgumentError(
                 "keep_last must be at least 1: the newest checkpoint is never deleted"
             )
         committed = self.steps()
         retired = committed[: max(0, len(committed) - keep_last)]
-        for step in retired:
-            self.delete_step(step, newest=committed[-1])
+        if retired:
+            self.store.delete_many([manifest_key(step) for step in retired])
+            self.store.delete_many(self._folder_keys({step_folder(s) for s in retired}))
         return retired
+
+    def _folder_keys(self, folders: set[str]) -> list[str]:
+        """Every key under the given step folders (``<folder>/...``), from as few listings as
+        `retire` describes."""
+        if len(folders) <= RETIRE_FOLDER_LISTINGS:
+            return [info.key for f in sorted(folders) for info in self.store.list(f"{f}/")]
+        end = f"{max(folders)}0"  # "0" follows "/": past every key of the last folder
+        keys = []
+        for info in self.store.list(STEP_PREFIX):
+            if info.key >= end:
+                break
+            folder, slash, _rest = info.key.partition("/")
+            if slash and folder in folders:
+                keys.append(info.key)
+        return keys
 
     def quarantine(self, step: int, reason: str) -> str | None:
         """Move a bad step's manifest aside so the step can be saved again; returns the record.

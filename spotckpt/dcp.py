@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -43,12 +44,31 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from spotckpt.catalog import Catalog, new_attempt_id, rank_object_key, step_folder, step_key
+from spotckpt.catalog import (
+    Catalog,
+    index_part_key,
+    new_attempt_id,
+    rank_object_key,
+    step_folder,
+    step_key,
+)
+from spotckpt.checksum import crc32c
 from spotckpt.chunks import ChunkReader
 from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError, InvalidTypeError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
+from spotckpt.format.index import (
+    INDEXED_FORMAT,
+    Box,
+    IndexedTensor,
+    PartRecord,
+    Runs,
+    part_json,
+    root_json,
+    tiling_of,
+)
 from spotckpt.format.manifest import (
     ChunkLocation,
     Manifest,
@@ -69,12 +89,27 @@ log = logging.getLogger("spotckpt")
 VALUE_PREFIX = "__value__/"
 
 
+INDEX_MIN_RANKS = 32
+"""From this many ranks on, a save writes an indexed manifest (`spotckpt.format.index`)."""
+
+
 @dataclass(frozen=True)
 class RankAssignment:
-    """What the coordinator tells each rank: the attempt and the key of its object."""
+    """What the coordinator tells each rank: the attempt, the key of its object and whether
+    it writes an index part."""
 
     attempt: str
     key: str
+    indexed: bool = False
+
+
+@dataclass(frozen=True)
+class IndexedWrite:
+    """A WriteResult's storage data in an indexed save: the rank's object and index part (the
+    locations stay in the part; the coordinator only learns who wrote what)."""
+
+    record: ObjectRecord
+    part: PartRecord
 
 
 @dataclass(frozen=True)
@@ -112,8 +147,10 @@ class ObjectStoreWriter(StorageWriter):
         user_metadata: dict[str, Any] | None = None,
         versions: dict[str, str] | None = None,
         on_written: Callable[[], None] | None = None,
+        index_parts: bool | None = None,
     ) -> None:
         super().__init__()
+        self.index_parts = index_parts
         self.store = store
         self.catalog = Catalog(store)
         self.step = step
@@ -141,11 +178,14 @@ class ObjectStoreWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.check_step_free()
         attempt = new_attempt_id()
+        indexed = self.index_parts
+        if indexed is None:
+            indexed = len(plans) >= INDEX_MIN_RANKS
         return [
             dataclasses.replace(
                 plan,
                 storage_data=RankAssignment(
-                    attempt, rank_object_key(attempt, rank, self.prefix_spread)
+                    attempt, rank_object_key(attempt, rank, self.prefix_spread), indexed
                 ),
             )
             for rank, plan in enumerate(plans)
@@ -165,6 +205,8 @@ class ObjectStoreWriter(StorageWriter):
             )
         self.attempt = assignment.attempt
         results = self._write_object(plan.items, planner, assignment.key) if plan.items else []
+        if assignment.indexed and results:
+            results = self._write_index_part(results)
         if self.on_written is not None:
             self.on_written()
         future.set_result(results)
@@ -209,6 +251,26 @@ class ObjectStoreWriter(StorageWriter):
             for item, stored in zip(ordered, ranges, strict=True)
         ]
 
+    def _write_index_part(self, results: list[WriteResult]) -> list[WriteResult]:
+        """Write this rank's index part; its results then name only the part and object."""
+        chunks: dict[str, list[tuple[tuple[int, ...], ChunkLocation]]] = {}
+        values: dict[str, ChunkLocation] = {}
+        record = results[0].storage_data.record
+        for result in results:
+            location = result.storage_data.location
+            if result.index.offset is None:
+                values[result.index.fqn] = location
+            else:
+                chunks.setdefault(result.index.fqn, []).append(
+                    (tuple(result.index.offset), location)
+                )
+        attempt = self.attempt or "unknown"
+        data = part_json(self.step, attempt, self.rank, record, chunks, values)
+        key = index_part_key(attempt, self.rank)
+        self.store.put(step_key(self.step, key), data, create_only=True)
+        written = IndexedWrite(record, PartRecord(key, len(data), crc32c(data), self.rank))
+        return [dataclasses.replace(result, storage_data=written) for result in results]
+
     def _spec(self, item: WriteItem, values: dict[MetadataIndex, memoryview]) -> TensorSpec:
         name = _item_name(item)
         if item.type == WriteItemType.BYTE_IO:
@@ -219,9 +281,70 @@ class ObjectStoreWriter(StorageWriter):
         return TensorSpec(name, dtype, tuple(item.tensor_data.chunk.sizes))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if any(isinstance(r.storage_data, IndexedWrite) for rank in results for r in rank[:1]):
+            summary, data = self.build_root(metadata, results)
+            self.catalog.commit_bytes(self.step, summary.attempt, data)
+            self.manifest = summary  # committed: nothing after this point may undo it
+            return
         manifest = self.build_manifest(metadata, results)
         self.catalog.commit(manifest, manifest.to_json())
         self.manifest = manifest  # committed: nothing after this point may undo it
+
+    def build_root(
+        self, metadata: Metadata, results: list[list[WriteResult]]
+    ) -> tuple[Manifest, bytes]:
+        """The root of an indexed manifest from DCP's metadata and who wrote what (linear in
+        the number of chunks), and a summary Manifest (its objects, no tensors)."""
+        writer: dict[tuple[str, tuple[int, ...] | None], int] = {}
+        parts: dict[int, PartRecord] = {}
+        objects: dict[str, ObjectRecord] = {}
+        for rank, rank_results in enumerate(results):
+            for result in rank_results:
+                offset = result.index.offset
+                writer[(result.index.fqn, None if offset is None else tuple(offset))] = rank
+            if rank_results:
+                written = rank_results[0].storage_data
+                parts[rank], objects[written.record.key] = written.part, written.record
+        tensors: dict[str, IndexedTensor] = {}
+        values: dict[str, int] = {}
+        for fqn, entry in metadata.state_dict_metadata.items():
+            if not isinstance(entry, TensorStorageMetadata):
+                values[fqn] = writer[(fqn, None)]
+                continue
+            shape = tuple(entry.size)
+            boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+            grid, ordered = tiling_of(shape, boxes)
+            runs = Runs.of(writer[(fqn, offsets)] for offsets, _ in ordered)
+            dtype = dtype_of(entry.properties.dtype).name
+            tensors[fqn] = IndexedTensor(
+                dtype, shape, runs, grid=grid, boxes=() if grid is not None else tuple(ordered)
+            )
+        summary = Manifest(
+            step=self.step,
+            attempt=self.attempt or "unknown",
+            world_size=len(results),
+            block_size=self.block_size,
+            objects=objects,
+            tensors={},
+            values={},
+            versions=self.versions,
+            user_metadata=self.user_metadata,
+            format=INDEXED_FORMAT,
+        )
+        data = root_json(
+            step=self.step,
+            attempt=summary.attempt,
+            created_at=summary.created_at,
+            world_size=len(results),
+            block_size=self.block_size,
+            parts=[parts[rank] for rank in sorted(parts)],
+            tensors=tensors,
+            values=values,
+            versions=self.versions,
+            planner_data={f: list(p) for f, p in (metadata.planner_data or {}).items()},
+            user_metadata=self.user_metadata,
+        )
+        return summary, data
 
     def build_manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> Manifest:
         """Turn DCP's global metadata and every rank's results into the manifest."""
@@ -645,6 +768,24 @@ def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
     torch.save(value, stream)
     stream.seek(0)
     return stream
+
+
+def wanted_boxes(state_dict: dict[str, Any]) -> tuple[dict[str, list[Box]], set[str]]:
+    """What loading `state_dict` reads, as DCP's load planning sees it: the box (offsets,
+    sizes) of each local tensor shard by flattened name, and the names of the other values."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, None, False)
+    boxes: dict[str, list[Box]] = {}
+    values: set[str] = set()
+    for fqn, value in planner.state_dict.items():
+        if isinstance(value, DTensor):
+            chunks = value.__create_chunk_list__()
+            boxes[fqn] = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+        elif isinstance(value, torch.Tensor):
+            boxes[fqn] = [((0,) * value.dim(), tuple(value.shape))]
+        else:
+            values.add(fqn)
+    return boxes, values
 
 
 # Raw DCP ----------------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from spotckpt.catalog import Catalog
+from spotckpt.catalog import Catalog, step_folder
 from spotckpt.config import Config, ConfigError, Settings
-from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats
+from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats, wanted_boxes
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.errors import (
     CheckpointAlreadyCommittedError,
@@ -38,6 +38,13 @@ from spotckpt.errors import (
     NoCheckpointError,
     SaveFailedError,
     UnknownFormatError,
+)
+from spotckpt.format.index import (
+    INDEXED_FORMAT,
+    Root,
+    manifest_format,
+    parse_root,
+    partial_manifest,
 )
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
@@ -726,9 +733,19 @@ class CheckpointManager:
 
     def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
         data = self.collective.run_on_coordinator(lambda: self.catalog.manifest_bytes(step))
-        manifest = Manifest.from_json(data, expected_step=step)
+        if manifest_format(data) == INDEXED_FORMAT:
+            manifest = self._partial_manifest(state, parse_root(data, step))
+        else:
+            manifest = Manifest.from_json(data, expected_step=step)
         stats = self._load(state, manifest, self.store, strict)
         self.last_restore_sources = {"local": 0, "peer": 0, "store": stats.bytes_read}
+
+    def _partial_manifest(self, state: TrainState | Mapping[str, Any], root: Root) -> Manifest:
+        """What this rank's shards need of an indexed checkpoint: the root plus their parts."""
+        with self._restoring(state, root.step, root.world_size):
+            plain = _plain(as_dcp_state(state))
+        boxes, values = wanted_boxes(plain)
+        return partial_manifest(self.store, step_folder(root.step), root, boxes, values)
 
     def _load(
         self,
@@ -743,7 +760,7 @@ class CheckpointManager:
         started = time.monotonic()
         loaded = as_dcp_state(state)
         try:
-            with self._restoring(state, manifest):
+            with self._restoring(state, manifest.step, manifest.world_size):
                 dcp.load(
                     loaded,
                     storage_reader=reader,
@@ -768,11 +785,11 @@ class CheckpointManager:
         return self.last_read_stats
 
     def _restoring(
-        self, state: TrainState | Mapping[str, Any], manifest: Manifest
+        self, state: TrainState | Mapping[str, Any], step: int, saved_world: int
     ) -> contextlib.AbstractContextManager[None]:
         if not isinstance(state, TrainState):
             return contextlib.nullcontext()
-        return state.restoring(manifest.step, manifest.world_size, self.rank, self.world_size)
+        return state.restoring(step, saved_world, self.rank, self.world_size)
 
     @staticmethod
     def _planner(strict: bool) -> CheckedLoadPlanner:
@@ -785,7 +802,7 @@ class CheckpointManager:
         tier = cast(FastTier, self.tier)
 
         def needs(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
-            with self._restoring(state, manifest):
+            with self._restoring(state, manifest.step, manifest.world_size):
                 plan = _local_plan(as_dcp_state(state), manifest, self._planner(strict))
             return ObjectStoreReader(tier.store, manifest).byte_ranges(plan)
 
@@ -869,9 +886,13 @@ def _local_plan(
 ) -> LoadPlan:
     """This rank's load plan of `manifest`, as DCP's own local planning makes it."""
     metadata, _ = manifest.to_dcp()
-    plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-    planner.set_up_planner(plain, metadata, False)
+    planner.set_up_planner(_plain(state_dict), metadata, False)
     return planner.create_local_plan()
+
+
+def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The dict DCP plans a load of: each Stateful replaced by its state_dict()."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def _size(writer: ObjectStoreWriter) -> int | None:

@@ -112,7 +112,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Serialise to UTF-8 JSON; ValueError if `user_metadata` is beyond what `from_json` reads
-        (nested too deep, or a number of too many digits)."""
+        (nested too deep, or a number of too many digits). An indexed manifest (read from a
+        ``spotckpt/2`` root and its parts) is written by its writer only, never re-encoded."""
+        if self.format != FORMAT_VERSION:
+            raise ManifestError(f"a {self.format} manifest is not re-encoded as one document")
         metadata = json.dumps({"user_metadata": self.user_metadata}).encode()
         bounded_json.check_bounds(metadata, "user_metadata")
         document = {
@@ -260,7 +263,7 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     }
     _check_tilings(tensors)
     values = {
-        fqn: _parse_location(entry, objects, block_size, f"value {fqn!r}")
+        fqn: parse_location(entry, objects, block_size, f"value {fqn!r}")
         for fqn, entry in values_json.items()
     }
     planner_data = document.get("planner_data", {})
@@ -311,9 +314,10 @@ def _parse_objects(entries: list[Any], world_size: int) -> dict[str, ObjectRecor
     return objects
 
 
-def _parse_location(
+def parse_location(
     entry: Any, objects: dict[str, ObjectRecord], block_size: int, where: str
 ) -> ChunkLocation:
+    """A chunk's or value's location, checked against its object (ManifestError)."""
     if not isinstance(entry, dict):
         raise _fail(f"{where}: location must be a JSON object")
     key = _get(entry, "key", str, where)  # safe once found: every object key was checked
@@ -379,7 +383,7 @@ def _parse_chunk(
             f"{where}: chunk at {list(offsets)} of size {list(sizes)} reaches outside shape "
             f"{list(shape)}"
         )
-    location = _parse_location(chunk, objects, block_size, where)
+    location = parse_location(chunk, objects, block_size, where)
     elements = math.prod(sizes)
     if location.length != elements * itemsize:
         raise _fail(
@@ -419,6 +423,20 @@ def _check_tilings(tensors: dict[str, TensorRecord]) -> None:
                 f"tensor {fqn!r}: chunks overlap (and so leave a gap) instead of tiling shape "
                 f"{list(shape)}"
             )
+
+
+def check_tiling(
+    fqn: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> None:
+    """ManifestError unless `boxes` (inside `shape`) tile it exactly: no overlap, no gap."""
+    if sum(math.prod(s) for _, s in boxes) != math.prod(shape):
+        raise _fail(f"tensor {fqn!r}: chunks do not hold as many elements as its shape")
+    full = [(o, s) for o, s in boxes if all(s)]
+    split = [d for d, extent in enumerate(shape) if any(o[d] or s[d] != extent for o, s in full)]
+    if len(full) << len(split) > MAX_TILING_CORNERS:
+        raise _fail(f"tensor {fqn!r}: too many chunks split along too many dimensions")
+    if split and not _tiles(shape, full, split):
+        raise _fail(f"tensor {fqn!r}: chunks overlap (and so leave a gap) instead of tiling it")
 
 
 def _tiles(

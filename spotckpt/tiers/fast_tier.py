@@ -207,7 +207,9 @@ class FastTier:
         """The DCP writer of a fast save of `step` (a stale copy of the step is removed first)."""
         if self.is_leader:
             self._remove_folder(step)
-        return TierWriter(self.store, step, prefix_spread=self.prefix_spread, **options)
+        return TierWriter(  # one manifest document: the tier shares and re-reads it whole
+            self.store, step, prefix_spread=self.prefix_spread, index_parts=False, **options
+        )
 
     def complete(
         self, step: int, writer: TierWriter, collective: Collective

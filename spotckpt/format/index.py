@@ -1,0 +1,623 @@
+"""The indexed manifest (``spotckpt/2``): a small root that commits, per-rank index parts.
+
+With one JSON document holding every chunk of every tensor, a job of thousands of ranks makes a
+manifest of hundreds of MB that every restoring rank reads and parses whole. The indexed form
+splits it:
+
+- **Index parts** ``a-<attempt>/index-r<rank>.json``, one per rank that wrote data, written by
+  that rank next to its object: its object's size and CRC32C, and the location (offset, length,
+  block CRC32Cs) of each chunk and value it wrote.
+- **The root** ``manifest.json``, still the single create-only commit point, written last by the
+  coordinator: the parts (key, size, CRC32C, rank), and per tensor its dtype, shape, how its
+  chunks tile it and which rank wrote each. The tiling is a grid (per dimension the chunk
+  boundaries, ``{"every": s}`` for the even splits DTensor's ``Shard`` makes) or, for anything
+  else, the explicit list of chunks. Writers are runs ``[first, count, stride]`` over the
+  chunks in row-major grid order: FSDP's "chunk i by rank i" is one run.
+
+A restoring rank reads the root, works out from its own shards' boxes which chunks it needs and
+so which parts (`partial_manifest`), and reads only those; tools that need everything
+(verify, gc, export) read every part (`full_manifest`). Both give a `Manifest`, the same
+structure as a ``spotckpt/1`` manifest (which stays readable as before). Every part is checked
+against the root's size and CRC32C before it is parsed, and then like a manifest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from spotckpt.checksum import crc32c
+from spotckpt.errors import CorruptCheckpointError, ManifestError, UnknownFormatError
+from spotckpt.format import bounded_json
+from spotckpt.format.dtypes import BY_NAME
+from spotckpt.format.manifest import (
+    FORMAT_VERSION,
+    MAX_DIMS,
+    MAX_INT,
+    MAX_MANIFEST_BYTES,
+    ChunkLocation,
+    Manifest,
+    ObjectRecord,
+    TensorChunk,
+    TensorRecord,
+    check_tiling,
+    parse_location,
+)
+from spotckpt.storage.base import InvalidKeyError, ObjectStore, check_key
+
+INDEXED_FORMAT = "spotckpt/2"
+PART_FORMAT = "spotckpt-index/1"
+MAX_PART_BYTES = 256 << 20
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A chunk or shard: (offsets, sizes)."""
+
+
+def manifest_format(data: bytes) -> str | None:
+    """The ``format`` a manifest declares, read from its first bytes (None if not found)."""
+    head = data[:256].decode("utf-8", "replace")
+    marker = '"format":"'
+    at = head.find(marker)
+    if at < 0:
+        return None
+    end = head.find('"', at + len(marker))
+    return head[at + len(marker) : end] if end > 0 else None
+
+
+# The tiling of one tensor -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Chunk boundaries along one dimension: explicit starts, or every `every` elements."""
+
+    extent: int
+    starts: tuple[int, ...] = ()
+    every: int = 0
+
+    @property
+    def count(self) -> int:
+        """Number of intervals."""
+        if self.every:
+            return max(1, -(-self.extent // self.every))
+        return len(self.starts)
+
+    def start(self, i: int) -> int:
+        """Start of interval `i`."""
+        return i * self.every if self.every else self.starts[i]
+
+    def length(self, i: int) -> int:
+        """Length of interval `i`."""
+        end = self.start(i + 1) if i + 1 < self.count else self.extent
+        return end - self.start(i)
+
+    def overlapping(self, begin: int, size: int) -> range:
+        """Indices of the intervals that overlap ``[begin, begin + size)``."""
+        if size <= 0:
+            return range(0)
+        last = begin + size - 1
+        if self.every:
+            return range(begin // self.every, min(self.count, last // self.every + 1))
+        return range(
+            bisect.bisect_right(self.starts, begin) - 1, bisect.bisect_right(self.starts, last)
+        )
+
+    def to_json(self) -> Any:
+        """``{"every": s}`` or the list of starts."""
+        return {"every": self.every} if self.every else list(self.starts)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Chunk writers: runs ``(first chunk, first rank, count, stride)`` in chunk order."""
+
+    runs: tuple[tuple[int, int, int, int], ...]
+
+    def rank(self, chunk: int) -> int:
+        """The rank that wrote chunk number `chunk`."""
+        at = bisect.bisect_right(self.runs, (chunk, MAX_INT)) - 1
+        begin, first, _count, stride = self.runs[at]
+        return first + (chunk - begin) * stride
+
+    @property
+    def total(self) -> int:
+        """Number of chunks covered."""
+        return sum(run[2] for run in self.runs)
+
+    def to_json(self) -> list[list[int]]:
+        """``[[first rank, count, stride], ...]``."""
+        return [[first, count, stride] for _begin, first, count, stride in self.runs]
+
+    @classmethod
+    def of(cls, ranks: Iterable[int]) -> Runs:
+        """Run-length encode a sequence of writer ranks."""
+        runs: list[list[int]] = []
+        for chunk, rank in enumerate(ranks):
+            if runs:
+                begin, first, count, stride = runs[-1]
+                if count == 1 or first + count * stride == rank:
+                    runs[-1] = [begin, first, count + 1, rank - first if count == 1 else stride]
+                    continue
+            runs.append([chunk, rank, 1, 0])
+        return cls(tuple((b, f, c, s) for b, f, c, s in runs))
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """One tensor in a root: dtype, shape, its chunks (a grid or a list) and their writers."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    writers: Runs
+    grid: tuple[Cuts, ...] | None = None
+    boxes: tuple[Box, ...] = ()
+
+    @property
+    def chunk_count(self) -> int:
+        """Number of chunks."""
+        return math.prod(c.count for c in self.grid) if self.grid is not None else len(self.boxes)
+
+    def chunk(self, number: int) -> Box:
+        """Chunk `number` (row-major over the grid)."""
+        if self.grid is None:
+            return self.boxes[number]
+        index = []
+        for cuts in reversed(self.grid):
+            number, i = divmod(number, cuts.count)
+            index.append(i)
+        index.reverse()
+        offsets = tuple(c.start(i) for c, i in zip(self.grid, index, strict=True))
+        return offsets, tuple(c.length(i) for c, i in zip(self.grid, index, strict=True))
+
+    def overlapping(self, box: Box) -> list[int]:
+        """Numbers of the chunks that overlap `box`."""
+        offsets, sizes = box
+        if self.grid is None:
+            return [
+                n
+                for n, (o, s) in enumerate(self.boxes)
+                if all(
+                    a < b + t and b < a + u for a, u, b, t in zip(o, s, offsets, sizes, strict=True)
+                )
+            ]
+        ranges = [c.overlapping(o, s) for c, o, s in zip(self.grid, offsets, sizes, strict=True)]
+        numbers = [0]
+        for cuts, indices in zip(self.grid, ranges, strict=True):
+            numbers = [n * cuts.count + i for n in numbers for i in indices]
+        return numbers
+
+
+def tiling_of(
+    shape: tuple[int, ...], boxes: list[Box]
+) -> tuple[tuple[Cuts, ...] | None, list[Box]]:
+    """The grid of `boxes` when they form one (with the boxes in row-major grid order), else
+    None and the boxes as given."""
+    starts = [sorted({o[d] for o, _ in boxes}) for d in range(len(shape))]
+    if math.prod(len(s) for s in starts) != len(boxes) or any(s[:1] != [0] for s in starts):
+        return None, boxes
+    cuts = tuple(_cuts(extent, s) for extent, s in zip(shape, starts, strict=True))
+    position = [{start: i for i, start in enumerate(s)} for s in starts]
+    ordered: list[Box | None] = [None] * len(boxes)
+    for offsets, sizes in boxes:
+        index = [position[d][o] for d, o in enumerate(offsets)]
+        if any(cuts[d].length(i) != sizes[d] for d, i in enumerate(index)):
+            return None, boxes
+        number = 0
+        for c, i in zip(cuts, index, strict=True):
+            number = number * c.count + i
+        ordered[number] = (offsets, sizes)
+    return cuts, [b for b in ordered if b is not None]
+
+
+def _cuts(extent: int, starts: list[int]) -> Cuts:
+    step = starts[1] if len(starts) > 1 else 0
+    if (
+        step
+        and all(s == i * step for i, s in enumerate(starts))
+        and len(starts) == -(-extent // step)
+    ):
+        return Cuts(extent, every=step)
+    return Cuts(extent, starts=tuple(starts))
+
+
+# Writing ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One rank's index part, as the root lists it."""
+
+    key: str
+    size: int
+    crc32c: int
+    rank: int
+
+
+def part_json(
+    step: int,
+    attempt: str,
+    rank: int,
+    record: ObjectRecord,
+    chunks: Mapping[str, list[tuple[tuple[int, ...], ChunkLocation]]],
+    values: Mapping[str, ChunkLocation],
+) -> bytes:
+    """One rank's index part: its object and where each of its chunks and values lies."""
+    document = {
+        "format": PART_FORMAT,
+        "step": step,
+        "attempt": attempt,
+        "rank": rank,
+        "object": {"key": record.key, "size": record.size, "crc32c": record.crc32c},
+        "chunks": {
+            fqn: [[list(o), c.offset, c.length, list(c.block_crc32c)] for o, c in entries]
+            for fqn, entries in chunks.items()
+        },
+        "values": {fqn: [v.offset, v.length, list(v.block_crc32c)] for fqn, v in values.items()},
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def root_json(
+    *,
+    step: int,
+    attempt: str,
+    created_at: str,
+    world_size: int,
+    block_size: int,
+    parts: list[PartRecord],
+    tensors: Mapping[str, IndexedTensor],
+    values: Mapping[str, int],
+    versions: Mapping[str, str],
+    planner_data: Mapping[str, list[str | int]],
+    user_metadata: Mapping[str, Any],
+) -> bytes:
+    """The root manifest (the commit point) of an indexed checkpoint."""
+    metadata = json.dumps({"user_metadata": user_metadata}).encode()
+    bounded_json.check_bounds(metadata, "user_metadata")
+    document = {
+        "format": INDEXED_FORMAT,
+        "step": step,
+        "attempt": attempt,
+        "created_at": created_at,
+        "world_size": world_size,
+        "versions": dict(versions),
+        "block_size": block_size,
+        "parts": [
+            {"key": p.key, "size": p.size, "crc32c": p.crc32c, "rank": p.rank} for p in parts
+        ],
+        "tensors": {fqn: _tensor_json(t) for fqn, t in tensors.items()},
+        "values": dict(values),
+        "planner_data": dict(planner_data),
+        "user_metadata": dict(user_metadata),
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def _tensor_json(tensor: IndexedTensor) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "dtype": tensor.dtype,
+        "shape": list(tensor.shape),
+        "writers": tensor.writers.to_json(),
+    }
+    if tensor.grid is not None:
+        entry["grid"] = [c.to_json() for c in tensor.grid]
+    else:
+        entry["chunks"] = [[list(o), list(s)] for o, s in tensor.boxes]
+    return entry
+
+
+# Reading ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Root:
+    """A parsed, checked root manifest."""
+
+    step: int
+    attempt: str
+    created_at: str
+    world_size: int
+    block_size: int
+    parts: dict[int, PartRecord]
+    tensors: dict[str, IndexedTensor]
+    values: dict[str, int]
+    versions: dict[str, str]
+    planner_data: dict[str, list[str | int]]
+    user_metadata: dict[str, Any]
+
+
+def _fail(message: str) -> ManifestError:
+    return ManifestError(message)
+
+
+def parse_root(data: bytes, expected_step: int | None = None) -> Root:
+    """Parse and check a ``spotckpt/2`` root; ManifestError names the first problem."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise _fail(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    try:
+        document = bounded_json.loads(data, "manifest")
+    except bounded_json.BoundedJSONError as error:
+        raise _fail(str(error)) from None
+    if not isinstance(document, dict):
+        raise _fail("manifest is not a JSON object")
+    if document.get("format") != INDEXED_FORMAT:
+        raise UnknownFormatError(
+            f"unknown manifest format {str(document.get('format'))[:40]!r}; this spotckpt reads "
+            f"{FORMAT_VERSION!r} and {INDEXED_FORMAT!r}"
+        )
+    try:
+        return _root(document, expected_step)
+    except InvalidKeyError as error:
+        raise _fail(f"manifest holds an unsafe object key: {error}") from None
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise _fail(f"manifest is malformed: {type(error).__name__}: {error}") from None
+
+
+def _count(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_INT:
+        raise _fail(f"manifest {what} must be a non-negative integer below 2**63")
+    return value
+
+
+def _root(document: dict[str, Any], expected_step: int | None) -> Root:
+    step = _count(document["step"], "step")
+    if expected_step is not None and step != expected_step:
+        raise _fail(f"manifest in the folder of step {expected_step} claims step {step}")
+    world_size = _count(document["world_size"], "world_size")
+    block_size = _count(document["block_size"], "block_size")
+    if world_size < 1 or not 0 < block_size <= 1 << 30:
+        raise _fail("manifest world_size or block_size out of range")
+    parts: dict[int, PartRecord] = {}
+    for entry in document["parts"]:
+        rank = _count(entry["rank"], "part rank")
+        key = check_key(entry["key"])
+        crc = _count(entry["crc32c"], "part crc32c")
+        if rank >= world_size or rank in parts or "/" not in key or crc >= 1 << 32:
+            raise _fail(f"manifest part {key!r}: bad rank, key or crc32c")
+        parts[rank] = PartRecord(key, _count(entry["size"], "part size"), crc, rank)
+    tensors = {
+        str(fqn): _tensor(str(fqn), entry, parts) for fqn, entry in document["tensors"].items()
+    }
+    values = {
+        str(fqn): _writer(rank, parts, f"value {fqn!r}") for fqn, rank in document["values"].items()
+    }
+    if tensors.keys() & values.keys():
+        raise _fail("manifest lists a name both as a tensor and as a value")
+    planner_data = document.get("planner_data", {})
+    user_metadata = document.get("user_metadata", {})
+    versions = document.get("versions", {})
+    if not all(isinstance(x, dict) for x in (planner_data, user_metadata, versions)):
+        raise _fail("manifest planner_data, user_metadata and versions must be JSON objects")
+    return Root(
+        step=step,
+        attempt=str(document["attempt"]),
+        created_at=str(document["created_at"]),
+        world_size=world_size,
+        block_size=block_size,
+        parts=parts,
+        tensors=tensors,
+        values=values,
+        versions={str(k): str(v) for k, v in versions.items()},
+        planner_data=planner_data,
+        user_metadata=user_metadata,
+    )
+
+
+def _writer(rank: Any, parts: dict[int, PartRecord], where: str) -> int:
+    if type(rank) is not int or rank not in parts:
+        raise _fail(f"{where}: written by rank {rank!r}, which has no index part")
+    return rank
+
+
+def _tensor(fqn: str, entry: dict[str, Any], parts: dict[int, PartRecord]) -> IndexedTensor:
+    where = f"tensor {fqn!r}"
+    dtype = str(entry["dtype"])
+    if dtype not in BY_NAME:
+        raise _fail(f"{where}: unknown dtype {dtype!r}")
+    shape = tuple(_count(d, f"{where} shape") for d in entry["shape"])
+    if len(shape) > MAX_DIMS or math.prod(shape) > MAX_INT:
+        raise _fail(f"{where}: shape {list(shape)} is too large")
+    runs = []
+    begin = 0
+    for first, count, stride in entry["writers"]:
+        first, count = _count(first, "writer"), _count(count, "writer count")
+        if type(stride) is not int or count < 1:
+            raise _fail(f"{where}: bad writer run")
+        for rank in (first, first + (count - 1) * stride):
+            _writer(rank, parts, where)
+        runs.append((begin, first, count, stride))
+        begin += count
+    writers = Runs(tuple(runs))
+    if "grid" in entry:
+        tensor = IndexedTensor(dtype, shape, writers, grid=_grid(entry["grid"], shape, where))
+    else:
+        boxes = tuple(_box(b, shape, where) for b in entry["chunks"])
+        check_tiling(fqn, shape, list(boxes))
+        tensor = IndexedTensor(dtype, shape, writers, boxes=boxes)
+    if writers.total != tensor.chunk_count:
+        raise _fail(f"{where}: {writers.total} writers for {tensor.chunk_count} chunks")
+    return tensor
+
+
+def _grid(entry: list[Any], shape: tuple[int, ...], where: str) -> tuple[Cuts, ...]:
+    if len(entry) != len(shape):
+        raise _fail(f"{where}: grid rank differs from the shape's")
+    cuts = []
+    for extent, spec in zip(shape, entry, strict=True):
+        if isinstance(spec, dict):
+            every = _count(spec["every"], f"{where} grid step")
+            if every < 1:
+                raise _fail(f"{where}: grid step must be at least 1")
+            cuts.append(Cuts(extent, every=every))
+            continue
+        starts = tuple(_count(s, f"{where} grid") for s in spec)
+        ascending = all(a < b for a, b in itertools.pairwise(starts))
+        if not starts or starts[0] != 0 or not ascending or starts[-1] >= max(extent, 1):
+            raise _fail(f"{where}: grid starts must rise from 0 within the shape")
+        cuts.append(Cuts(extent, starts=starts))
+    return tuple(cuts)
+
+
+def _box(entry: list[Any], shape: tuple[int, ...], where: str) -> Box:
+    offsets = tuple(_count(v, where) for v in entry[0])
+    sizes = tuple(_count(v, where) for v in entry[1])
+    if len(offsets) != len(shape) or len(sizes) != len(shape):
+        raise _fail(f"{where}: chunk rank differs from the shape's")
+    if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+        raise _fail(f"{where}: chunk reaches outside shape {list(shape)}")
+    return offsets, sizes
+
+
+# Parts --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Part:
+    record: ObjectRecord | None
+    chunks: dict[str, dict[tuple[int, ...], ChunkLocation]]
+    values: dict[str, ChunkLocation]
+
+
+def read_parts(
+    store: ObjectStore, folder: str, root: Root, ranks: Iterable[int], parallel: int = 16
+) -> dict[int, _Part]:
+    """Fetch, check (size, CRC32C, content) and parse the index parts of `ranks`."""
+    wanted = sorted(set(ranks))
+    with ThreadPoolExecutor(max(1, min(parallel, len(wanted)))) as pool:
+        parsed = pool.map(lambda r: _read_part(store, folder, root, r), wanted)
+        return dict(zip(wanted, parsed, strict=True))
+
+
+def _read_part(store: ObjectStore, folder: str, root: Root, rank: int) -> _Part:
+    record = root.parts[rank]
+    if record.size > MAX_PART_BYTES:
+        raise _fail(f"index part {record.key} is {record.size} bytes, more than allowed")
+    data = store.get_range(f"{folder}/{record.key}", 0, record.size)
+    if len(data) != record.size or crc32c(data) != record.crc32c:
+        raise CorruptCheckpointError(
+            f"index part {folder}/{record.key} does not match the manifest's size and CRC32C"
+        )
+    try:
+        return _parse_part(data, root, rank)
+    except InvalidKeyError as error:
+        raise _fail(f"index part of rank {rank} holds an unsafe key: {error}") from None
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise _fail(
+            f"index part of rank {rank} is malformed: {type(error).__name__}: {error}"
+        ) from None
+
+
+def _parse_part(data: bytes, root: Root, rank: int) -> _Part:
+    document = bounded_json.loads(data, f"index part of rank {rank}")
+    if (
+        document.get("format") != PART_FORMAT
+        or document.get("step") != root.step
+        or document.get("attempt") != root.attempt
+        or document.get("rank") != rank
+    ):
+        raise _fail(f"index part of rank {rank} does not belong to this manifest")
+    entry = document["object"]
+    key = check_key(entry["key"])
+    if key.partition("/")[0] != f"a-{root.attempt}" or "/" not in key:
+        raise _fail(f"index part of rank {rank}: object {key!r} is outside the attempt's folder")
+    crc = _count(entry["crc32c"], "object crc32c")
+    if crc >= 1 << 32:
+        raise _fail(f"index part of rank {rank}: crc32c is not a 32-bit value")
+    record = ObjectRecord(key=key, size=_count(entry["size"], "object size"), crc32c=crc, rank=rank)
+    objects = {key: record}
+
+    def location(offset: Any, length: Any, crcs: Any, where: str) -> ChunkLocation:
+        spec = {"key": key, "offset": offset, "length": length, "block_crc32c": crcs}
+        return parse_location(spec, objects, root.block_size, where)
+
+    chunks = {
+        str(fqn): {
+            tuple(_count(o, "chunk offset") for o in offsets): location(
+                off, n, crcs, f"tensor {fqn!r}"
+            )
+            for offsets, off, n, crcs in entries
+        }
+        for fqn, entries in document["chunks"].items()
+    }
+    values = {
+        str(fqn): location(off, n, crcs, f"value {fqn!r}")
+        for fqn, (off, n, crcs) in document["values"].items()
+    }
+    return _Part(record, chunks, values)
+
+
+# Manifests from a root ------------------------------------------------------------------------
+
+
+def full_manifest(store: ObjectStore, folder: str, root: Root) -> Manifest:
+    """Every chunk and value of the checkpoint, from every index part."""
+    everything = {fqn: list(range(t.chunk_count)) for fqn, t in root.tensors.items()}
+    return _manifest(store, folder, root, everything, set(root.values))
+
+
+def partial_manifest(
+    store: ObjectStore,
+    folder: str,
+    root: Root,
+    boxes: Mapping[str, list[Box]],
+    values: Iterable[str],
+) -> Manifest:
+    """The chunks overlapping `boxes` (by tensor name) and the named `values`; every tensor
+    and value of the root is listed (what is not wanted, with no chunks), so that key checks
+    see the whole checkpoint."""
+    wanted = {
+        fqn: sorted({n for box in boxes.get(fqn, ()) for n in tensor.overlapping(box)})
+        for fqn, tensor in root.tensors.items()
+    }
+    return _manifest(store, folder, root, wanted, set(values) & set(root.values))
+
+
+def _manifest(
+    store: ObjectStore,
+    folder: str,
+    root: Root,
+    wanted: dict[str, list[int]],
+    values: set[str],
+) -> Manifest:
+    ranks = {root.tensors[fqn].writers.rank(n) for fqn, numbers in wanted.items() for n in numbers}
+    ranks |= {root.values[fqn] for fqn in values}
+    parts = read_parts(store, folder, root, ranks)
+    tensors = {}
+    for fqn, numbers in wanted.items():
+        tensor = root.tensors[fqn]
+        chunks = []
+        for number in numbers:
+            offsets, sizes = tensor.chunk(number)
+            location = parts[tensor.writers.rank(number)].chunks.get(fqn, {}).get(offsets)
+            if location is None:
+                raise _fail(f"tensor {fqn!r}: no location for its chunk at {list(offsets)}")
+            if location.length != math.prod(sizes) * BY_NAME[tensor.dtype].itemsize:
+                raise _fail(f"tensor {fqn!r}: chunk at {list(offsets)} has the wrong length")
+            chunks.append(TensorChunk(offsets=offsets, sizes=sizes, location=location))
+        tensors[fqn] = TensorRecord(dtype=tensor.dtype, shape=tensor.shape, chunks=tuple(chunks))
+    found = {}
+    for fqn in values:
+        location = parts[root.values[fqn]].values.get(fqn)
+        if location is None:
+            raise _fail(f"value {fqn!r}: its writer's index part does not hold it")
+        found[fqn] = location
+    objects = {p.record.key: p.record for p in parts.values() if p.record is not None}
+    return Manifest(
+        step=root.step,
+        attempt=root.attempt,
+        world_size=root.world_size,
+        block_size=root.block_size,
+        objects=objects,
+        tensors=tensors,
+        values=found,
+        created_at=root.created_at,
+        versions=root.versions,
+        user_metadata=root.user_metadata,
+        planner_data=root.planner_data,
+        format=INDEXED_FORMAT,
+    )

@@ -1,0 +1,223 @@
+"""The indexed manifest (``spotckpt/2``): a small root, per-rank index parts, partial reads.
+
+Real saves use four gloo ranks with the threshold lowered to one rank; the read-cost tests build a
+64-rank checkpoint's metadata directly and count what a restoring rank fetches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_multirank import _equal, _load
+
+from spotckpt.catalog import Catalog, index_part_key, manifest_key, step_folder
+from spotckpt.checksum import crc32c
+from spotckpt.errors import CorruptCheckpointError, ManifestError
+from spotckpt.format.index import (
+    Cuts,
+    IndexedTensor,
+    PartRecord,
+    Runs,
+    full_manifest,
+    parse_root,
+    part_json,
+    partial_manifest,
+    root_json,
+    tiling_of,
+)
+from spotckpt.format.manifest import ChunkLocation, ObjectRecord
+from spotckpt.storage import open_store
+from spotckpt.storage.memory import MemoryStore
+
+from dist_worker import run_ranks
+
+OPTIONS = {"part_size": 5 << 20}
+
+
+@pytest.fixture(scope="module")
+def indexed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """An FSDP2 model + AdamW saved by 4 ranks with an indexed manifest, in a local folder."""
+    out = tmp_path_factory.mktemp("indexed")
+    uri = str(out / "bucket")
+    run_ranks(4, "fsdp_save", {"uri": uri, "out": str(out), "indexed": True})
+    return uri, out
+
+
+def test_root_is_small_and_each_rank_wrote_its_part(indexed_checkpoint: tuple[str, Path]) -> None:
+    uri, out = indexed_checkpoint
+    _equal(_load(out / "continued.pt"), _load(out / "resumed-continued.pt"))
+    store = open_store(uri)
+    root = parse_root(store.get(manifest_key(2)), 2)
+    assert sorted(root.parts) == [0, 1, 2, 3]
+    assert all(p.key == index_part_key(root.attempt, p.rank) for p in root.parts.values())
+    weight = root.tensors["model.0.weight"]
+    assert weight.grid is not None and weight.grid[0] == Cuts(1024, every=256)
+    assert weight.writers.to_json() == [[0, 4, 1]]  # chunk i by rank i: one run
+    whole = Catalog(store).read_manifest(2)  # tools read every part
+    assert len(whole.tensors["model.0.weight"].chunks) == 4 and len(whole.objects) == 4
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_indexed_checkpoint_restores_on_any_world_size(
+    indexed_checkpoint: tuple[str, Path], world: int
+) -> None:
+    uri, out = indexed_checkpoint
+    run_ranks(world, "fsdp_restore", {"uri": uri, "out": str(out)})
+    _equal(_load(out / "saved.pt"), _load(out / f"restored-{world}.pt"))
+
+
+# 64 ranks' metadata, built directly --------------------------------------------------------
+
+
+class CountingStore(MemoryStore):
+    """A memory store that records the keys it serves."""
+
+    def __init__(self) -> None:
+        super().__init__("memory://counting")
+        self.reads: list[str] = []
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        self.reads.append(key)
+        return super().get_range(key, start, length)
+
+
+def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
+    """Metadata of `tensors` [ranks*8, 16] float32 tensors sharded by rows over `ranks`."""
+    store, step, attempt = CountingStore(), 5, "feed"
+    rows, itemsize = ranks * 8, 4
+    chunk_bytes = 8 * 16 * itemsize
+    parts = []
+    for rank in range(ranks):
+        key = f"a-{attempt}/r{rank:05d}-000.safetensors"
+        record = ObjectRecord(key=key, size=tensors * chunk_bytes, crc32c=0, rank=rank)
+        chunks = {
+            f"t{t}": [
+                (
+                    (rank * 8, 0),
+                    ChunkLocation(
+                        key=key, offset=t * chunk_bytes, length=chunk_bytes, block_crc32c=(0,)
+                    ),
+                )
+            ]
+            for t in range(tensors)
+        }
+        values = (
+            {"v": ChunkLocation(key=key, offset=0, length=4, block_crc32c=(0,))}
+            if rank == 0
+            else {}
+        )
+        data = part_json(step, attempt, rank, record, chunks, values)
+        part_key = index_part_key(attempt, rank)
+        store.put(f"{step_folder(step)}/{part_key}", data)
+        parts.append(PartRecord(part_key, len(data), crc32c(data), rank))
+    grid = (Cuts(rows, every=8), Cuts(16, starts=(0,)))
+    indexed = {
+        f"t{t}": IndexedTensor("float32", (rows, 16), Runs.of(range(ranks)), grid=grid)
+        for t in range(tensors)
+    }
+    root = root_json(
+        step=step,
+        attempt=attempt,
+        created_at="now",
+        world_size=ranks,
+        block_size=1 << 16,
+        parts=parts,
+        tensors=indexed,
+        values={"v": 0},
+        versions={},
+        planner_data={},
+        user_metadata={},
+    )
+    return store, root
+
+
+def test_a_restoring_rank_reads_the_root_and_only_the_parts_it_needs() -> None:
+    store, data = _fsdp_checkpoint(ranks=64, tensors=50)
+    root = parse_root(data, 5)
+    boxes = {f"t{t}": [((5 * 8, 0), (8, 16))] for t in range(50)}  # rank 5's shards
+    manifest = partial_manifest(store, step_folder(5), root, boxes, {"v"})
+    assert sorted(set(store.reads)) == sorted(
+        f"step-000000005/{index_part_key('feed', r)}"
+        for r in (0, 5)  # its own, and the value's
+    )
+    assert all(len(t.chunks) == 1 for t in manifest.tensors.values())
+    assert manifest.tensors["t3"].chunks[0].offsets == (40, 0)
+    # a shard straddling two ranks' rows (resharding) reads both of their parts
+    store.reads.clear()
+    partial_manifest(store, step_folder(5), root, {"t0": [((4, 0), (8, 16))]}, set())
+    assert sorted(set(store.reads))[-2:] == [
+        f"step-000000005/{index_part_key('feed', r)}" for r in (0, 1)
+    ]
+    assert len(data) < 20_000  # the root grows with tensors, not with ranks x tensors
+
+
+def test_a_part_that_does_not_match_the_root_is_refused() -> None:
+    store, data = _fsdp_checkpoint(ranks=4, tensors=3)
+    root = parse_root(data, 5)
+    key = f"step-000000005/{index_part_key('feed', 2)}"
+    part = bytearray(store.get(key))
+    part[-3] ^= 1
+    store.put(key, bytes(part))
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest"):
+        full_manifest(store, step_folder(5), root)
+
+
+def test_a_forged_part_with_a_matching_checksum_is_still_checked() -> None:
+    """An attacker who rewrites a part and the root's CRC of it cannot point outside the
+    attempt's folder or past the object's end."""
+    store, data = _fsdp_checkpoint(ranks=2, tensors=2)
+    document = json.loads(data)
+    key = f"step-000000005/{index_part_key('feed', 1)}"
+    for forge in (
+        lambda p: p["object"].update(key="a-feed/../../etc/passwd"),
+        lambda p: p["object"].update(key="a-other/r00001-000.safetensors"),
+        lambda p: p["chunks"]["t0"][0].__setitem__(1, 10**9),
+    ):
+        part: dict[str, Any] = json.loads(store.get(key))
+        forge(part)
+        forged = json.dumps(part).encode()
+        store.put(key, forged)
+        document["parts"][1].update(size=len(forged), crc32c=crc32c(forged))
+        root = parse_root(json.dumps(document).encode(), 5)
+        with pytest.raises(ManifestError):
+            full_manifest(store, step_folder(5), root)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["tensors"]["t0"].update(writers=[[0, 1, 0]]),  # fewer writers than chunks
+        lambda d: d["tensors"]["t0"].update(writers=[[7, 2, 1]]),  # a rank without a part
+        lambda d: d["tensors"]["t0"].update(grid=[[0, 8, 4], [0]]),  # starts not ascending
+        lambda d: d["tensors"]["t0"].update(grid=[{"every": 0}, [0]]),
+        lambda d: d["parts"][0].update(key="../x"),
+        lambda d: d.update(step=6),
+    ],
+)
+def test_forged_roots_are_refused(change: Any) -> None:
+    _store, data = _fsdp_checkpoint(ranks=2, tensors=1)
+    document = json.loads(data)
+    change(document)
+    with pytest.raises(ManifestError):
+        parse_root(json.dumps(document).encode(), 5)
+
+
+def test_grids_are_found_and_anything_else_is_kept_as_a_list() -> None:
+    even = [((r * 4, 0), (4, 8)) for r in range(4)]
+    grid, ordered = tiling_of((16, 8), list(reversed(even)))
+    assert grid == (Cuts(16, every=4), Cuts(8, starts=(0,))) and ordered == even
+    uneven = [((0, 0), (3, 8)), ((3, 0), (13, 8))]
+    grid, _ = tiling_of((16, 8), uneven)
+    assert grid == (Cuts(16, starts=(0, 3)), Cuts(8, starts=(0,)))
+    ragged = [((0, 0), (8, 4)), ((0, 4), (8, 4)), ((8, 0), (8, 8))]  # not a product of cuts
+    assert tiling_of((16, 8), ragged) == (None, ragged)
+
+
+def test_writer_runs_round_trip() -> None:
+    ranks = [0, 1, 2, 3, 8, 8, 8, 5, 3]
+    runs = Runs.of(ranks)
+    assert [runs.rank(i) for i in range(len(ranks))] == ranks
+    assert Runs.of(range(4096)).to_json() == [[0, 4096, 1]]
