@@ -1,0 +1,187 @@
+"""`SpotckptCallback` with the real `transformers.Trainer`: SIGTERM, exit 75, resume, bit for bit.
+
+Each run is a real child process (tests/hf_worker.py) training a tiny GPT-2 built from a config
+(nothing is downloaded), on CPU: 14 optimizer steps of 2 accumulated batches, 6 steps an epoch
+(the last one of a single batch), dropout on, saving every 3 steps. A run is SIGTERM'd at the end
+of step K, which it announces on stdout and then waits there for the signal; it must commit step
+K and exit with status 75; started again, it must finish with every parameter and optimizer
+tensor equal to an uninterrupted run's (which had no loader workers), byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager
+from spotckpt.integrations.transformers import TRAINER_STATE_KEY
+
+TESTS = Path(__file__).resolve().parent
+CHILD_TIMEOUT_S = 600
+
+
+def child_env() -> dict[str, str]:
+    """The environment without spotckpt settings (the URI is an argument) and offline for HF."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run(worker: str, uri: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Run a worker to its end; its stderr is kept in OUT.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".log"), "a") as log:
+        return subprocess.run(
+            [sys.executable, str(TESTS / worker), uri, str(out), *extra],
+            cwd=out,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+        )
+
+
+def run_preempted(
+    worker: str, uri: str, out: Path, step: int, *extra: str, group: bool = False
+) -> int:
+    """Run a worker with ``--stop-at step``, SIGTERM it once it says it got there; its status.
+
+    With `group`, the signal goes to its whole process group (data-loader workers included), as
+    torchrun, SLURM and Kubernetes deliver it.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(TESTS / worker), uri, str(out), "--stop-at", str(step), *extra]
+    with open(out.with_suffix(".log"), "a") as log:
+        child = subprocess.Popen(
+            command,
+            cwd=out,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=group,
+        )
+    watchdog = threading.Timer(CHILD_TIMEOUT_S, child.kill)
+    watchdog.start()
+    reached = False
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:  # ends when the child exits
+            if line.strip() == f"REACHED {step}":
+                reached = True
+                if group:
+                    os.killpg(child.pid, signal.SIGTERM)
+                else:
+                    child.send_signal(signal.SIGTERM)
+        status = child.wait()
+    finally:
+        watchdog.cancel()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert reached, f"the child never reached step {step}: {tail(out)}"
+    return status
+
+
+def tail(out: Path) -> str:
+    """The end of a worker's log, for assertion messages."""
+    return out.with_suffix(".log").read_text()[-3000:]
+
+
+def digest(out: Path) -> dict[str, Any]:
+    """What a worker that ran to its end wrote."""
+    result: dict[str, Any] = json.loads((out / "digest.json").read_text())
+    return result
+
+
+def committed_steps(uri: str) -> list[int]:
+    with CheckpointManager(uri, preemption=False) as manager:
+        return manager.steps()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    """An uninterrupted run: its checkpoint root and digest."""
+    out = tmp_path_factory.mktemp("hf") / "reference"
+    uri = str(out.parent / "reference-ckpt")
+    done = run("hf_worker.py", uri, out)
+    assert done.returncode == 0, tail(out)
+    return uri, digest(out)
+
+
+@pytest.mark.parametrize(
+    ("stop_at", "store", "workers"),
+    [(8, "s3", 2), (6, "local", 0)],
+    ids=["mid-epoch-on-s3-group-signal-2-loader-workers", "at-an-epoch-boundary-local"],
+)
+def test_sigterm_exit_75_and_bit_identical_resume(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    reference: tuple[str, dict[str, Any]],
+    stop_at: int,
+    store: str,
+    workers: int,
+) -> None:
+    uri = request.getfixturevalue("s3_uri") if store == "s3" else str(tmp_path / "ckpt")
+    out, loader = tmp_path / "spot", ("--workers", str(workers))
+    status = run_preempted("hf_worker.py", uri, out, stop_at, *loader, group=workers > 0)
+    assert status == PREEMPTED_EXIT_CODE, tail(out)
+    assert "Traceback" not in tail(out), tail(out)
+    steps = committed_steps(uri)
+    assert steps[-1] == stop_at, steps  # the emergency save is of the step it was stopped at
+    assert not (out / "digest.json").exists()  # it stopped: it did not train to the end
+    with CheckpointManager(uri, preemption=False) as manager:
+        trainer_state = manager.read_manifest(stop_at).user_metadata[TRAINER_STATE_KEY]
+    assert trainer_state["global_step"] == stop_at
+
+    resumed = run("hf_worker.py", uri, out, *loader)
+    assert resumed.returncode == 0, tail(out)
+    result, expected = digest(out), reference[1]
+    assert result["resumed_from"] == str(stop_at)
+    assert len(result["tensors"]) == len(expected["tensors"]) > 100
+    different = [
+        name for name, sha in expected["tensors"].items() if result["tensors"][name] != sha
+    ]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:5]}"
+    assert result["global_step"] == expected["global_step"] == 14
+    assert result["epoch"] == expected["epoch"]
+    assert result["log_steps"] == expected["log_steps"]  # the log history came back
+    assert committed_steps(uri)[-1] == 14  # the last step is saved
+    assert not list((out / "trainer").glob("spotckpt-resume-*")), "the resume folder stayed"
+
+
+def test_a_trainer_that_ignores_the_checkpoint_is_refused(
+    tmp_path: Path, reference: tuple[str, dict[str, Any]]
+) -> None:
+    """Training from scratch over a committed checkpoint would collide with it: an error."""
+    out = tmp_path / "fresh"
+    done = run("hf_worker.py", reference[0], out, "--no-resume")
+    assert done.returncode == 1
+    assert "holds checkpoint step 14, but this Trainer did not resume from it" in tail(out)
+    assert not (out / "digest.json").exists()
+
+
+def test_import_spotckpt_does_not_import_transformers() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import spotckpt, spotckpt.integrations
+        from spotckpt import CheckpointManager, TrainState
+        print(sorted(m for m in ("transformers", "accelerate") if m in sys.modules))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=child_env()
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
