@@ -314,6 +314,13 @@ def shield_workers(
 
 def dataloader_stateful(loader: Any) -> Stateful:
     """The Stateful for a data loader: its own (StatefulDataLoader) or its ResumableSampler's."""
+    base = getattr(loader, "base_dataloader", None)  # Accelerate's prepared loaders wrap one
+    if base is not None and not hasattr(base, "state_dict"):
+        raise InvalidTypeError(
+            f"{type(loader).__name__} wraps a plain DataLoader, which cannot be resumed: pass "
+            "dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True) to the "
+            "Accelerator"
+        )
     if isinstance(loader, DataLoader) and not hasattr(loader, "load_state_dict"):
         sampler = find_resumable_sampler(loader)
         if sampler is None:

@@ -41,3 +41,16 @@ def test_sigterm_exit_75_and_bit_identical_resume(
     assert len(result["tensors"]) == len(reference["tensors"]) == 16
     different = [n for n, sha in reference["tensors"].items() if result["tensors"][n] != sha]
     assert not different, f"{len(different)} tensors differ: {different}"
+
+
+def test_a_prepared_plain_loader_is_refused_naming_the_setting() -> None:
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from spotckpt import TrainState
+    from spotckpt.errors import InvalidTypeError
+
+    loader = Accelerator(cpu=True).prepare(DataLoader(list(range(8)), batch_size=2))
+    with pytest.raises(InvalidTypeError, match="use_stateful_dataloader=True"):
+        TrainState(model=torch.nn.Linear(1, 1), dataloader=loader)
