@@ -4,8 +4,12 @@ Starts an embedded S3 server (moto, on loopback) unless ``SPOTCKPT_URI`` names a
 `examples/train.py` as a child process, evicts it with SIGTERM at random steps several times the
 way a spot market would, restarts it after each eviction, runs the same training uninterrupted for
 reference, and prints what happened: steps lost per eviction, emergency-save and restore times,
-and whether the final parameters are identical; last, one goodput line read from the spot run's
-events, as ``spotckpt stats`` reads them.
+where each restore read its bytes from, and whether the final parameters are identical; last,
+one goodput line read from the spot run's events, as ``spotckpt stats`` reads them.
+
+The trainer keeps a fast tier (``--local-dir``) on its node's disk, a folder per node id under
+the demo's temporary folder. Every second replacement is a fresh node with an empty disk, which
+restores from the store; the others restart on the node they left and restore from its tier.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from spotckpt.cli import human_size
 from spotckpt.goodput import load_stats
 from spotckpt.storage import open_store
 
@@ -35,6 +40,7 @@ ROOT = Path(__file__).resolve().parent
 PREEMPTED = 75
 EMERGENCY = re.compile(r"emergency save of step (\d+) committed in ([\d.]+) s")
 RESTORED = re.compile(r"restored step (\d+) in ([\d.]+) s")
+SOURCES = re.compile(r"restore read: local (\d+) B, peer (\d+) B, store (\d+) B")
 START_TIMEOUT_S = 180.0  # from start to the eviction step, on a loaded 2-core machine
 EXIT_TIMEOUT_S = 60.0  # from SIGTERM to exit; a healthy trainer takes a second or two
 RUN_TIMEOUT_S = 600.0  # a whole uninterrupted run
@@ -47,11 +53,29 @@ class Eviction:
     at_step: int
     committed: int
     save_s: float
+    new_node: bool = False
     restore_s: float | None = None
+    tier_bytes: int | None = None
+    store_bytes: int | None = None
 
     @property
     def steps_lost(self) -> int:
         return self.at_step - self.committed
+
+    def restored(self, log_text: str) -> None:
+        """Record the restore the restarted trainer logged (its time and its byte sources)."""
+        if times := RESTORED.findall(log_text):
+            self.restore_s = float(times[-1][1])
+        if sources := SOURCES.findall(log_text):
+            local, peer, store = (int(n) for n in sources[-1])
+            self.tier_bytes, self.store_bytes = local + peer, store
+
+    @property
+    def source(self) -> str:
+        """``tier 1.2 MiB / store 0 B``: where the restore after this eviction read from."""
+        if self.tier_bytes is None or self.store_bytes is None:
+            return "-"
+        return f"tier {human_size(self.tier_bytes)} / store {human_size(self.store_bytes)}"
 
 
 def free_port() -> int:
@@ -109,7 +133,12 @@ def offline_environment() -> None:
 
 
 def train_command(args: argparse.Namespace, work: Path, name: str) -> list[str]:
+    """The trainer's command line for run `name`; its fast tier (if any) lives under `work`."""
     extra = ["--async-save"] if args.async_save else []
+    if args.local_every:
+        disks = work / f"{name}-disks"  # one folder per node id below it, as on real nodes
+        disks.mkdir(parents=True, exist_ok=True)
+        extra += ["--local-dir", str(disks / "{node}"), "--local-every", str(args.local_every)]
     return [
         sys.executable,
         str(ROOT / "train.py"),
@@ -140,8 +169,8 @@ class Trainers:
     def __init__(self) -> None:
         self.started: list[subprocess.Popen[bytes]] = []
 
-    def start(self, command: list[str], uri: str, log: Path) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "SPOTCKPT_URI": uri, "PYTHONUNBUFFERED": "1"}
+    def start(self, command: list[str], uri: str, log: Path, node: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "SPOTCKPT_URI": uri, "SPOTCKPT_NODE": node, "PYTHONUNBUFFERED": "1"}
         with open(log, "ab") as out:
             process = subprocess.Popen(
                 command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -161,9 +190,9 @@ class Trainers:
 TRAINERS = Trainers()
 
 
-def run(command: list[str], uri: str, log: Path) -> subprocess.Popen[bytes]:
-    """Start a trainer writing to `log` (killed with its workers when the driver ends)."""
-    return TRAINERS.start(command, uri, log)
+def run(command: list[str], uri: str, log: Path, node: str = "node-1") -> subprocess.Popen[bytes]:
+    """Start a trainer on `node` writing to `log` (killed with its workers when the driver ends)."""
+    return TRAINERS.start(command, uri, log, node)
 
 
 class TrainerFailed(RuntimeError):
@@ -202,10 +231,11 @@ def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
     log, losses = work / "spot.log", work / "spot.losses"
     evictions: list[Eviction] = []
     command = train_command(args, work, "spot")
+    nodes = 1
     for number in range(args.evictions):
         target = last_step(losses) + rng.randint(3, max(4, args.steps // (args.evictions + 2)))
         before = log.read_text() if log.exists() else ""
-        status = evict_at(run(command, uri, log), losses, target, log)
+        status = evict_at(run(command, uri, log, f"node-{nodes}"), losses, target, log)
         text = log.read_text()[len(before) :]
         if status != PREEMPTED:
             raise TrainerFailed(
@@ -214,18 +244,24 @@ def spot_run(args: argparse.Namespace, uri: str, work: Path) -> list[Eviction]:
         saved = EMERGENCY.findall(text)
         if not saved:
             raise TrainerFailed(f"eviction {number + 1}: no emergency save was logged", log)
-        if evictions and (restored := RESTORED.findall(text)):
-            evictions[-1].restore_s = float(restored[-1][1])
-        evictions.append(Eviction(last_step(losses), int(saved[-1][0]), float(saved[-1][1])))
+        if evictions:
+            evictions[-1].restored(text)
+        new_node = (number + 1) % 2 == 0  # every second replacement is a fresh machine
+        if new_node:
+            nodes += 1
+        evictions.append(
+            Eviction(last_step(losses), int(saved[-1][0]), float(saved[-1][1]), new_node)
+        )
         print(
             f"eviction {number + 1}: SIGTERM at step {evictions[-1].at_step}, exit status {status}"
         )
     before = log.read_text()
-    status = wait_for(run(command, uri, log), log, "the final run", RUN_TIMEOUT_S)
+    final = run(command, uri, log, f"node-{nodes}")
+    status = wait_for(final, log, "the final run", RUN_TIMEOUT_S)
     if status != 0:
         raise TrainerFailed(f"the final run exited with status {status}", log)
-    if restored := RESTORED.findall(log.read_text()[len(before) :]):
-        evictions[-1].restore_s = float(restored[-1][1])
+    if evictions:
+        evictions[-1].restored(log.read_text()[len(before) :])
     return evictions
 
 
@@ -240,24 +276,35 @@ def goodput_line(uri: str) -> str:
 
 def report(evictions: list[Eviction], identical: bool) -> None:
     print()
-    print("| eviction | SIGTERM at step | committed step | steps lost | emergency save | restore |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| eviction | SIGTERM at step | committed step | steps lost | emergency save "
+        "| restarted on | restore | restored from |"
+    )
+    print("|---:|---:|---:|---:|---:|:---|---:|:---|")
     for i, e in enumerate(evictions, 1):
         restore = "-" if e.restore_s is None else f"{e.restore_s:.2f} s"
+        node = "new node" if e.new_node else "same node"
         print(
-            f"| {i} | {e.at_step} | {e.committed} | {e.steps_lost} | {e.save_s:.2f} s | {restore} |"
+            f"| {i} | {e.at_step} | {e.committed} | {e.steps_lost} | {e.save_s:.2f} s "
+            f"| {node} | {restore} | {e.source} |"
         )
     print()
     print(
         f"evictions: {len(evictions)}, steps lost in total: {sum(e.steps_lost for e in evictions)}"
     )
+    from_tier = sum(1 for e in evictions if e.tier_bytes and not e.store_bytes)
+    from_store = sum(1 for e in evictions if e.store_bytes and not e.tier_bytes)
+    print(f"restores from the fast tier: {from_tier}, from the store: {from_store}")
     print(f"final parameters identical to the uninterrupted run: {'yes' if identical else 'NO'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--save-every", type=int, default=25, help="durable save interval")
+    parser.add_argument(
+        "--local-every", type=int, default=5, help="fast-tier save interval (0: no fast tier)"
+    )
     parser.add_argument("--evictions", type=int, default=3)
     parser.add_argument("--step-delay", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=int(time.time()))

@@ -7,6 +7,13 @@ masking drawn in the worker processes is reproduced exactly after a resume.
 
     SPOTCKPT_URI=s3://bucket/runs/tiny python examples/train.py --steps 200
     SPOTCKPT_URI=/tmp/ckpt-ddp torchrun --standalone --nproc-per-node=2 examples/train.py
+    SPOTCKPT_URI=s3://bucket/runs/tiny python examples/train.py --save-every 25 \
+        --local-dir '/mnt/nvme/ckpt/{node}' --local-every 5
+
+With `--local-dir` (or ``SPOTCKPT_LOCAL_DIR``) the manager keeps a fast tier on the node's own
+disk: `--local-every` steps go there only, `--save-every` steps also go to the store, and a
+restart on the same node restores from it. After a restore rank 0 logs where the bytes came
+from (``restore read: local N B, peer N B, store N B``).
 
 Rank 0 logs the loss every `--log-every` steps (default 10). On SIGTERM (or a cloud eviction
 notice) it commits a checkpoint of the current step and exits with status 75
@@ -169,6 +176,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async-save", action="store_true", help="upload in the background")
     parser.add_argument(
+        "--local-dir", help="fast tier: a folder on each node ({node}: the node id)"
+    )
+    parser.add_argument(
+        "--local-every", type=int, default=None, help="fast-tier save interval (needs a local dir)"
+    )
+    parser.add_argument(
         "--log-every", type=int, default=10, help="log the loss every N steps on rank 0 (0: never)"
     )
     parser.add_argument("--loss-log", type=Path, help="append one JSON line per step here")
@@ -204,6 +217,16 @@ def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]
                 raw = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
                 moments.update(f"{index}.{key}".encode() + raw.tobytes())
     return {"params": params.hexdigest(), "optimizer": moments.hexdigest()}
+
+
+def log_restore_sources(sources: dict[str, int]) -> None:
+    """Where the restore's bytes came from (job-wide): the node's tier, peers, the store."""
+    log.info(
+        "restore read: local %d B, peer %d B, store %d B",
+        sources.get("local", 0),
+        sources.get("peer", 0),
+        sources.get("store", 0),
+    )
 
 
 def batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -245,12 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     manager = CheckpointManager.from_config(
-        interval_steps=args.save_every, async_save=args.async_save or None
+        interval_steps=args.save_every,
+        async_save=args.async_save or None,
+        local_dir=args.local_dir,
+        local_interval_steps=args.local_every,
     )
     restored = manager.restore(state)
     start = 1 if restored is None else restored + 1
     if rank == 0:
         log.info("starting at step %d (restored: %s)", start, restored)
+        if restored is not None:
+            log_restore_sources(manager.last_restore_sources)
 
     stream = batches(loader)
     for step in range(start, args.steps + 1):

@@ -130,7 +130,8 @@ def _closing_store(uri: str, options: dict[str, Any]) -> Iterator[ObjectStore]:
         store.close()
 
 
-def _human_size(size: float) -> str:
+def human_size(size: float) -> str:
+    """A byte count for people: ``0 B``, ``12.3 KiB``, ``1.5 MiB``."""
     units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
     index = 0
     while abs(size) >= 1024 and index < len(units) - 1:
@@ -471,7 +472,7 @@ def _ls_cells(row: dict[str, Any]) -> list[str]:
         text(row["step"]),
         row["status"],
         _when(row["created_at"]),
-        "-" if row["bytes"] is None else _human_size(row["bytes"]),
+        "-" if row["bytes"] is None else human_size(row["bytes"]),
         text(row["world_size"]),
         text(row["objects"]),
         text(attempt),
@@ -567,12 +568,12 @@ def _inspect_text(
         _table(
             ("RANK", "SIZE", "CRC32C", "OBJECT"),
             [
-                (str(o.rank), _human_size(o.size), f"{o.crc32c:08x}", o.key)
+                (str(o.rank), human_size(o.size), f"{o.crc32c:08x}", o.key)
                 for o in manifest.objects.values()
             ],
         ),
         "",
-        f"tensors: {shown}, {_human_size(sum(map(_tensor_bytes, tensors.values())))}",
+        f"tensors: {shown}, {human_size(sum(map(_tensor_bytes, tensors.values())))}",
         _table(
             ("NAME", "DTYPE", "SHAPE", "SHARDING"),
             [
@@ -594,7 +595,7 @@ def _inspect_header(store: ObjectStore, manifest: Manifest) -> list[str]:
         f"  attempt        {manifest.attempt}",
         f"  created        {_when(manifest.created_at)} UTC",
         f"  world size     {manifest.world_size}",
-        f"  size           {_human_size(manifest.total_bytes)} in {_plural(objects, 'object')}",
+        f"  size           {human_size(manifest.total_bytes)} in {_plural(objects, 'object')}",
         f"  versions       {versions}",
         f"  user metadata  {json.dumps(manifest.user_metadata, sort_keys=True)}",
     ]
@@ -638,7 +639,7 @@ def verify_command(
     elif report.ok:
         click.echo(
             f"step {chosen}: OK ({_plural(report.objects_checked, 'object')}, "
-            f"{_human_size(report.bytes_checked)} checked)"
+            f"{human_size(report.bytes_checked)} checked)"
         )
     else:
         click.echo(f"step {chosen}: {_plural(len(report.problems), 'problem')}")
@@ -696,7 +697,7 @@ def gc_command(
     for action in report.actions:
         verb = _gc_verb(action.kind, dry_run)
         details = (
-            f"{_plural(action.objects, 'object')}, {_human_size(action.bytes)}"
+            f"{_plural(action.objects, 'object')}, {human_size(action.bytes)}"
             if action.kind != "upload"
             else _human_age(action.age_s)
         )
@@ -705,7 +706,7 @@ def gc_command(
         click.echo(printable(f"{verb} {action.kind} {action.target} ({details})"))
     for kept in report.kept:
         click.echo(printable(f"kept {kept}"))
-    total = f"{_plural(report.objects_deleted, 'object')}, {_human_size(report.bytes_freed)}"
+    total = f"{_plural(report.objects_deleted, 'object')}, {human_size(report.bytes_freed)}"
     click.echo(
         f"{'would free' if dry_run else 'freed'} {total}" + (" (dry run)" if dry_run else "")
     )
@@ -812,7 +813,7 @@ def export_command(
         click.echo(printable(f"{dropped} is tied to {kept}: written once"))
     click.echo(
         f"step {chosen}: {report.tensors} tensors, {report.total_parameters:,} parameters, "
-        f"{_human_size(report.total_size)} in {_plural(len(report.files), 'file')}"
+        f"{human_size(report.total_size)} in {_plural(len(report.files), 'file')}"
     )
 
 

@@ -36,16 +36,27 @@ demo = _load_demo()
 
 
 @pytest.mark.parametrize(
-    ("save_every", "async_save", "store"),
-    [(1, False, "local"), (4, True, "s3")],
-    ids=["saving-every-step", "async-uploads-on-s3"],
+    ("save_every", "async_save", "store", "local_every"),
+    [(1, False, "local", 0), (4, True, "s3", 2)],
+    ids=["saving-every-step", "async-uploads-and-fast-tier-on-s3"],
 )
 def test_random_sigterms_lose_nothing(
-    request: pytest.FixtureRequest, tmp_path: Path, save_every: int, async_save: bool, store: str
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    save_every: int,
+    async_save: bool,
+    store: str,
+    local_every: int,
 ) -> None:
     base = str(tmp_path / "ck") if store == "local" else request.getfixturevalue("s3_uri")
     args = argparse.Namespace(
-        steps=24, save_every=save_every, evictions=2, step_delay=0.02, seed=7, async_save=async_save
+        steps=24,
+        save_every=save_every,
+        local_every=local_every,
+        evictions=2,
+        step_delay=0.02,
+        seed=7,
+        async_save=async_save,
     )
     evictions = demo.spot_run(args, f"{base}/spot", tmp_path)
     reference = demo.run(
@@ -60,6 +71,12 @@ def test_random_sigterms_lose_nothing(
         json.loads(line)["step"] for line in (tmp_path / "spot.losses").read_text().splitlines()
     ]
     assert sorted(set(steps)) == list(range(1, 25))
+    # The first restart stays on its node, the second lands on a fresh one (an empty disk).
+    assert [e.new_node for e in evictions] == [False, True]
+    assert all(e.store_bytes is not None and e.tier_bytes is not None for e in evictions)
+    sources = [(bool(e.tier_bytes), bool(e.store_bytes)) for e in evictions]
+    from_tier, from_store = (True, False), (False, True)
+    assert sources == ([from_tier, from_store] if local_every else [from_store, from_store])
 
 
 def test_torchrun_sigterm_both_ranks_save_the_same_step(tmp_path: Path) -> None:
@@ -169,3 +186,33 @@ def test_failed_demo_keeps_its_logs_and_leaves_no_process(tmp_path: Path) -> Non
         ["pgrep", "-f", kept.group(1)], capture_output=True, text=True
     ).stdout.split()
     assert leftovers == [], f"processes left behind: {leftovers}"
+
+
+def test_demo_shows_where_each_restore_came_from(tmp_path: Path) -> None:
+    """`make demo`'s table: a restart on the same node reads the fast tier, one on a fresh node
+    the store; nothing is lost and the parameters match the uninterrupted run."""
+    env = {**os.environ, "SPOTCKPT_URI": str(tmp_path / "ck"), "TMPDIR": str(tmp_path)}
+    command = [
+        sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "30", "--evictions", "2",
+        "--save-every", "25", "--local-every", "5", "--seed", "11",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header[-3:] == ["restarted on", "restore", "restored from"], table[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert [row[-3] for row in rows] == ["same node", "new node"], table
+    size = r"\d+(\.\d)? (B|KiB|MiB)"
+    assert re.fullmatch(rf"tier {size} / store 0 B", rows[0][-1]), table
+    assert re.fullmatch(rf"tier 0 B / store {size}", rows[1][-1]), table
+    assert not rows[0][-1].startswith("tier 0 B") and not rows[1][-1].endswith("store 0 B")
+    assert "restores from the fast tier: 1, from the store: 1" in done.stdout
+    assert "steps lost in total: 0" in done.stdout
+    assert "final parameters identical to the uninterrupted run: yes" in done.stdout

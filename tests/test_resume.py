@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,3 +86,33 @@ def test_killed_and_resumed_run_matches(
     for step, values in resumed.items():
         assert values == ref_losses[step], f"{label}: loss of step {step} differs"
     assert (tmp_path / "run.digest").read_text() == ref_digest, label
+
+
+def test_killed_run_resumes_from_the_fast_tier_past_the_durable_save(
+    reference: tuple[dict[int, set[str]], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Durable saves every 6 steps, fast-tier saves every 2: killed right after the fast save of
+    step 8, the restart on the same node resumes from the tier's step 8, not the store's 6."""
+    ref_losses, ref_digest = reference
+    monkeypatch.setenv("SPOTCKPT_NODE", "node-a")
+    (tmp_path / "disks").mkdir()
+    tier = [
+        "--save-every",
+        "6",
+        "--local-every",
+        "2",
+        "--local-dir",
+        str(tmp_path / "disks/{node}"),
+    ]
+    uri = str(tmp_path / "ckpt")
+    run_train(uri, tmp_path, "run", *tier, "--kill-after-commit", "8", expect=-signal.SIGKILL)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-000000006"]
+    resumed = run_train(uri, tmp_path, "run", *tier)
+    assert "starting at step 9 (restored: 8)" in resumed.stderr, resumed.stderr[-3000:]
+    read = re.search(r"restore read: local (\d+) B, peer (\d+) B, store (\d+) B", resumed.stderr)
+    assert read is not None and int(read[1]) > 0 and read.groups()[1:] == ("0", "0"), resumed.stderr
+    seen = losses(tmp_path / "run.losses")
+    assert sorted(seen) == list(range(1, STEPS + 1))
+    for step, values in seen.items():
+        assert values == ref_losses[step], f"loss of step {step} differs"
+    assert (tmp_path / "run.digest").read_text() == ref_digest
