@@ -341,11 +341,7 @@ class FastTier:
         (or raises). Returns the manifest to load from `store`, and the bytes moved between
         nodes (job-wide).
         """
-        report = self._inventory(not_older_than) if self.is_leader else None
-        reports = [r for r in collective.gather(report) if r is not None]
-        choice, reasons = choose_step(reports, not_older_than)
-        for reason in reasons:
-            log.warning("%s; trying older copies", reason)
+        choice, reports = self._choose(collective, not_older_than)
         if choice is None:
             return None
         data = collective.broadcast(
@@ -366,6 +362,44 @@ class FastTier:
             return None
         moved = self._gather_objects(choice, [w for _, w in shared], reports, collective)
         return (manifest, moved) if moved is not None else None
+
+    def _choose(
+        self, collective: Collective, not_older_than: int | None
+    ) -> tuple[Choice | None, list[NodeReport]]:
+        """The newest step whose surviving copies are intact, checked lazily: every node lists
+        what it holds (by size), and only the step chosen from that is read back for its CRC32Cs;
+        when that rules it out, the next candidate is checked, and so on."""
+        report = self._inventory(not_older_than) if self.is_leader else None
+        reports = [r for r in collective.gather(report) if r is not None]
+        checked: set[int] = set()
+        while True:
+            choice, reasons = choose_step(reports, not_older_than)
+            if choice is None or choice.step in checked:
+                break
+            mine = self._checked(report, choice.step) if report is not None else None
+            updates = {r.leader: r for r in collective.gather(mine) if r is not None}
+            reports = [updates.get(r.leader, r) for r in reports]
+            report = updates.get(self.rank, report)
+            checked.add(choice.step)
+        for reason in reasons:
+            log.warning("%s; trying older copies", reason)
+        return choice, reports
+
+    def _checked(self, report: NodeReport, step: int) -> NodeReport:
+        """`report` with its holdings of `step` narrowed to the objects whose CRC32C matches."""
+        steps = []
+        for held in report.steps:
+            if held.step == step:
+                intact = frozenset(
+                    k for k in held.held if self._intact(step, k, held.sizes[k], held.crcs[k])
+                )
+                for key in sorted(held.held - intact):
+                    log.warning(
+                        "fast-tier step %d: %s is corrupt on node %s", step, key, report.node
+                    )
+                held = dataclasses.replace(held, held=intact)
+            steps.append(held)
+        return dataclasses.replace(report, steps=tuple(steps))
 
     def _gather_objects(
         self,
@@ -410,7 +444,8 @@ class FastTier:
         return self.catalog.manifest_bytes(step)
 
     def _inventory(self, not_older_than: int | None) -> NodeReport:
-        """This node's tier steps (not older than `not_older_than`) and their intact objects."""
+        """This node's tier steps (not older than `not_older_than`) and the objects it holds
+        whole (by size; `_checked` reads them back for their CRC32Cs)."""
         steps = []
         for step in reversed(self.catalog.steps()):
             if not_older_than is not None and step < not_older_than:
@@ -434,22 +469,24 @@ class FastTier:
             return None
         expected = {k: (r.size, r.crc32c) for k, r in manifest.objects.items()}
         expected.update({p.key: (p.size, p.crc32c) for g in record.groups for p in g.parity})
-        held = frozenset(
-            k for k, (size, crc) in expected.items() if self._intact(step, k, size, crc)
-        )
-        for key in sorted(set(expected) - held):
-            log.debug("fast-tier step %d: %s is missing or corrupt on this node", step, key)
+        held = frozenset(k for k, (size, _) in expected.items() if self._whole(step, k, size))
         return HeldStep(
             step,
             hashlib.sha256(data).hexdigest(),
             {k: r.size for k, r in manifest.objects.items()},
             held,
             record,
+            {k: crc for k, (_, crc) in expected.items()},
+            {k: size for k, (size, _) in expected.items()},
         )
 
-    def _intact(self, step: int, key: str, size: int, expected: int) -> bool:
+    def _whole(self, step: int, key: str, size: int) -> bool:
         info = self.store.head(step_key(step, key))
-        if info is None or info.size != size:
+        return info is not None and info.size == size
+
+    def _intact(self, step: int, key: str, size: int, expected: int) -> bool:
+        """Whether the tier's `key` of `step` has `size` bytes whose CRC32C is `expected`."""
+        if not self._whole(step, key, size):
             return False
         crc = 0
         for piece in pieces_of(self.rank, key, size):

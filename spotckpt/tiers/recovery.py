@@ -1,8 +1,8 @@
 """Which fast-tier step the surviving copies can restore, and the jobs that bring each rank's
 objects to its node. Pure functions of what every node reported: all ranks compute the same.
 
-A node reports, per step of its tier, the manifest's digest and the objects it holds whose
-size and CRC32C it verified (corrupt and partial copies are left out there). A step is
+A node reports, per step of its tier, the manifest's digest and the objects it holds whole
+(corrupt copies are left out once the step is chosen and read back for its CRC32Cs). A step is
 recoverable when each of its objects is held by some node or, with erasure coding, when its
 group still has K intact pieces. The newest recoverable step not older than the newest durable
 one wins. Then every node gets the objects its ranks' load plans need and it lacks: a copy from
@@ -25,8 +25,10 @@ class HeldStep:
     step: int
     digest: str
     objects: dict[str, int]  # every data object of the step: key -> size
-    held: frozenset[str]  # verified data and parity keys on this node
+    held: frozenset[str]  # data and parity keys this node holds whole (CRC-checked once chosen)
     record: TierRecord
+    crcs: dict[str, int] = field(default_factory=dict)  # expected CRC32C of each key
+    sizes: dict[str, int] = field(default_factory=dict)  # expected size of each key
 
 
 @dataclass(frozen=True)
