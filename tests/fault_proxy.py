@@ -1,7 +1,9 @@
 """A fault-injecting HTTP proxy on loopback, in front of the moto S3 server.
 
 Each request is, with probability `rate`, answered with 500 or 503 SlowDown, or its connection
-is reset, before it reaches the server; all other requests are forwarded unchanged.
+is reset, before it reaches the server; all other requests are forwarded unchanged, unless the
+test asks to answer some itself (`answer`) or to change their path on the way (`rewrite`), as an
+S3-compatible server with other habits would.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ class FaultProxy:
         rate: float,
         seed: int = 0,
         lose_answer: Callable[[str, str], bool] | None = None,
+        answer: Callable[[str, str], tuple[int, bytes] | None] | None = None,
+        rewrite: Callable[[str, str], str] | None = None,
     ) -> None:
         """`lose_answer(method, path)`: forward such a request, then reset the connection
-        instead of answering (the request took effect; the client never hears so)."""
+        instead of answering (the request took effect; the client never hears so).
+        `answer(method, path)`: a (status, XML body) to send instead of forwarding, or None.
+        `rewrite(method, path)`: the path to forward instead of `path`."""
         target = urlsplit(upstream)
         self.host, self.port = target.hostname or "127.0.0.1", target.port or 80
         self.rate = rate
@@ -45,6 +51,8 @@ class FaultProxy:
         self.injected = {"500": 0, "503": 0, "reset": 0}
         self.forwarded = 0
         self.lose_answer = lose_answer
+        self.answer = answer
+        self.rewrite = rewrite
         self.lost: list[str] = []
         proxy = self
 
@@ -62,14 +70,14 @@ class FaultProxy:
                     self.close_connection = True
                     return
                 if fault in ("500", "503"):
-                    payload = INTERNAL if fault == "500" else SLOW_DOWN
-                    self.send_response(int(fault))
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    self._send_error(int(fault), INTERNAL if fault == "500" else SLOW_DOWN)
                     return
-                status, headers, data = proxy.forward(self.command, self.path, self.headers, body)
+                own = proxy.answer(self.command, self.path) if proxy.answer else None
+                if own is not None:
+                    self._send_error(*own)
+                    return
+                path = proxy.rewrite(self.command, self.path) if proxy.rewrite else self.path
+                status, headers, data = proxy.forward(self.command, path, self.headers, body)
                 if proxy.lose_answer is not None and proxy.lose_answer(self.command, self.path):
                     proxy.lost.append(f"{self.command} {self.path}")
                     self.connection.setsockopt(
@@ -88,6 +96,13 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+
+            def _send_error(self, status: int, payload: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 

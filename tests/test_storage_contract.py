@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage import (
     AlreadyExistsError,
     InvalidKeyError,
@@ -20,6 +21,7 @@ from spotckpt.storage import (
     ObjectStore,
     open_store,
 )
+from spotckpt.storage.base import roll_up
 
 from gcs_emulator import EMULATOR_IGNORES_PRECONDITIONS, gcs_endpoint, gcs_uri  # noqa: F401
 
@@ -182,6 +184,71 @@ def test_list_paginates_and_filters(store: ObjectStore) -> None:
     assert listed == sorted(k for k in keys if k.startswith("step-"))
     assert [i.size for i in store.list("step-001/")] == [len(b"step-001/obj")]
     assert sorted(i.key for i in store.list()) == sorted(keys)
+
+
+DELIMITED_KEYS = [
+    "step-000000001/manifest.json",
+    "step-000000001/tier.json",
+    "step-000000001/a-x/r0",
+    "step-000000001/a-x/r1",
+    "step-000000001/a-y/abc/r0",
+    "step-000000001/quarantined-1/manifest.json",
+    "step-000000002/a-z/r0",
+    "step-000000002/b-a-c",
+    "step-000000003/manifest.json",
+    "step-0001x/a-q/z",
+    "step-a-b",
+    "step-/a-x",
+    "other/a-file",
+]
+
+
+def test_list_delimited_rolls_up_like_s3(
+    store: ObjectStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    for key in DELIMITED_KEYS:
+        store.put(key, key.encode())
+    listing = store.list_delimited("step-", "/a-")
+    assert [(o.key, o.size) for o in listing.objects] == [
+        (key, len(key))
+        for key in [
+            "step-000000001/manifest.json",
+            "step-000000001/quarantined-1/manifest.json",
+            "step-000000001/tier.json",
+            "step-000000002/b-a-c",
+            "step-000000003/manifest.json",
+            "step-a-b",
+        ]
+    ]
+    assert listing.prefixes == [
+        "step-/a-",
+        "step-000000001/a-",
+        "step-000000002/a-",
+        "step-0001x/a-",
+    ]
+    slash = store.list_delimited("step-000000001/", "/")
+    assert [o.key for o in slash.objects] == [
+        "step-000000001/manifest.json",
+        "step-000000001/tier.json",
+    ]
+    assert slash.prefixes == [
+        "step-000000001/a-x/",
+        "step-000000001/a-y/",
+        "step-000000001/quarantined-1/",
+    ]
+    # the delimiter is looked for after the prefix only, never inside it
+    assert store.list_delimited("step-000000001/a-", "/").prefixes == [
+        "step-000000001/a-x/",
+        "step-000000001/a-y/",
+    ]
+    for prefix, delimiter in [("", "/"), ("", "/a-"), ("step-0", "-"), ("none-", "/")]:
+        expected = roll_up(store.list(prefix), prefix, delimiter)
+        found = store.list_delimited(prefix, delimiter)
+        assert [o.key for o in found.objects] == [o.key for o in expected.objects]
+        assert found.prefixes == expected.prefixes
+    with pytest.raises(InvalidArgumentError):
+        store.list_delimited("step-", "")
+    assert "does not list by the delimiter" not in caplog.text  # the server did the rolling up
 
 
 def test_delete_many(store: ObjectStore) -> None:

@@ -11,6 +11,7 @@ from spotckpt.catalog import manifest_key
 from spotckpt.checksum import crc32c
 from spotckpt.format.safetensors_io import block_crcs
 from spotckpt.storage import ObjectInfo, ObjectStore, ObjectWriter, UploadInfo
+from spotckpt.storage.base import Listing
 
 
 class InjectedFault(OSError):
@@ -82,6 +83,9 @@ class FailingStore:
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)
 
+    def list_delimited(self, prefix: str, delimiter: str) -> Listing:
+        return self.inner.list_delimited(prefix, delimiter)
+
     def delete_many(self, keys: Iterable[str]) -> None:
         self.inner.delete_many(keys)
 
@@ -93,6 +97,44 @@ class FailingStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+PAGE = 1000
+"""Entries per listing request (objects plus common prefixes), as S3 and GCS answer."""
+
+
+class CountingStore(FailingStore):
+    """A real store that counts the requests S3 would bill for what is asked of it.
+
+    A listing costs one request per `PAGE` entries it hands out (at least one), fetched as the
+    caller reads on, as S3's pages are; a delimited listing counts its objects and its common
+    prefixes; `delete_many` costs one request per `PAGE` keys. `deleted` keeps every key deleted.
+    """
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner, fail_after_bytes=1 << 62)
+        self.list_requests = 0
+        self.delete_requests = 0
+        self.deleted: list[str] = []
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self.list_requests += 1
+        for index, info in enumerate(self.inner.list(prefix)):
+            if index and index % PAGE == 0:
+                self.list_requests += 1
+            yield info
+
+    def list_delimited(self, prefix: str, delimiter: str) -> Listing:
+        listing = self.inner.list_delimited(prefix, delimiter)
+        entries = len(listing.objects) + len(listing.prefixes)
+        self.list_requests += max(1, -(-entries // PAGE))
+        return listing
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        batch = list(keys)
+        self.delete_requests += -(-len(batch) // PAGE)
+        self.deleted += batch
+        self.inner.delete_many(batch)
 
 
 class Exploit:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from spotckpt.storage.base import (
     AlreadyExistsError,
     InvalidKeyError,
+    Listing,
     ObjectInfo,
     ObjectNotFoundError,
     ObjectStore,
@@ -21,6 +22,7 @@ from spotckpt.storage.retry import RetryPolicy
 __all__ = [
     "AlreadyExistsError",
     "InvalidKeyError",
+    "Listing",
     "ObjectInfo",
     "ObjectNotFoundError",
     "ObjectStore",

@@ -32,12 +32,15 @@ from urllib.parse import unquote, urlsplit
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage.base import (
     AlreadyExistsError,
+    Listing,
     ObjectInfo,
     ObjectNotFoundError,
     StorageError,
     UploadInfo,
     WriterBase,
+    check_delimiter,
     check_key,
+    rolled_up,
 )
 
 log = logging.getLogger("spotckpt.storage")
@@ -183,6 +186,28 @@ def _write_error(action: str, where: str, error: OSError) -> StorageError:
     return StorageError(f"{action} {where} failed: {error.strerror} (errno {code})")
 
 
+class _Delimited:
+    """What one `LocalStore.list_delimited` has found so far."""
+
+    def __init__(self, prefix: str, delimiter: str) -> None:
+        self.prefix = prefix
+        self.delimiter = delimiter
+        self.objects: builtins.list[ObjectInfo] = []
+        self.prefixes: set[str] = set()
+
+    def add(self, info: ObjectInfo) -> None:
+        """An object under the prefix: listed, or rolled up into its common prefix."""
+        common = rolled_up(info.key, self.prefix, self.delimiter)
+        if common is None:
+            self.objects.append(info)
+        else:
+            self.prefixes.add(common)
+
+    def listing(self) -> Listing:
+        """Everything found, in key order."""
+        return Listing(sorted(self.objects, key=lambda info: info.key), sorted(self.prefixes))
+
+
 class LocalStore:
     """Objects are regular files under `root`; keys map to relative paths; links are not objects."""
 
@@ -280,48 +305,105 @@ class LocalStore:
         self._scan(root, "", prefix, found)
         return found
 
+    def _entries(
+        self, folder: int, at: str, prefix: str
+    ) -> builtins.list[tuple[str, str, os.stat_result]]:
+        """(name, key, stat) of each entry of the open `folder` (key prefix `at`) that is, or may
+        hold, a key under `prefix`; links are skipped with a warning."""
+        with os.scandir(folder) as scan:
+            entries = builtins.list(scan)
+        found = []
+        for entry in entries:
+            key = at + entry.name
+            if not (key.startswith(prefix) or prefix.startswith(f"{key}/")):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(info.st_mode):
+                self._skip_link(key)
+            else:
+                found.append((entry.name, key, info))
+        return found
+
+    def _open_child(self, folder: int, name: str, at: str) -> int | None:
+        """The folder `name` of the open `folder` (its keys start with `at`); None if it is gone
+        or a link (skipped with a warning)."""
+        try:
+            return _open_folder(folder, name, f"{self.uri}/{at}", create=False)
+        except SymlinkError:
+            self._skip_link(at.rstrip("/"))
+            return None
+        except OSError as error:
+            if error.errno in _ABSENT:
+                return None
+            raise
+
     def _scan(
         self, folder: int, at: str, prefix: str, found: builtins.list[tuple[str, os.stat_result]]
     ) -> None:
         """Add the files of the open `folder` (key prefix `at`) to `found`; closes `folder`."""
         try:
-            with os.scandir(folder) as scan:
-                entries = builtins.list(scan)
-            for entry in entries:
-                key = at + entry.name
-                if not (key.startswith(prefix) or prefix.startswith(f"{key}/")):
-                    continue
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISLNK(info.st_mode):
-                    self._skip_link(key)
-                elif stat.S_ISREG(info.st_mode) and key.startswith(prefix):
+            for name, key, info in self._entries(folder, at, prefix):
+                if stat.S_ISREG(info.st_mode) and key.startswith(prefix):
                     found.append((key, info))
                 elif stat.S_ISDIR(info.st_mode):
-                    self._scan_child(folder, entry.name, f"{key}/", prefix, found)
+                    child = self._open_child(folder, name, f"{key}/")
+                    if child is not None:
+                        self._scan(child, f"{key}/", prefix, found)
         finally:
             os.close(folder)
 
-    def _scan_child(
-        self,
-        folder: int,
-        name: str,
-        at: str,
-        prefix: str,
-        found: builtins.list[tuple[str, os.stat_result]],
+    def _scan_delimited(
+        self, folder: int, at: str, prefix: str, delimiter: str, found: _Delimited
     ) -> None:
+        """Add the objects and common prefixes of the open `folder` (key prefix `at`) to
+        `found`, opening a folder whose keys all roll up into one prefix only as far as its first
+        object, and not at all once that prefix is known; closes `folder`."""
         try:
-            child = _open_folder(folder, name, f"{self.uri}/{at}", create=False)
-        except SymlinkError:
-            self._skip_link(at.rstrip("/"))
-            return
-        except OSError as error:
-            if error.errno in _ABSENT:
-                return
-            raise
-        self._scan(child, at, prefix, found)
+            for name, key, info in self._entries(folder, at, prefix):
+                if stat.S_ISREG(info.st_mode):
+                    if key.startswith(prefix) and not name.startswith(TEMP_MARKER):
+                        found.add(ObjectInfo(key, info.st_size, _mtime(info)))
+                    continue
+                if not stat.S_ISDIR(info.st_mode):
+                    continue
+                below = f"{key}/"
+                common = rolled_up(below, prefix, delimiter)
+                if common in found.prefixes:
+                    continue
+                child = self._open_child(folder, name, below)
+                if child is None:
+                    continue
+                if common is None:
+                    self._scan_delimited(child, below, prefix, delimiter, found)
+                elif self._holds_object(child, below):
+                    found.prefixes.add(common)
+        finally:
+            os.close(folder)
+
+    def _holds_object(self, folder: int, at: str) -> bool:
+        """Whether the open `folder` (key prefix `at`) holds an object at any depth, reading no
+        further than the first one; closes `folder`."""
+        try:
+            below: builtins.list[str] = []
+            with os.scandir(folder) as scan:
+                for entry in scan:
+                    if entry.is_symlink():
+                        self._skip_link(at + entry.name)
+                    elif entry.is_file(follow_symlinks=False):
+                        if not entry.name.startswith(TEMP_MARKER):
+                            return True
+                    elif entry.is_dir(follow_symlinks=False):
+                        below.append(entry.name)
+            for name in below:
+                child = self._open_child(folder, name, f"{at}{name}/")
+                if child is not None and self._holds_object(child, f"{at}{name}/"):
+                    return True
+            return False
+        finally:
+            os.close(folder)
 
     def _skip_link(self, key: str) -> None:
         log.warning(
@@ -338,6 +420,21 @@ class LocalStore:
             if not key.rsplit("/", 1)[-1].startswith(TEMP_MARKER)
         ]
         yield from sorted(found, key=lambda info: info.key)
+
+    def list_delimited(self, prefix: str, delimiter: str) -> Listing:
+        """Walks only the folders that the delimiter leaves apart: a folder whose path already
+        holds `delimiter` after `prefix` is one common prefix, and is opened only as far as its
+        first object (links and temporary files are not objects, as in `list`)."""
+        check_delimiter(delimiter)
+        found = _Delimited(prefix, delimiter)
+        try:
+            root = os.open(self._root, _DIR_FLAGS)
+        except OSError as error:
+            if error.errno in _ABSENT:
+                return found.listing()
+            raise
+        self._scan_delimited(root, "", prefix, delimiter, found)
+        return found.listing()
 
     def delete_many(self, keys: Iterable[str]) -> None:
         for key in keys:

@@ -17,12 +17,15 @@ from urllib.parse import urlsplit
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage.base import (
     AlreadyExistsError,
+    Listing,
     ObjectInfo,
     ObjectNotFoundError,
     StorageError,
     UploadInfo,
     WriterBase,
+    check_delimiter,
     check_key,
+    roll_up,
 )
 
 _BUCKETS: dict[str, dict[str, tuple[bytes, datetime]]] = {}
@@ -115,6 +118,9 @@ class MemoryStore:
         for key, size, when in items:
             if key.startswith(prefix):
                 yield ObjectInfo(key, size, when)
+
+    def list_delimited(self, prefix: str, delimiter: str) -> Listing:
+        return roll_up(self.list(prefix), prefix, check_delimiter(delimiter))
 
     def delete_many(self, keys: Iterable[str]) -> None:
         keys = [check_key(k) for k in keys]
