@@ -110,6 +110,7 @@ class IndexedWrite:
 
     record: ObjectRecord
     part: PartRecord
+    location: ChunkLocation | None = None  # values only: their location goes in the root
 
 
 @dataclass(frozen=True)
@@ -254,22 +255,26 @@ class ObjectStoreWriter(StorageWriter):
     def _write_index_part(self, results: list[WriteResult]) -> list[WriteResult]:
         """Write this rank's index part; its results then name only the part and object."""
         chunks: dict[str, list[tuple[tuple[int, ...], ChunkLocation]]] = {}
-        values: dict[str, ChunkLocation] = {}
         record = results[0].storage_data.record
         for result in results:
-            location = result.storage_data.location
-            if result.index.offset is None:
-                values[result.index.fqn] = location
-            else:
+            if result.index.offset is not None:
                 chunks.setdefault(result.index.fqn, []).append(
-                    (tuple(result.index.offset), location)
+                    (tuple(result.index.offset), result.storage_data.location)
                 )
         attempt = self.attempt or "unknown"
-        data = part_json(self.step, attempt, self.rank, record, chunks, values)
+        data = part_json(self.step, attempt, self.rank, record, chunks)
         key = index_part_key(attempt, self.rank)
         self.store.put(step_key(self.step, key), data, create_only=True)
         written = IndexedWrite(record, PartRecord(key, len(data), crc32c(data), self.rank))
-        return [dataclasses.replace(result, storage_data=written) for result in results]
+        return [
+            dataclasses.replace(
+                result,
+                storage_data=written
+                if result.index.offset is not None
+                else dataclasses.replace(written, location=result.storage_data.location),
+            )
+            for result in results
+        ]
 
     def _spec(self, item: WriteItem, values: dict[MetadataIndex, memoryview]) -> TensorSpec:
         name = _item_name(item)
@@ -295,21 +300,23 @@ class ObjectStoreWriter(StorageWriter):
     ) -> tuple[Manifest, bytes]:
         """The root of an indexed manifest from DCP's metadata and who wrote what (linear in
         the number of chunks), and a summary Manifest (its objects, no tensors)."""
-        writer: dict[tuple[str, tuple[int, ...] | None], int] = {}
+        writer: dict[tuple[str, tuple[int, ...]], int] = {}
         parts: dict[int, PartRecord] = {}
         objects: dict[str, ObjectRecord] = {}
+        values: dict[str, tuple[ObjectRecord, ChunkLocation]] = {}
         for rank, rank_results in enumerate(results):
             for result in rank_results:
-                offset = result.index.offset
-                writer[(result.index.fqn, None if offset is None else tuple(offset))] = rank
+                offset, written = result.index.offset, result.storage_data
+                if offset is None:
+                    values[result.index.fqn] = (written.record, written.location)
+                else:
+                    writer[(result.index.fqn, tuple(offset))] = rank
             if rank_results:
                 written = rank_results[0].storage_data
                 parts[rank], objects[written.record.key] = written.part, written.record
         tensors: dict[str, IndexedTensor] = {}
-        values: dict[str, int] = {}
         for fqn, entry in metadata.state_dict_metadata.items():
             if not isinstance(entry, TensorStorageMetadata):
-                values[fqn] = writer[(fqn, None)]
                 continue
             shape = tuple(entry.size)
             boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]

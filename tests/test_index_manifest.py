@@ -104,12 +104,9 @@ def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
             ]
             for t in range(tensors)
         }
-        values = (
-            {"v": ChunkLocation(key=key, offset=0, length=4, block_crc32c=(0,))}
-            if rank == 0
-            else {}
-        )
-        data = part_json(step, attempt, rank, record, chunks, values)
+        if rank == 0:
+            value = (record, ChunkLocation(key=key, offset=0, length=4, block_crc32c=(0,)))
+        data = part_json(step, attempt, rank, record, chunks)
         part_key = index_part_key(attempt, rank)
         store.put(f"{step_folder(step)}/{part_key}", data)
         parts.append(PartRecord(part_key, len(data), crc32c(data), rank))
@@ -126,7 +123,7 @@ def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
         block_size=1 << 16,
         parts=parts,
         tensors=indexed,
-        values={"v": 0},
+        values={"v": value},
         versions={},
         planner_data={},
         user_metadata={},
@@ -139,16 +136,15 @@ def test_a_restoring_rank_reads_the_root_and_only_the_parts_it_needs() -> None:
     root = parse_root(data, 5)
     boxes = {f"t{t}": [((5 * 8, 0), (8, 16))] for t in range(50)}  # rank 5's shards
     manifest = partial_manifest(store, step_folder(5), root, boxes, {"v"})
-    assert sorted(set(store.reads)) == sorted(
-        f"step-000000005/{index_part_key('feed', r)}"
-        for r in (0, 5)  # its own, and the value's
-    )
+    # its own part only: the value's location is in the root
+    assert set(store.reads) == {f"step-000000005/{index_part_key('feed', 5)}"}
+    assert manifest.values["v"].length == 4
     assert all(len(t.chunks) == 1 for t in manifest.tensors.values())
     assert manifest.tensors["t3"].chunks[0].offsets == (40, 0)
     # a shard straddling two ranks' rows (resharding) reads both of their parts
     store.reads.clear()
     partial_manifest(store, step_folder(5), root, {"t0": [((4, 0), (8, 16))]}, set())
-    assert sorted(set(store.reads))[-2:] == [
+    assert sorted(set(store.reads)) == [
         f"step-000000005/{index_part_key('feed', r)}" for r in (0, 1)
     ]
     assert len(data) < 20_000  # the root grows with tensors, not with ranks x tensors

@@ -6,13 +6,14 @@ splits it:
 
 - **Index parts** ``a-<attempt>/index-r<rank>.json``, one per rank that wrote data, written by
   that rank next to its object: its object's size and CRC32C, and the location (offset, length,
-  block CRC32Cs) of each chunk and value it wrote.
+  block CRC32Cs) of each tensor chunk it wrote.
 - **The root** ``manifest.json``, still the single create-only commit point, written last by the
   coordinator: the parts (key, size, CRC32C, rank), and per tensor its dtype, shape, how its
   chunks tile it and which rank wrote each. The tiling is a grid (per dimension the chunk
   boundaries, ``{"every": s}`` for the even splits DTensor's ``Shard`` makes) or, for anything
   else, the explicit list of chunks. Writers are runs ``[first, count, stride]`` over the
-  chunks in row-major grid order: FSDP's "chunk i by rank i" is one run.
+  chunks in row-major grid order: FSDP's "chunk i by rank i" is one run. Non-tensor values
+  (few, small, loaded by every rank) keep their whole location in the root.
 
 A restoring rank reads the root, works out from its own shards' boxes which chunks it needs and
 so which parts (`partial_manifest`), and reads only those; tools that need everything
@@ -24,6 +25,7 @@ against the root's size and CRC32C before it is parsed, and then like a manifest
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import json
 import math
@@ -244,9 +246,8 @@ def part_json(
     rank: int,
     record: ObjectRecord,
     chunks: Mapping[str, list[tuple[tuple[int, ...], ChunkLocation]]],
-    values: Mapping[str, ChunkLocation],
 ) -> bytes:
-    """One rank's index part: its object and where each of its chunks and values lies."""
+    """One rank's index part: its object and where each of its tensor chunks lies."""
     document = {
         "format": PART_FORMAT,
         "step": step,
@@ -257,7 +258,6 @@ def part_json(
             fqn: [[list(o), c.offset, c.length, list(c.block_crc32c)] for o, c in entries]
             for fqn, entries in chunks.items()
         },
-        "values": {fqn: [v.offset, v.length, list(v.block_crc32c)] for fqn, v in values.items()},
     }
     return json.dumps(document, separators=(",", ":")).encode()
 
@@ -271,7 +271,7 @@ def root_json(
     block_size: int,
     parts: list[PartRecord],
     tensors: Mapping[str, IndexedTensor],
-    values: Mapping[str, int],
+    values: Mapping[str, tuple[ObjectRecord, ChunkLocation]],
     versions: Mapping[str, str],
     planner_data: Mapping[str, list[str | int]],
     user_metadata: Mapping[str, Any],
@@ -291,11 +291,25 @@ def root_json(
             {"key": p.key, "size": p.size, "crc32c": p.crc32c, "rank": p.rank} for p in parts
         ],
         "tensors": {fqn: _tensor_json(t) for fqn, t in tensors.items()},
-        "values": dict(values),
+        "values": {fqn: _value_json(record, v) for fqn, (record, v) in values.items()},
         "planner_data": dict(planner_data),
         "user_metadata": dict(user_metadata),
     }
     return json.dumps(document, separators=(",", ":")).encode()
+
+
+def _value_json(record: ObjectRecord, location: ChunkLocation) -> dict[str, Any]:
+    return {
+        "object": {
+            "key": record.key,
+            "size": record.size,
+            "crc32c": record.crc32c,
+            "rank": record.rank,
+        },
+        "offset": location.offset,
+        "length": location.length,
+        "block_crc32c": list(location.block_crc32c),
+    }
 
 
 def _tensor_json(tensor: IndexedTensor) -> dict[str, Any]:
@@ -325,7 +339,7 @@ class Root:
     block_size: int
     parts: dict[int, PartRecord]
     tensors: dict[str, IndexedTensor]
-    values: dict[str, int]
+    values: dict[str, tuple[ObjectRecord, ChunkLocation]]
     versions: dict[str, str]
     planner_data: dict[str, list[str | int]]
     user_metadata: dict[str, Any]
@@ -384,7 +398,8 @@ def _root(document: dict[str, Any], expected_step: int | None) -> Root:
         str(fqn): _tensor(str(fqn), entry, parts) for fqn, entry in document["tensors"].items()
     }
     values = {
-        str(fqn): _writer(rank, parts, f"value {fqn!r}") for fqn, rank in document["values"].items()
+        str(fqn): _value(str(fqn), entry, document["attempt"], world_size, block_size)
+        for fqn, entry in document["values"].items()
     }
     if tensors.keys() & values.keys():
         raise _fail("manifest lists a name both as a tensor and as a value")
@@ -406,6 +421,31 @@ def _root(document: dict[str, Any], expected_step: int | None) -> Root:
         planner_data=planner_data,
         user_metadata=user_metadata,
     )
+
+
+def _value(
+    fqn: str, entry: dict[str, Any], attempt: Any, world_size: int, block_size: int
+) -> tuple[ObjectRecord, ChunkLocation]:
+    """A value's object and location, held in the root itself (values are few and small, and
+    every rank loads them: no rank reads a part for them)."""
+    where = f"value {fqn!r}"
+    record = _object(entry["object"], attempt, where)
+    if record.rank >= world_size:
+        raise _fail(f"{where}: rank {record.rank} is not below the world_size of {world_size}")
+    spec = {k: entry[k] for k in ("offset", "length", "block_crc32c")}
+    spec["key"] = record.key
+    return record, parse_location(spec, {record.key: record}, block_size, where)
+
+
+def _object(entry: dict[str, Any], attempt: Any, where: str) -> ObjectRecord:
+    key = check_key(entry["key"])
+    if "/" not in key or key.partition("/")[0] != f"a-{attempt}":
+        raise _fail(f"{where}: object {key!r} is outside the attempt's folder")
+    crc = _count(entry["crc32c"], "object crc32c")
+    if crc >= 1 << 32:
+        raise _fail(f"{where}: crc32c is not a 32-bit value")
+    rank = _count(entry.get("rank", 0), "object rank")
+    return ObjectRecord(key=key, size=_count(entry["size"], "object size"), crc32c=crc, rank=rank)
 
 
 def _writer(rank: Any, parts: dict[int, PartRecord], where: str) -> int:
@@ -478,9 +518,8 @@ def _box(entry: list[Any], shape: tuple[int, ...], where: str) -> Box:
 
 @dataclass
 class _Part:
-    record: ObjectRecord | None
+    record: ObjectRecord
     chunks: dict[str, dict[tuple[int, ...], ChunkLocation]]
-    values: dict[str, ChunkLocation]
 
 
 def read_parts(
@@ -521,14 +560,10 @@ def _parse_part(data: bytes, root: Root, rank: int) -> _Part:
         or document.get("rank") != rank
     ):
         raise _fail(f"index part of rank {rank} does not belong to this manifest")
-    entry = document["object"]
-    key = check_key(entry["key"])
-    if key.partition("/")[0] != f"a-{root.attempt}" or "/" not in key:
-        raise _fail(f"index part of rank {rank}: object {key!r} is outside the attempt's folder")
-    crc = _count(entry["crc32c"], "object crc32c")
-    if crc >= 1 << 32:
-        raise _fail(f"index part of rank {rank}: crc32c is not a 32-bit value")
-    record = ObjectRecord(key=key, size=_count(entry["size"], "object size"), crc32c=crc, rank=rank)
+    record = dataclasses.replace(
+        _object(document["object"], root.attempt, f"index part of rank {rank}"), rank=rank
+    )
+    key = record.key
     objects = {key: record}
 
     def location(offset: Any, length: Any, crcs: Any, where: str) -> ChunkLocation:
@@ -544,11 +579,7 @@ def _parse_part(data: bytes, root: Root, rank: int) -> _Part:
         }
         for fqn, entries in document["chunks"].items()
     }
-    values = {
-        str(fqn): location(off, n, crcs, f"value {fqn!r}")
-        for fqn, (off, n, crcs) in document["values"].items()
-    }
-    return _Part(record, chunks, values)
+    return _Part(record, chunks)
 
 
 # Manifests from a root ------------------------------------------------------------------------
@@ -585,7 +616,6 @@ def _manifest(
     values: set[str],
 ) -> Manifest:
     ranks = {root.tensors[fqn].writers.rank(n) for fqn, numbers in wanted.items() for n in numbers}
-    ranks |= {root.values[fqn] for fqn in values}
     parts = read_parts(store, folder, root, ranks)
     tensors = {}
     for fqn, numbers in wanted.items():
@@ -600,13 +630,9 @@ def _manifest(
                 raise _fail(f"tensor {fqn!r}: chunk at {list(offsets)} has the wrong length")
             chunks.append(TensorChunk(offsets=offsets, sizes=sizes, location=location))
         tensors[fqn] = TensorRecord(dtype=tensor.dtype, shape=tensor.shape, chunks=tuple(chunks))
-    found = {}
-    for fqn in values:
-        location = parts[root.values[fqn]].values.get(fqn)
-        if location is None:
-            raise _fail(f"value {fqn!r}: its writer's index part does not hold it")
-        found[fqn] = location
-    objects = {p.record.key: p.record for p in parts.values() if p.record is not None}
+    found = {fqn: root.values[fqn][1] for fqn in values}
+    objects = {p.record.key: p.record for p in parts.values()}
+    objects.update({root.values[fqn][0].key: root.values[fqn][0] for fqn in values})
     return Manifest(
         step=root.step,
         attempt=root.attempt,
