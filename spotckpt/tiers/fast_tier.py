@@ -510,12 +510,10 @@ class FastTier:
         return read
 
     def _folders(self) -> list[int]:
-        steps = set()
-        for info in self.store.list(STEP_PREFIX):
-            step = parse_step_folder(info.key.partition("/")[0])
-            if step is not None:
-                steps.add(step)
-        return sorted(steps)
+        """Steps with a folder in this node's tier, committed or not (one folder listing)."""
+        listing = self.store.list_delimited(STEP_PREFIX, "/")
+        steps = (parse_step_folder(prefix.removesuffix("/")) for prefix in listing.prefixes)
+        return sorted(step for step in steps if step is not None)
 
     def _remove_folder(self, step: int) -> None:
         """Delete a tier step, manifest first (never half-visible)."""
