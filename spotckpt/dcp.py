@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -44,7 +45,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from spotckpt.catalog import (
@@ -207,7 +207,7 @@ class ObjectStoreWriter(StorageWriter):
         self.attempt = assignment.attempt
         results = self._write_object(plan.items, planner, assignment.key) if plan.items else []
         if assignment.indexed and results:
-            results = self._write_index_part(results)
+            results = self.write_index_part(results)
         if self.on_written is not None:
             self.on_written()
         future.set_result(results)
@@ -252,8 +252,9 @@ class ObjectStoreWriter(StorageWriter):
             for item, stored in zip(ordered, ranges, strict=True)
         ]
 
-    def _write_index_part(self, results: list[WriteResult]) -> list[WriteResult]:
-        """Write this rank's index part; its results then name only the part and object."""
+    def write_index_part(self, results: list[WriteResult]) -> list[WriteResult]:
+        """Write this rank's index part (indexed saves, in `write_data`); its results then name
+        only the part and the object, and values keep their location for the root."""
         chunks: dict[str, list[tuple[tuple[int, ...], ChunkLocation]]] = {}
         record = results[0].storage_data.record
         for result in results:
@@ -300,32 +301,24 @@ class ObjectStoreWriter(StorageWriter):
     ) -> tuple[Manifest, bytes]:
         """The root of an indexed manifest from DCP's metadata and who wrote what (linear in
         the number of chunks), and a summary Manifest (its objects, no tensors)."""
-        writer: dict[tuple[str, tuple[int, ...]], int] = {}
+        writer: dict[tuple[str, Any], int] = {}  # (name, offsets as torch.Size) -> rank
         parts: dict[int, PartRecord] = {}
         objects: dict[str, ObjectRecord] = {}
         values: dict[str, tuple[ObjectRecord, ChunkLocation]] = {}
         for rank, rank_results in enumerate(results):
             for result in rank_results:
-                offset, written = result.index.offset, result.storage_data
-                if offset is None:
-                    values[result.index.fqn] = (written.record, written.location)
+                index = result.index
+                if index.offset is None:
+                    values[index.fqn] = (result.storage_data.record, result.storage_data.location)
                 else:
-                    writer[(result.index.fqn, tuple(offset))] = rank
+                    writer[(index.fqn, index.offset)] = rank
             if rank_results:
                 written = rank_results[0].storage_data
                 parts[rank], objects[written.record.key] = written.part, written.record
         tensors: dict[str, IndexedTensor] = {}
         for fqn, entry in metadata.state_dict_metadata.items():
-            if not isinstance(entry, TensorStorageMetadata):
-                continue
-            shape = tuple(entry.size)
-            boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
-            grid, ordered = tiling_of(shape, boxes)
-            runs = Runs.of(writer[(fqn, offsets)] for offsets, _ in ordered)
-            dtype = dtype_of(entry.properties.dtype).name
-            tensors[fqn] = IndexedTensor(
-                dtype, shape, runs, grid=grid, boxes=() if grid is not None else tuple(ordered)
-            )
+            if isinstance(entry, TensorStorageMetadata):
+                tensors[fqn] = _indexed_tensor(fqn, entry, writer)
         summary = Manifest(
             step=self.step,
             attempt=self.attempt or "unknown",
@@ -777,6 +770,21 @@ def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
     return stream
 
 
+def _indexed_tensor(
+    fqn: str, entry: TensorStorageMetadata, writer: dict[tuple[str, Any], int]
+) -> IndexedTensor:
+    """One tensor of a root: its chunks' grid (or list) and who wrote each chunk."""
+    shape = tuple(entry.size)
+    offsets = [c.offsets for c in entry.chunks]
+    ranks = [writer[(fqn, o)] for o in offsets]
+    grid, order = tiling_of(shape, offsets, [c.sizes for c in entry.chunks])
+    dtype = dtype_of(entry.properties.dtype).name
+    if grid is None or order is None:
+        boxes = tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+        return IndexedTensor(dtype, shape, Runs.of(ranks), boxes=boxes)
+    return IndexedTensor(dtype, shape, Runs.of(np.asarray(ranks)[order]), grid=grid)
+
+
 def wanted_boxes(state_dict: dict[str, Any]) -> tuple[dict[str, list[Box]], set[str]]:
     """What loading `state_dict` reads, as DCP's load planning sees it: the box (offsets,
     sizes) of each local tensor shard by flattened name, and the names of the other values."""
@@ -785,7 +793,7 @@ def wanted_boxes(state_dict: dict[str, Any]) -> tuple[dict[str, list[Box]], set[
     boxes: dict[str, list[Box]] = {}
     values: set[str] = set()
     for fqn, value in planner.state_dict.items():
-        if isinstance(value, DTensor):
+        if hasattr(value, "__create_chunk_list__"):  # DTensor, or anything planned like it
             chunks = value.__create_chunk_list__()
             boxes[fqn] = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
         elif isinstance(value, torch.Tensor):

@@ -54,7 +54,7 @@ def test_root_is_small_and_each_rank_wrote_its_part(indexed_checkpoint: tuple[st
     assert sorted(root.parts) == [0, 1, 2, 3]
     assert all(p.key == index_part_key(root.attempt, p.rank) for p in root.parts.values())
     weight = root.tensors["model.0.weight"]
-    assert weight.grid is not None and weight.grid[0] == Cuts(1024, every=256)
+    assert weight.grid is not None and weight.grid[0] == Cuts(1024, every=256, intervals=4)
     assert weight.writers.to_json() == [[0, 4, 1]]  # chunk i by rank i: one run
     whole = Catalog(store).read_manifest(2)  # tools read every part
     assert len(whole.tensors["model.0.weight"].chunks) == 4 and len(whole.objects) == 4
@@ -110,7 +110,7 @@ def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
         part_key = index_part_key(attempt, rank)
         store.put(f"{step_folder(step)}/{part_key}", data)
         parts.append(PartRecord(part_key, len(data), crc32c(data), rank))
-    grid = (Cuts(rows, every=8), Cuts(16, starts=(0,)))
+    grid = (Cuts(rows, every=8, intervals=ranks), Cuts(16, starts=(0,)))
     indexed = {
         f"t{t}": IndexedTensor("float32", (rows, 16), Runs.of(range(ranks)), grid=grid)
         for t in range(tensors)
@@ -188,7 +188,8 @@ def test_a_forged_part_with_a_matching_checksum_is_still_checked() -> None:
         lambda d: d["tensors"]["t0"].update(writers=[[0, 1, 0]]),  # fewer writers than chunks
         lambda d: d["tensors"]["t0"].update(writers=[[7, 2, 1]]),  # a rank without a part
         lambda d: d["tensors"]["t0"].update(grid=[[0, 8, 4], [0]]),  # starts not ascending
-        lambda d: d["tensors"]["t0"].update(grid=[{"every": 0}, [0]]),
+        lambda d: d["tensors"]["t0"].update(grid=[{"every": 0, "count": 2}, [0]]),
+        lambda d: d["tensors"]["t0"].update(grid=[{"every": 8, "count": 9}, [0]]),  # 2 rise
         lambda d: d["parts"][0].update(key="../x"),
         lambda d: d.update(step=6),
     ],
@@ -201,15 +202,35 @@ def test_forged_roots_are_refused(change: Any) -> None:
         parse_root(json.dumps(document).encode(), 5)
 
 
+def _tiling(shape: tuple[int, ...], boxes: list[Any]) -> tuple[Any, list[Any] | None]:
+    grid, order = tiling_of(shape, [o for o, _ in boxes], [s for _, s in boxes])
+    return grid, None if order is None else [boxes[i] for i in order]
+
+
 def test_grids_are_found_and_anything_else_is_kept_as_a_list() -> None:
     even = [((r * 4, 0), (4, 8)) for r in range(4)]
-    grid, ordered = tiling_of((16, 8), list(reversed(even)))
-    assert grid == (Cuts(16, every=4), Cuts(8, starts=(0,))) and ordered == even
+    grid, ordered = _tiling((16, 8), list(reversed(even)))
+    assert grid == (Cuts(16, every=4, intervals=4), Cuts(8, starts=(0,))) and ordered == even
     uneven = [((0, 0), (3, 8)), ((3, 0), (13, 8))]
-    grid, _ = tiling_of((16, 8), uneven)
-    assert grid == (Cuts(16, starts=(0, 3)), Cuts(8, starts=(0,)))
+    grid, _ = _tiling((16, 8), uneven)
+    assert grid is not None and [grid[0].length(i) for i in range(grid[0].count)] == [3, 13]
+    three = [((0, 0), (3, 8)), ((3, 0), (10, 8)), ((13, 0), (3, 8))]
+    assert _tiling((16, 8), three)[0] == (Cuts(16, starts=(0, 3, 13)), Cuts(8, starts=(0,)))
     ragged = [((0, 0), (8, 4)), ((0, 4), (8, 4)), ((8, 0), (8, 8))]  # not a product of cuts
-    assert tiling_of((16, 8), ragged) == (None, ragged)
+    assert _tiling((16, 8), ragged) == (None, None)
+
+
+def test_even_splits_with_an_empty_trailing_shard_stay_compact() -> None:
+    """DTensor's Shard(0) of 11,008 rows over 512 ranks: 501 chunks of 22 rows or fewer, then
+    empty shards at row 11,008 (deduplicated by DCP to one chunk)."""
+    boxes = [((min(i * 22, 11008), 0), (min(22, max(0, 11008 - i * 22)), 4)) for i in range(502)]
+    grid, ordered = _tiling((11008, 4), boxes)
+    assert grid is not None and grid[0].to_json() == {"every": 22, "count": 502}
+    tensor = IndexedTensor("float32", (11008, 4), Runs.of(range(502)), grid=grid)
+    assert [tensor.chunk(n) for n in range(502)] == ordered == boxes
+    assert tensor.overlapping(((10990, 0), (30, 4))) == [499, 500]
+    assert tensor.overlapping(((11008, 0), (0, 4))) == [501]  # the empty one, as DCP asks
+    assert tensor.overlapping(((5, 0), (0, 4))) == []
 
 
 def test_writer_runs_round_trip() -> None:

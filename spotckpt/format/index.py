@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from spotckpt.checksum import crc32c
 from spotckpt.errors import CorruptCheckpointError, ManifestError, UnknownFormatError
 from spotckpt.format import bounded_json
@@ -76,27 +78,36 @@ def manifest_format(data: bytes) -> str | None:
 
 @dataclass(frozen=True)
 class Cuts:
-    """Chunk boundaries along one dimension: explicit starts, or every `every` elements."""
+    """Chunk boundaries along one dimension: explicit starts, or ``min(i * every, extent)`` for
+    ``i < count`` (DTensor's even splits; a trailing empty shard starts at the extent)."""
 
     extent: int
     starts: tuple[int, ...] = ()
     every: int = 0
+    intervals: int = 0  # with `every`
 
     @property
     def count(self) -> int:
         """Number of intervals."""
-        if self.every:
-            return max(1, -(-self.extent // self.every))
-        return len(self.starts)
+        return self.intervals if self.every else len(self.starts)
 
     def start(self, i: int) -> int:
         """Start of interval `i`."""
-        return i * self.every if self.every else self.starts[i]
+        return min(i * self.every, self.extent) if self.every else self.starts[i]
 
     def length(self, i: int) -> int:
         """Length of interval `i`."""
         end = self.start(i + 1) if i + 1 < self.count else self.extent
         return end - self.start(i)
+
+    def index(self, offset: int) -> int | None:
+        """The interval starting at `offset`, if one does."""
+        if self.every:
+            i = -(-offset // self.every) if offset == self.extent else offset // self.every
+            i = min(i, self.count - 1)
+        else:
+            i = bisect.bisect_left(self.starts, offset)
+        return i if i < self.count and self.start(i) == offset else None
 
     def overlapping(self, begin: int, size: int) -> range:
         """Indices of the intervals that overlap ``[begin, begin + size)``."""
@@ -110,8 +121,8 @@ class Cuts:
         )
 
     def to_json(self) -> Any:
-        """``{"every": s}`` or the list of starts."""
-        return {"every": self.every} if self.every else list(self.starts)
+        """``{"every": s, "count": k}`` or the list of starts."""
+        return {"every": self.every, "count": self.intervals} if self.every else list(self.starts)
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,27 @@ class Runs:
 
     @classmethod
     def of(cls, ranks: Iterable[int]) -> Runs:
-        """Run-length encode a sequence of writer ranks."""
+        """Run-length encode a sequence of writer ranks (one numpy pass, then one step per
+        run)."""
+        values = np.fromiter(ranks, dtype=np.int64)
+        if len(values) < 3:
+            return cls._of_few([int(v) for v in values])
+        steps = np.diff(values)
+        segment = np.concatenate(([0], np.cumsum(steps[1:] != steps[:-1])))
+        ends = np.append(np.flatnonzero(np.diff(segment)) + 1, len(steps))
+        runs = []
+        begin = 0
+        while begin < len(values):
+            if begin == len(values) - 1:
+                runs.append((begin, int(values[begin]), 1, 0))
+                break
+            end = int(ends[segment[begin]])  # steps[begin:end] are all the same
+            runs.append((begin, int(values[begin]), end - begin + 1, int(steps[begin])))
+            begin = end + 1
+        return cls(tuple(runs))
+
+    @classmethod
+    def _of_few(cls, ranks: list[int]) -> Runs:
         runs: list[list[int]] = []
         for chunk, rank in enumerate(ranks):
             if runs:
@@ -177,8 +208,11 @@ class IndexedTensor:
         return offsets, tuple(c.length(i) for c, i in zip(self.grid, index, strict=True))
 
     def overlapping(self, box: Box) -> list[int]:
-        """Numbers of the chunks that overlap `box`."""
+        """Numbers of the chunks that overlap `box`; for an empty box, the (empty) chunk that
+        starts where it does, which DCP's planning may ask for."""
         offsets, sizes = box
+        if not all(sizes):
+            return self._starting_at(offsets)
         if self.grid is None:
             return [
                 n
@@ -193,38 +227,55 @@ class IndexedTensor:
             numbers = [n * cuts.count + i for n in numbers for i in indices]
         return numbers
 
+    def _starting_at(self, offsets: tuple[int, ...]) -> list[int]:
+        if self.grid is None:
+            return [n for n, (o, _) in enumerate(self.boxes) if o == offsets]
+        number = 0
+        for cuts, offset in zip(self.grid, offsets, strict=True):
+            i = cuts.index(offset)
+            if i is None:
+                return []
+            number = number * cuts.count + i
+        return [number]
+
 
 def tiling_of(
-    shape: tuple[int, ...], boxes: list[Box]
-) -> tuple[tuple[Cuts, ...] | None, list[Box]]:
-    """The grid of `boxes` when they form one (with the boxes in row-major grid order), else
-    None and the boxes as given."""
-    starts = [sorted({o[d] for o, _ in boxes}) for d in range(len(shape))]
-    if math.prod(len(s) for s in starts) != len(boxes) or any(s[:1] != [0] for s in starts):
-        return None, boxes
-    cuts = tuple(_cuts(extent, s) for extent, s in zip(shape, starts, strict=True))
-    position = [{start: i for i, start in enumerate(s)} for s in starts]
-    ordered: list[Box | None] = [None] * len(boxes)
-    for offsets, sizes in boxes:
-        index = [position[d][o] for d, o in enumerate(offsets)]
-        if any(cuts[d].length(i) != sizes[d] for d, i in enumerate(index)):
-            return None, boxes
-        number = 0
-        for c, i in zip(cuts, index, strict=True):
-            number = number * c.count + i
-        ordered[number] = (offsets, sizes)
-    return cuts, [b for b in ordered if b is not None]
+    shape: tuple[int, ...], offsets: list[Any], sizes: list[Any]
+) -> tuple[tuple[Cuts, ...] | None, np.ndarray | None]:
+    """The grid of the chunks (their `offsets` and `sizes`) when they form one, and the order
+    that puts them in row-major grid order; else (None, None). Vectorised: a few numpy passes
+    per tensor, whatever the number of chunks."""
+    count, dims = len(offsets), len(shape)
+    if dims == 0:
+        return ((), np.zeros(1, dtype=np.int64)) if count == 1 else (None, None)
+    starts = np.asarray(offsets, dtype=np.int64).reshape(count, dims)
+    lengths = np.asarray(sizes, dtype=np.int64).reshape(count, dims)
+    cuts, index = [], []
+    for d in range(dims):
+        unique = np.unique(starts[:, d])
+        if unique[0] != 0:
+            return None, None
+        position = np.searchsorted(unique, starts[:, d])
+        expected = np.diff(np.append(unique, shape[d]))
+        if not np.array_equal(expected[position], lengths[:, d]):
+            return None, None
+        cuts.append(_cuts(shape[d], unique))
+        index.append(position)
+    if math.prod(c.count for c in cuts) != count:
+        return None, None
+    linear = np.ravel_multi_index(index, [c.count for c in cuts])
+    order = np.argsort(linear, kind="stable")
+    if not np.array_equal(linear[order], np.arange(count)):
+        return None, None
+    return tuple(cuts), order
 
 
-def _cuts(extent: int, starts: list[int]) -> Cuts:
-    step = starts[1] if len(starts) > 1 else 0
-    if (
-        step
-        and all(s == i * step for i, s in enumerate(starts))
-        and len(starts) == -(-extent // step)
-    ):
-        return Cuts(extent, every=step)
-    return Cuts(extent, starts=tuple(starts))
+def _cuts(extent: int, starts: np.ndarray) -> Cuts:
+    step = int(starts[1]) if len(starts) > 1 else 0
+    even = np.minimum(np.arange(len(starts), dtype=np.int64) * step, extent)
+    if step and np.array_equal(starts, even):
+        return Cuts(extent, every=step, intervals=len(starts))
+    return Cuts(extent, starts=tuple(int(x) for x in starts))
 
 
 # Writing ------------------------------------------------------------------------------------------
@@ -491,13 +542,15 @@ def _grid(entry: list[Any], shape: tuple[int, ...], where: str) -> tuple[Cuts, .
     for extent, spec in zip(shape, entry, strict=True):
         if isinstance(spec, dict):
             every = _count(spec["every"], f"{where} grid step")
-            if every < 1:
-                raise _fail(f"{where}: grid step must be at least 1")
-            cuts.append(Cuts(extent, every=every))
+            count = _count(spec["count"], f"{where} grid count")
+            # min(i * every, extent) must rise: only the last start may reach the extent
+            if every < 1 or count < 1 or (count > 1 and (count - 2) * every >= extent):
+                raise _fail(f"{where}: grid step and count do not cut the shape")
+            cuts.append(Cuts(extent, every=every, intervals=count))
             continue
         starts = tuple(_count(s, f"{where} grid") for s in spec)
         ascending = all(a < b for a, b in itertools.pairwise(starts))
-        if not starts or starts[0] != 0 or not ascending or starts[-1] >= max(extent, 1):
+        if not starts or starts[0] != 0 or not ascending or starts[-1] > extent:
             raise _fail(f"{where}: grid starts must rise from 0 within the shape")
         cuts.append(Cuts(extent, starts=starts))
     return tuple(cuts)
