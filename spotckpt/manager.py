@@ -268,19 +268,7 @@ class CheckpointManager:
         started = time.monotonic()
         if blocking:
             self._run_save(step, writer, lambda: self._dcp_save(state_dict, writer))
-            self.last_save_seconds = time.monotonic() - started
-            log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
-            self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
-            if not emergency:
-                self._agree_interval()
-            self.goodput.committed(
-                step,
-                stall_s=self.last_save_seconds,
-                upload_s=self.last_save_seconds,
-                size=_size(writer),
-                asynchronous=False,
-                emergency=emergency,
-            )
+            self._blocking_commit(step, writer, started, emergency)
             return
         response = dcp.async_save(
             state_dict,
@@ -357,18 +345,7 @@ class CheckpointManager:
             return
         if durable:
             self._run_save(step, writer, run)
-            self.last_save_seconds = time.monotonic() - started
-            self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
-            if writer.manifest is not None:
-                log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
-                self.goodput.committed(
-                    step,
-                    stall_s=self.last_save_seconds,
-                    upload_s=self.last_save_seconds,
-                    size=_size(writer),
-                    asynchronous=False,
-                    emergency=emergency,
-                )
+            self._blocking_commit(step, writer, started, emergency)
         else:
             self._run_fast(step, run)
 
@@ -413,6 +390,27 @@ class CheckpointManager:
         if self._continuation_pool is None:
             self._continuation_pool = ThreadPoolExecutor(1, thread_name_prefix="spotckpt-tier")
         return self._continuation_pool
+
+    def _blocking_commit(
+        self, step: int, writer: ObjectStoreWriter, started: float, emergency: bool
+    ) -> None:
+        """After a blocking save: its time, goodput events, and (not in an emergency) the
+        ``"auto"`` interval. A fast-tier emergency save with no time to upload has no commit."""
+        self.last_save_seconds = time.monotonic() - started
+        self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
+        if not emergency:
+            self._agree_interval()
+        if writer.manifest is None:
+            return
+        log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
+        self.goodput.committed(
+            step,
+            stall_s=self.last_save_seconds,
+            upload_s=self.last_save_seconds,
+            size=_size(writer),
+            asynchronous=False,
+            emergency=emergency,
+        )
 
     def _agree_interval(self) -> None:
         """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""

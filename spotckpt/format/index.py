@@ -44,13 +44,13 @@ from spotckpt.format.manifest import (
     FORMAT_VERSION,
     MAX_DIMS,
     MAX_INT,
-    MAX_MANIFEST_BYTES,
     ChunkLocation,
     Manifest,
     ObjectRecord,
     TensorChunk,
     TensorRecord,
     check_tiling,
+    manifest_document,
     parse_location,
 )
 from spotckpt.storage.base import InvalidKeyError, ObjectStore, check_key
@@ -402,14 +402,7 @@ def _fail(message: str) -> ManifestError:
 
 def parse_root(data: bytes, expected_step: int | None = None) -> Root:
     """Parse and check a ``spotckpt/2`` root; ManifestError names the first problem."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise _fail(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    try:
-        document = bounded_json.loads(data, "manifest")
-    except bounded_json.BoundedJSONError as error:
-        raise _fail(str(error)) from None
-    if not isinstance(document, dict):
-        raise _fail("manifest is not a JSON object")
+    document = manifest_document(data)
     if document.get("format") != INDEXED_FORMAT:
         raise UnknownFormatError(
             f"unknown manifest format {str(document.get('format'))[:40]!r}; this spotckpt reads "

@@ -227,7 +227,8 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _parse(data: bytes, expected_step: int | None) -> Manifest:
+def manifest_document(data: bytes) -> dict[str, Any]:
+    """A manifest's JSON object, size- and bounds-checked before parsing (ManifestError)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise _fail(f"manifest is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
     try:
@@ -236,6 +237,11 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         raise _fail(str(error)) from None
     if not isinstance(document, dict):
         raise _fail("manifest is not a JSON object")
+    return document
+
+
+def _parse(data: bytes, expected_step: int | None) -> Manifest:
+    document = manifest_document(data)
     version = document.get("format")
     if version != FORMAT_VERSION:
         raise UnknownFormatError(
