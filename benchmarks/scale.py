@@ -146,15 +146,17 @@ def key_assignment_phase(store: ObjectStore, step: int, plans: list[SavePlan]) -
     return ObjectStoreWriter(store, step, index_parts=True).prepare_global_plan(plans)
 
 
-def rank_phase(store: ObjectStore, step: int, rank: int, results: list[WriteResult]) -> Any:
+def rank_phase(
+    store: ObjectStore, step: int, rank: int, results: list[WriteResult], items: list[WriteItem]
+) -> Any:
     """One rank's own metadata work after its data object is written: its index part, put next
-    to its object; DCP then gathers results that name only the part (and values' locations)."""
+    to its object; DCP then gathers one summary per rank (arrays, not an object per chunk)."""
     if not results:
         return results
     writer = ObjectStoreWriter(store, step)
     writer.rank = rank
     writer.attempt = results[0].storage_data.location.key.partition("/")[0].removeprefix("a-")
-    return writer.write_index_part(results)
+    return writer.write_index_part(results, items)
 
 
 def commit_phase(
@@ -168,7 +170,7 @@ def commit_phase(
     _summary, data = writer.build_root(metadata, gathered)
     built = clock()
     writer.catalog.commit_bytes(step, attempt, data)
-    parts = sum(r[0].storage_data.part.size for r in gathered if r)
+    parts = sum(r[0].storage_data.part.size for r in gathered if r)  # written by the ranks
     return CommitOutcome(built - started, 0.0, clock() - built, len(data), parts)
 
 
@@ -681,7 +683,7 @@ def simulate_save(
         for rank, plan in enumerate(plans):
             results = write_results(plan, rank, step, settings.block_size, rng)
             began = clock()
-            output = rank_phase(store, step, rank, results)
+            output = rank_phase(store, step, rank, results, plan.items)
             rank_s = max(rank_s, clock() - began)
             blobs.append(pickle.dumps(output))
     report.add(rank_phase_max_s=rank_s, results_gather_bytes=sum(map(len, blobs)))

@@ -57,7 +57,12 @@ from spotckpt.catalog import (
 )
 from spotckpt.checksum import crc32c
 from spotckpt.chunks import ChunkReader
-from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError, InvalidTypeError
+from spotckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidTypeError,
+)
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.index import (
     INDEXED_FORMAT,
@@ -104,21 +109,30 @@ class RankAssignment:
 
 
 @dataclass(frozen=True)
-class IndexedWrite:
-    """A WriteResult's storage data in an indexed save: the rank's object and index part (the
-    locations stay in the part; the coordinator only learns who wrote what)."""
-
-    record: ObjectRecord
-    part: PartRecord
-    location: ChunkLocation | None = None  # values only: their location goes in the root
-
-
-@dataclass(frozen=True)
 class WrittenItem:
     """A WriteResult's storage data: where the item's bytes lie, and the object holding them."""
 
     location: ChunkLocation
     record: ObjectRecord
+
+
+SUMMARY_NAME = "__spotckpt__/rank-summary"
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What a rank reports of an indexed save, as its one WriteResult's storage data: its object
+    and index part, its values' locations, and the chunks it wrote as arrays (tensor names, then
+    offsets and sizes padded to one width, with each row's true number of dimensions), so that
+    the coordinator never touches a Python object per chunk."""
+
+    record: ObjectRecord
+    part: PartRecord
+    values: dict[str, ChunkLocation]
+    names: tuple[str, ...]
+    dims: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
 
 
 def _item_name(item: WriteItem) -> str:
@@ -207,7 +221,7 @@ class ObjectStoreWriter(StorageWriter):
         self.attempt = assignment.attempt
         results = self._write_object(plan.items, planner, assignment.key) if plan.items else []
         if assignment.indexed and results:
-            results = self.write_index_part(results)
+            results = self.write_index_part(results, plan.items)
         if self.on_written is not None:
             self.on_written()
         future.set_result(results)
@@ -252,30 +266,47 @@ class ObjectStoreWriter(StorageWriter):
             for item, stored in zip(ordered, ranges, strict=True)
         ]
 
-    def write_index_part(self, results: list[WriteResult]) -> list[WriteResult]:
-        """Write this rank's index part (indexed saves, in `write_data`); its results then name
-        only the part and the object, and values keep their location for the root."""
+    def write_index_part(
+        self, results: list[WriteResult], items: list[WriteItem]
+    ) -> list[WriteResult]:
+        """Write this rank's index part (indexed saves, in `write_data`) and return the one
+        WriteResult that stands for all of `results`: a `RankSummary`."""
         chunks: dict[str, list[tuple[tuple[int, ...], ChunkLocation]]] = {}
+        values: dict[str, ChunkLocation] = {}
         record = results[0].storage_data.record
         for result in results:
-            if result.index.offset is not None:
+            location = result.storage_data.location
+            if result.index.offset is None:
+                values[result.index.fqn] = location
+            else:
                 chunks.setdefault(result.index.fqn, []).append(
-                    (tuple(result.index.offset), result.storage_data.location)
+                    (tuple(result.index.offset), location)
                 )
         attempt = self.attempt or "unknown"
         data = part_json(self.step, attempt, self.rank, record, chunks)
         key = index_part_key(attempt, self.rank)
         self.store.put(step_key(self.step, key), data, create_only=True)
-        written = IndexedWrite(record, PartRecord(key, len(data), crc32c(data), self.rank))
-        return [
-            dataclasses.replace(
-                result,
-                storage_data=written
-                if result.index.offset is not None
-                else dataclasses.replace(written, location=result.storage_data.location),
-            )
-            for result in results
-        ]
+        tensors = [i for i in items if i.type != WriteItemType.BYTE_IO and i.tensor_data]
+        width = max((len(i.tensor_data.chunk.sizes) for i in tensors if i.tensor_data), default=0)
+        offsets = np.zeros((len(tensors), width), dtype=np.int64)
+        sizes = np.zeros((len(tensors), width), dtype=np.int64)
+        dims = np.zeros(len(tensors), dtype=np.int64)
+        for row, item in enumerate(tensors):
+            chunk = item.tensor_data.chunk  # type: ignore[union-attr]
+            dims[row] = len(chunk.sizes)
+            offsets[row, : dims[row]] = chunk.offsets
+            sizes[row, : dims[row]] = chunk.sizes
+        summary = RankSummary(
+            record,
+            PartRecord(key, len(data), crc32c(data), self.rank),
+            values,
+            tuple(i.index.fqn for i in tensors),
+            dims,
+            offsets,
+            sizes,
+        )
+        index = MetadataIndex(SUMMARY_NAME)
+        return [WriteResult(index=index, size_in_bytes=record.size, storage_data=summary)]
 
     def _spec(self, item: WriteItem, values: dict[MetadataIndex, memoryview]) -> TensorSpec:
         name = _item_name(item)
@@ -287,7 +318,7 @@ class ObjectStoreWriter(StorageWriter):
         return TensorSpec(name, dtype, tuple(item.tensor_data.chunk.sizes))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if any(isinstance(r.storage_data, IndexedWrite) for rank in results for r in rank[:1]):
+        if any(isinstance(r.storage_data, RankSummary) for rank in results for r in rank[:1]):
             summary, data = self.build_root(metadata, results)
             self.catalog.commit_bytes(self.step, summary.attempt, data)
             self.manifest = summary  # committed: nothing after this point may undo it
@@ -301,24 +332,15 @@ class ObjectStoreWriter(StorageWriter):
     ) -> tuple[Manifest, bytes]:
         """The root of an indexed manifest from DCP's metadata and who wrote what (linear in
         the number of chunks), and a summary Manifest (its objects, no tensors)."""
-        writer: dict[tuple[str, Any], int] = {}  # (name, offsets as torch.Size) -> rank
-        parts: dict[int, PartRecord] = {}
-        objects: dict[str, ObjectRecord] = {}
-        values: dict[str, tuple[ObjectRecord, ChunkLocation]] = {}
-        for rank, rank_results in enumerate(results):
-            for result in rank_results:
-                index = result.index
-                if index.offset is None:
-                    values[index.fqn] = (result.storage_data.record, result.storage_data.location)
-                else:
-                    writer[(index.fqn, index.offset)] = rank
-            if rank_results:
-                written = rank_results[0].storage_data
-                parts[rank], objects[written.record.key] = written.part, written.record
-        tensors: dict[str, IndexedTensor] = {}
-        for fqn, entry in metadata.state_dict_metadata.items():
-            if isinstance(entry, TensorStorageMetadata):
-                tensors[fqn] = _indexed_tensor(fqn, entry, writer)
+        summaries = {rank: r[0].storage_data for rank, r in enumerate(results) if r}
+        parts = {rank: summary.part for rank, summary in summaries.items()}
+        objects = {summary.record.key: summary.record for summary in summaries.values()}
+        values = {
+            fqn: (summary.record, location)
+            for summary in summaries.values()
+            for fqn, location in summary.values.items()
+        }
+        tensors = _indexed_tensors(metadata, summaries)
         summary = Manifest(
             step=self.step,
             attempt=self.attempt or "unknown",
@@ -770,19 +792,64 @@ def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
     return stream
 
 
+def _indexed_tensors(
+    metadata: Metadata, summaries: dict[int, RankSummary]
+) -> dict[str, IndexedTensor]:
+    """Every tensor of a root, from all ranks' summaries at once (numpy over every chunk of
+    the job; Python only once per tensor and per rank)."""
+    entries = {
+        fqn: entry
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    number = {fqn: i for i, fqn in enumerate(entries)}
+    known: dict[tuple[str, ...], np.ndarray] = {}  # ranks of one layout share their names
+    width = max((s.offsets.shape[1] for s in summaries.values()), default=0)
+    ids, ranks, offsets, sizes = [], [], [], []
+    for rank, summary in summaries.items():
+        if summary.names not in known:
+            known[summary.names] = np.fromiter(
+                (number[name] for name in summary.names), np.int64, len(summary.names)
+            )
+        ids.append(known[summary.names])
+        ranks.append(np.full(len(summary.names), rank, dtype=np.int64))
+        pad = ((0, 0), (0, width - summary.offsets.shape[1]))
+        offsets.append(np.pad(summary.offsets, pad))
+        sizes.append(np.pad(summary.sizes, pad))
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    order = np.argsort(all_ids, kind="stable")
+    bounds = np.searchsorted(all_ids[order], np.arange(len(entries) + 1))
+    all_ranks = np.concatenate(ranks)[order] if ranks else all_ids
+    all_offsets = np.concatenate(offsets)[order] if offsets else np.zeros((0, 0), np.int64)
+    all_sizes = np.concatenate(sizes)[order] if sizes else np.zeros((0, 0), np.int64)
+    tensors = {}
+    for i, (fqn, entry) in enumerate(entries.items()):
+        rows = slice(bounds[i], bounds[i + 1])
+        dims = len(entry.size)
+        if bounds[i + 1] - bounds[i] != len(entry.chunks):
+            raise CheckpointError(
+                f"tensor {fqn!r}: the ranks report {bounds[i + 1] - bounds[i]} chunks, DCP's "
+                f"metadata {len(entry.chunks)}"
+            )
+        tensors[fqn] = _indexed_tensor(
+            entry, all_offsets[rows, :dims], all_sizes[rows, :dims], all_ranks[rows]
+        )
+    return tensors
+
+
 def _indexed_tensor(
-    fqn: str, entry: TensorStorageMetadata, writer: dict[tuple[str, Any], int]
+    entry: TensorStorageMetadata, offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray
 ) -> IndexedTensor:
     """One tensor of a root: its chunks' grid (or list) and who wrote each chunk."""
     shape = tuple(entry.size)
-    offsets = [c.offsets for c in entry.chunks]
-    ranks = [writer[(fqn, o)] for o in offsets]
-    grid, order = tiling_of(shape, offsets, [c.sizes for c in entry.chunks])
     dtype = dtype_of(entry.properties.dtype).name
-    if grid is None or order is None:
-        boxes = tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
-        return IndexedTensor(dtype, shape, Runs.of(ranks), boxes=boxes)
-    return IndexedTensor(dtype, shape, Runs.of(np.asarray(ranks)[order]), grid=grid)
+    grid, order = tiling_of(shape, offsets, sizes)
+    if grid is not None and order is not None:
+        return IndexedTensor(dtype, shape, Runs.of(ranks[order]), grid=grid)
+    boxes = tuple(
+        (tuple(o), tuple(s)) for o, s in zip(offsets.tolist(), sizes.tolist(), strict=True)
+    )
+    return IndexedTensor(dtype, shape, Runs.of(ranks), boxes=boxes)
 
 
 def wanted_boxes(state_dict: dict[str, Any]) -> tuple[dict[str, list[Box]], set[str]]:
