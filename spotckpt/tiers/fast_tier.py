@@ -136,7 +136,10 @@ class _Sink:
         fd = self.files.get(key)
         if fd is None:
             fd = self._open(key, size)
-        os.pwrite(fd, data, offset)
+        view, at = memoryview(data), offset
+        while view:  # a regular file takes it all at once; a short write is continued
+            written = os.pwrite(fd, view, at)
+            view, at = view[written:], at + written
         done, crc = self.crcs.get(key, (0, 0))
         if done == offset:
             self.crcs[key] = (done + len(data), crc32c(data, crc))
