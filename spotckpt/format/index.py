@@ -240,15 +240,16 @@ class IndexedTensor:
 
 
 def tiling_of(
-    shape: tuple[int, ...], offsets: list[Any], sizes: list[Any]
+    shape: tuple[int, ...], offsets: Any, sizes: Any
 ) -> tuple[tuple[Cuts, ...] | None, np.ndarray | None]:
     """The grid of the chunks (their `offsets` and `sizes`) when they form one, and the order
     that puts them in row-major grid order; else (None, None). Vectorised: a few numpy passes
     per tensor, whatever the number of chunks."""
-    count, dims = len(offsets), len(shape)
-    if dims == 0:
-        return ((), np.zeros(1, dtype=np.int64)) if count == 1 else (None, None)
-    starts = np.asarray(offsets, dtype=np.int64).reshape(count, dims)
+    dims = len(shape)
+    starts = np.asarray(offsets, dtype=np.int64).reshape(-1, dims) if dims else None
+    if starts is None:  # a 0-dim tensor: one chunk, or something else
+        return ((), np.zeros(1, dtype=np.int64)) if len(offsets) in (0, 1) else (None, None)
+    count = len(starts)
     lengths = np.asarray(sizes, dtype=np.int64).reshape(count, dims)
     cuts, index = [], []
     for d in range(dims):
