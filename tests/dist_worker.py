@@ -59,6 +59,14 @@ def launch_ranks(
         )
         for rank in range(world)
     ]
+    return [
+        subprocess.CompletedProcess(process.args, status, output)
+        for process, (status, output) in zip(processes, wait_all(processes, timeout), strict=True)
+    ]
+
+
+def wait_all(processes: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+    """Wait for every rank process; (exit status, output) each. Kills all on a timeout."""
     results = []
     for process in processes:
         try:
@@ -67,7 +75,7 @@ def launch_ranks(
             for other in processes:
                 other.kill()
             raise
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, output))
+        results.append((process.returncode, output))
     return results
 
 

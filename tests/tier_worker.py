@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from spotckpt import CheckpointManager, TrainState
 
-from dist_worker import _perturbed, free_port, fsdp, full_state, make_model, train
+from dist_worker import _perturbed, free_port, fsdp, full_state, make_model, train, wait_all
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,16 +55,7 @@ def launch_nodes(
 
 def finish(processes: list[subprocess.Popen[str]], timeout: float = 300) -> list[tuple[int, str]]:
     """Wait for every rank; (exit status, output) each. Kills all on a timeout."""
-    results = []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise
-        results.append((process.returncode, output))
-    return results
+    return wait_all(processes, timeout)
 
 
 def run_nodes(nodes: list[str], scenario: str, args: dict[str, Any], **kw: Any) -> list[str]:
