@@ -458,6 +458,39 @@ class RawBoto3Method(Method):
             raise AssertionError("raw_boto3: downloaded bytes differ")
 
 
+class RawBoto3SingleMethod(RawBoto3Method):
+    """The other limit: one PUT and one whole-object GET of the same bytes, the body read in
+    1 MiB pieces into preallocated memory (no ranges, no threads)."""
+
+    name = "raw_boto3_single"
+
+    def prepare_save(self, ctx: Context, rep: int) -> Callable[[], dict[str, Any] | None]:
+        client = ctx.boto3_client()
+        view = memoryview(ctx.raw_bytes().numpy())
+
+        def run() -> None:
+            client.put_object(Bucket=ctx.unit.bucket, Key=ctx.s3_key(rep), Body=ViewReader(view))
+
+        return run
+
+    def prepare_restore(self, ctx: Context, rep: int) -> Callable[[], dict[str, Any] | None]:
+        client = ctx.boto3_client()
+        ctx.raw_bytes()
+        self.out = torch.zeros(ctx.nbytes, dtype=torch.uint8)
+        view = memoryview(self.out.numpy())
+
+        def run() -> None:
+            body = client.get_object(Bucket=ctx.unit.bucket, Key=ctx.s3_key(rep))["Body"]
+            placed = 0
+            for piece in body.iter_chunks(1 << 20):
+                view[placed : placed + len(piece)] = piece
+                placed += len(piece)
+            if placed != ctx.nbytes:
+                raise AssertionError(f"raw_boto3_single: got {placed} of {ctx.nbytes} bytes")
+
+        return run
+
+
 class DcpFileSystemMethod(Method):
     """DCP's FileSystemWriter / FileSystemReader on local disk (defaults: fsync per file)."""
 
@@ -559,6 +592,7 @@ def make_method(group: str, name: str) -> Method:
         "torch_save_boto3": TorchSaveBoto3Method,
         "s3torchconnector": S3TorchConnectorMethod,
         "raw_boto3": RawBoto3Method,
+        "raw_boto3_single": RawBoto3SingleMethod,
         "dcp_fs": DcpFileSystemMethod,
         "torch_save_file": TorchSaveFileMethod,
         "raw_file": RawFileMethod,

@@ -51,7 +51,14 @@ from bench_units import MIB, StateSpec, Unit, summarize  # noqa: E402
 from tiers_bench import TierSettings, run_tiers, wanted  # noqa: E402
 
 GIB = 1 << 30
-S3_METHODS = ("spotckpt", "dcp_fsspec", "torch_save_boto3", "s3torchconnector", "raw_boto3")
+S3_METHODS = (
+    "spotckpt",
+    "dcp_fsspec",
+    "torch_save_boto3",
+    "s3torchconnector",
+    "raw_boto3",
+    "raw_boto3_single",
+)
 LOCAL_METHODS = ("spotckpt", "dcp_fs", "torch_save_file", "raw_file")
 MOTO_RESTART_RSS = 2 * GIB
 
@@ -170,10 +177,18 @@ def parse_args(argv: list[str] | None = None) -> Settings:
 # Planning --------------------------------------------------------------------------------------
 
 
+def _large_sizes(settings: Settings) -> list[int]:
+    """The large states every store measures: the large size and, in a full run, the other
+    memory sizes too (256 MiB by default); a quick run measures the others' memory only."""
+    others = (
+        [] if settings.quick else [s for s in settings.memory_sizes if s != settings.large_bytes]
+    )
+    return [settings.large_bytes, *others]
+
+
 def _states(settings: Settings) -> list[StateSpec]:
-    return [
-        StateSpec("large", size_bytes=settings.large_bytes),
-        StateSpec("small", count=settings.small_count),
+    return [StateSpec("large", size_bytes=size) for size in _large_sizes(settings)] + [
+        StateSpec("small", count=settings.small_count)
     ]
 
 
@@ -231,7 +246,7 @@ def plan(settings: Settings, primary: str | None) -> list[Unit]:
         add("stall", "memory", "memcpy", "copy", state, settings.reps)
     if primary is not None:
         for size in settings.memory_sizes:
-            if size == settings.large_bytes:
+            if size in _large_sizes(settings):
                 continue  # measured by s3/<primary>/large and stall/<primary>/large already
             state = StateSpec("large", size_bytes=size)
             add("memory", primary, "spotckpt", "save", state, 1)

@@ -189,6 +189,11 @@ class _BytesRead:
         self.bytes += len(data)
         return data
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        placed = self.store.get_range_into(key, start, buffer)
+        self.bytes += placed
+        return placed
+
 
 def restore_phase(
     store: ObjectStore, step: int, rank: int, wanted: dict[str, Any]
@@ -297,6 +302,12 @@ class CountingStore:
         if key not in self._objects:
             raise ObjectNotFoundError(f"{self.uri}/{key} does not exist")
         return self._objects[key][start : start + length]
+
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        """Read a byte range into `buffer`."""
+        data = self.get_range(key, start, buffer.nbytes)
+        buffer[: len(data)] = data
+        return len(data)
 
     def head(self, key: str) -> ObjectInfo | None:
         """Size of an object, or None."""

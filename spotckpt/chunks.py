@@ -170,28 +170,35 @@ class ChunkReader:
         end = location.offset + location.length
         self.check_range(location.key, location.offset, end, (name,))
 
-    def read(self, key: str, start: int, end: int, names: Iterable[str]) -> bytes:
-        """Bytes `start`..`end` of object `key`, checked by `check_range` first and then for a
-        short answer; `names` (what the bytes hold) only serve the error messages."""
+    def read(self, key: str, start: int, end: int, names: Iterable[str]) -> bytearray:
+        """Bytes `start`..`end` of object `key` in a new buffer; see `read_into`."""
+        data = bytearray(end - start)
+        self.read_into(key, start, memoryview(data), names)
+        return data
+
+    def read_into(self, key: str, start: int, buffer: memoryview, names: Iterable[str]) -> None:
+        """Bytes `start`.. of object `key` into `buffer` (all of it), checked by `check_range`
+        first and then for a short answer; `names` (what the bytes hold) only serve the error
+        messages."""
+        end = start + buffer.nbytes
         self.check_range(key, start, end, names)
         path = self.path(key)
         try:
-            data = self.store.get_range(path, start, end - start)
+            placed = self.store.get_range_into(path, start, buffer)
         except ObjectNotFoundError:
             raise ObjectMissingError(
                 f"object {path} disappeared: bytes {start}..{end} ({describe(names)}) cannot be "
                 "read"
             ) from None
-        if len(data) != end - start:
+        if placed != buffer.nbytes:
             raise ObjectSizeError(
                 f"object {path} is truncated: bytes {start}..{end} ({describe(names)}) were "
-                f"asked, {len(data)} returned"
+                f"asked, {placed} returned"
             )
-        return data
 
     def read_chunk(
         self, location: ChunkLocation, name: str, start: int = 0, end: int | None = None
-    ) -> tuple[bytes, BlockSpan]:
+    ) -> tuple[bytearray, BlockSpan]:
         """Verified bytes of a chunk's range `start`..`end` (default: all of it), widened to
         block boundaries; returns them with the widened span."""
         span = self.span(location, start, location.length if end is None else end)

@@ -6,10 +6,15 @@ id, assigns each rank its object key) -> ``write_data`` (every rank streams one 
 of its own items) -> ``finish`` (coordinator, after every rank succeeded: writes the manifest
 create-only, the commit point, then the ``latest.json`` hint).
 
-Load: ``read_metadata`` comes from a validated `Manifest`; ``read_data`` groups the byte ranges a
-rank needs per object, widens each to CRC block boundaries, coalesces neighbours, fetches them with
-parallel ranged reads, verifies every block, and copies into the destination tensors. Non-tensor
-values are unpickled only with ``torch.load(weights_only=True)``, whatever planner is in use.
+Load: ``read_metadata`` comes from a validated `Manifest`; ``read_data`` first checks that every
+object it reads from exists with the manifest's size, then fetches with parallel ranged reads.
+A tensor piece of 1 MiB or more that can take the stored bytes as they are (a contiguous CPU
+destination of the stored dtype and shape) is read straight into the destination's memory, in
+pieces of at most ``max_read_bytes``, and its CRC32C blocks are checked there, in the reading
+thread: no intermediate buffer, no copy. Smaller pieces (and those needing a strided copy or
+another device) are widened to CRC block boundaries, coalesced with their neighbours into one
+ranged read each, verified, and copied out. Non-tensor values are unpickled only with
+``torch.load(weights_only=True)``, whatever planner is in use.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import functools
 import io
 import logging
 import math
-import warnings
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future as PoolFuture
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +99,11 @@ from spotckpt.values import UnsupportedValueError, ValueLoadError, load_plain
 log = logging.getLogger("spotckpt")
 VALUE_PREFIX = "__value__/"
 
+
+IN_PLACE_MIN_BYTES = 1 << 20
+"""From this size on, a tensor piece is read straight into its destination, in pieces of at most
+``max_read_bytes`` read in parallel; smaller ones are coalesced with their neighbours into one
+ranged read each and copied out (a request per small tensor would cost more than the copy)."""
 
 INDEX_MIN_RANKS = 32
 """From this many ranks on, a save writes an indexed manifest (`spotckpt.format.index`)."""
@@ -450,16 +461,33 @@ class _Need:
     first_block: int
     wanted_start: int
     wanted_end: int
+    target: torch.Tensor | None = None
+    """The destination, once resolved (tensor items only)."""
+    contiguous: bool = False
+    """Whether the wanted bytes are exactly the destination's memory (then copied as bytes)."""
 
 
 @dataclass
 class _Fetch:
-    """One ranged read that serves one or more needs."""
+    """One ranged read that serves one or more needs.
+
+    `into` is the destination tensor's own memory when the fetch lands in place (one need, a
+    piece of one tensor); otherwise the fetch is read into a buffer of its own and copied out.
+    """
 
     key: str
     start: int
     end: int
     needs: list[_Need]
+    into: memoryview | None = None
+
+
+@dataclass
+class _Landing:
+    """A tensor read in place: its destination and how many of its pieces are in flight."""
+
+    target: torch.Tensor
+    pieces_left: int
 
 
 @dataclass
@@ -545,6 +573,7 @@ class ObjectStoreReader(StorageReader):
             for chunk in tensor.chunks
         }
         self.stats = ReadStats()
+        self._stats_lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle as the store, the manifest and the read settings (the stats start afresh)."""
@@ -651,21 +680,88 @@ class ObjectStoreReader(StorageReader):
                 planner.commit_tensor(item, target)
 
     def _read_own(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        fetches = self._plan_fetches([self._need(item) for item in plan.items])
+        """Fetch the plan's items with parallel ranged reads; each fetch's CRCs are checked in
+        the thread that read it, and tensors are committed here, in the calling thread."""
+        fetches, buffered = [], []
+        landing: dict[int, _Landing] = {}  # by id() of the read item
+        for need in (self._need(item) for item in plan.items):
+            target = self._in_place_target(need, planner)
+            if target is None:
+                buffered.append(need)
+                continue
+            pieces = self._pieces(need, target)
+            landing[id(need.request)] = _Landing(target, len(pieces))
+            fetches += pieces
+        fetches += self._plan_fetches(buffered)
+        fetches.sort(key=lambda fetch: (fetch.key, fetch.start))
         with ThreadPoolExecutor(
             self.max_parallel_reads, thread_name_prefix="spotckpt-read"
         ) as pool:
+            self._check_objects(fetches, pool)
             pending = {pool.submit(self._fetch, fetch): fetch for fetch in fetches}
             try:
                 for done in as_completed(pending):
                     fetch = pending[done]
                     buffer = done.result()
                     for need in fetch.needs:
-                        self._deliver(need, buffer, fetch.start, planner)
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                raise
+                        if fetch.into is None:
+                            self._deliver(need, buffer, fetch.start, planner)
+                            continue
+                        landed = landing[id(need.request)]
+                        landed.pieces_left -= 1
+                        if not landed.pieces_left:
+                            planner.commit_tensor(need.request, landed.target)
+            except Exception as error:
+                raise _first_failure(pending, error) from None
+
+    def _check_objects(self, fetches: list[_Fetch], pool: ThreadPoolExecutor) -> None:
+        """Before any byte is read: every object exists with the size the manifest says, and
+        holds what is asked of it (one ``head`` each, in parallel); an error names everything
+        that this rank reads from the object."""
+        spans: dict[str, tuple[int, int, list[str]]] = {}
+        for fetch in fetches:
+            start, end, names = spans.get(fetch.key, (fetch.start, fetch.end, []))
+            names += [need.request.storage_index.fqn for need in fetch.needs]
+            spans[fetch.key] = (min(start, fetch.start), max(end, fetch.end), names)
+        checks = pool.map(lambda entry: self.chunks.check_range(entry[0], *entry[1]), spans.items())
+        list(checks)  # raises the first failure, in object order
+
+    def _in_place_target(self, need: _Need, planner: LoadPlanner) -> torch.Tensor | None:
+        """Resolve a tensor need's destination (kept in `need.target`); return it when the
+        stored bytes can be read straight into its memory: a CPU tensor, contiguous, of the
+        stored dtype and shape, whose piece is contiguous in the chunk, block-aligned and at
+        least `IN_PLACE_MIN_BYTES`."""
+        item = need.request
+        if item.type == LoadItemType.BYTE_IO:
+            return None
+        target = need.target = planner.resolve_tensor(item).detach()
+        dtype, _sizes = self.chunk_sizes[item.storage_index]
+        stored = BY_NAME[dtype]
+        nbytes = math.prod(item.lengths) * stored.itemsize
+        need.contiguous = (
+            need.wanted_end - need.wanted_start == nbytes
+            and target.device.type == "cpu"
+            and target.dtype == stored.torch_dtype
+            and target.is_contiguous()
+            and tuple(target.shape) == tuple(item.lengths)
+        )
+        aligned = (need.start, need.end) == (need.wanted_start, need.wanted_end)
+        return target if need.contiguous and aligned and nbytes >= IN_PLACE_MIN_BYTES else None
+
+    def _pieces(self, need: _Need, target: torch.Tensor) -> list[_Fetch]:
+        """An in-place need as fetches of at most `max_read_bytes` (whole CRC blocks), each
+        into its slice of the destination's memory, read in parallel."""
+        memory = target.reshape(-1).view(torch.uint8).numpy().data
+        block = self.chunks.block_size
+        step = max(1, self.max_read_bytes // block) * block
+        fetches = []
+        for start in range(need.start, need.end, step):
+            end = min(need.end, start + step)
+            piece = dataclasses.replace(need, start=start, end=end, first_block=start // block)
+            offset = need.location.offset
+            into = memory[start - need.start : end - need.start]
+            fetches.append(_Fetch(need.location.key, offset + start, offset + end, [piece], into))
+        return fetches
 
     def _need(self, item: ReadItem) -> _Need:
         location = self.locations.get(item.storage_index)
@@ -706,30 +802,47 @@ class ObjectStoreReader(StorageReader):
                 fetches.append(_Fetch(need.location.key, start, end, [need]))
         return fetches
 
-    def _fetch(self, fetch: _Fetch) -> bytes:
+    def _fetch(self, fetch: _Fetch) -> memoryview:
+        """Read one fetch (into its destination, or a buffer of its own) and check the CRCs of
+        every need it serves; runs in a reader thread."""
+        view = fetch.into
+        if view is None:
+            view = memoryview(bytearray(fetch.end - fetch.start))
         names = [need.request.storage_index.fqn for need in fetch.needs]
-        data = self.chunks.read(fetch.key, fetch.start, fetch.end, names)
-        self.stats.bytes_read += len(data)
-        self.stats.requests += 1
-        return data
+        self.chunks.read_into(fetch.key, fetch.start, view, names)
+        for need in fetch.needs:
+            base = need.location.offset + need.start - fetch.start
+            self.chunks.verify(
+                view[base : base + need.end - need.start],
+                need.location,
+                need.first_block,
+                need.request.storage_index.fqn,
+            )
+        with self._stats_lock:
+            self.stats.bytes_read += view.nbytes
+            self.stats.requests += 1
+        return view
 
-    def _deliver(self, need: _Need, buffer: bytes, buffer_start: int, planner: LoadPlanner) -> None:
+    def _deliver(
+        self, need: _Need, buffer: memoryview, buffer_start: int, planner: LoadPlanner
+    ) -> None:
+        """Hand a need's verified bytes, read into a fetch buffer, to the planner."""
         base = need.location.offset + need.start - buffer_start
-        view = memoryview(buffer)[base : base + need.end - need.start]
+        view = buffer[base : base + need.end - need.start]
         item = need.request
-        self.chunks.verify(view, need.location, need.first_block, item.storage_index.fqn)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, _safe_value_stream(view, item.storage_index.fqn))
             return
+        wanted = view[need.wanted_start - need.start : need.wanted_end - need.start]
+        target = need.target if need.target is not None else planner.resolve_tensor(item).detach()
+        if need.contiguous:
+            target.reshape(-1).view(torch.uint8).numpy().data[:] = wanted
+            planner.commit_tensor(item, target)
+            return
         dtype, sizes = self.chunk_sizes[item.storage_index]
         source = _strided_view(
-            view[need.wanted_start - need.start : need.wanted_end - need.start],
-            BY_NAME[dtype].torch_dtype,
-            sizes,
-            item.storage_offsets,
-            item.lengths,
+            wanted, BY_NAME[dtype].torch_dtype, sizes, item.storage_offsets, item.lengths
         )
-        target = planner.resolve_tensor(item).detach()
         if target.shape != source.shape:
             raise CorruptCheckpointError(
                 f"{item.storage_index.fqn}: stored piece {tuple(source.shape)} does not fit the "
@@ -739,12 +852,34 @@ class ObjectStoreReader(StorageReader):
         planner.commit_tensor(item, target)
 
 
+def _first_failure(
+    pending: dict[PoolFuture[memoryview], _Fetch], error: BaseException
+) -> BaseException:
+    """After `error`, the failure to report: cancel the fetches not started, wait for the
+    running ones, and take the failed fetch first in object order (fetches are submitted in
+    that order, so every earlier one has run), so that a damaged object always gets the same
+    message; `error` itself when it did not come from a fetch."""
+    for future in pending:
+        future.cancel()
+    wait(pending)
+    failed = [
+        (pending[f].key, pending[f].start, f.exception())
+        for f in pending
+        if not f.cancelled() and f.exception() is not None
+    ]
+    if not any(failure is error for _key, _start, failure in failed):
+        return error
+    return min(failed, key=lambda entry: (entry[0], entry[1]))[2] or error
+
+
 def _element_span(
     sizes: tuple[int, ...], offsets: torch.Size, lengths: torch.Size, itemsize: int
 ) -> tuple[int, int]:
     """Byte range, within a row-major chunk, from the first to the last element of a sub-block."""
     if math.prod(lengths) == 0:
         return 0, 0
+    if tuple(lengths) == sizes and not any(offsets):  # the whole chunk
+        return 0, math.prod(sizes) * itemsize
     strides = _row_major_strides(sizes)
     first = sum(o * s for o, s in zip(offsets, strides, strict=True))
     last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
@@ -768,9 +903,7 @@ def _strided_view(
     """The sub-block `lengths` of a row-major chunk, given the bytes from its first element."""
     if math.prod(lengths) == 0:
         return torch.empty(tuple(lengths), dtype=dtype)
-    with warnings.catch_warnings():  # a read-only source is fine: it is only copied from
-        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-        raw = torch.frombuffer(data, dtype=torch.uint8)
+    raw = torch.frombuffer(data, dtype=torch.uint8)  # a fetch buffer: writable, no warning
     itemsize = torch.empty((), dtype=dtype).element_size()
     if raw.data_ptr() % itemsize:
         raw = raw.clone()

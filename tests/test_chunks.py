@@ -58,6 +58,11 @@ class RecordingStore:
             self.lengths.append(length)
         return self.inner.get_range(key, start, length)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        with self.lock:
+            self.lengths.append(buffer.nbytes)
+        return self.inner.get_range_into(key, start, buffer)
+
     def head(self, key: str) -> ObjectInfo | None:
         with self.lock:
             self.heads.append(key)

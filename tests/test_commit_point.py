@@ -308,6 +308,10 @@ class RetiresDuringRestore(FailingStore):
         self._maybe_retire(key, "data" if key.endswith(".safetensors") else "other")
         return super().get_range(key, start, length)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        self._maybe_retire(key, "data" if key.endswith(".safetensors") else "other")
+        return super().get_range_into(key, start, buffer)
+
 
 @pytest.mark.parametrize("when", ["manifest", "data"])
 def test_restore_racing_retention_moves_on(tmp_path: Path, when: str) -> None:

@@ -66,6 +66,10 @@ class CountingStore:
         self.asked.append(length)
         return self.inner.get_range(key, start, length)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        self.asked.append(buffer.nbytes)
+        return self.inner.get_range_into(key, start, buffer)
+
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:

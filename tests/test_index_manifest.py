@@ -83,6 +83,10 @@ class CountingStore(MemoryStore):
         self.reads.append(key)
         return super().get_range(key, start, length)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        self.reads.append(key)
+        return super().get_range_into(key, start, buffer)
+
 
 def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
     """Metadata of `tensors` [ranks*8, 16] float32 tensors sharded by rows over `ranks`."""

@@ -55,6 +55,8 @@ def test_link_to_a_file_outside_is_not_an_object(
         store.get("step-1/evil.bin")
     with pytest.raises(ObjectNotFoundError):
         store.get_range("step-1/evil.bin", 0, 4)
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range_into("step-1/evil.bin", 0, memoryview(bytearray(4)))
     assert store.head("step-1/evil.bin") is None
     assert not store.exists("step-1/evil.bin")
     with caplog.at_level(logging.WARNING, logger="spotckpt.storage"):
@@ -75,6 +77,8 @@ def test_linked_folder_pointing_outside(
         store.get("step-2/secret.bin")
     with pytest.raises(ObjectNotFoundError):
         store.get_range("step-2/secret.bin", 0, 10)
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range_into("step-2/secret.bin", 0, memoryview(bytearray(10)))
     with caplog.at_level(logging.WARNING, logger="spotckpt.storage"):
         assert list(store.list()) == []
         assert store.list_uploads() == []

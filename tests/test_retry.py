@@ -118,15 +118,17 @@ def _run_bounded(fn: Any) -> BaseException | None:
 
 
 @pytest.mark.parametrize("slow", ["trickle", "stall"], indirect=True)
-@pytest.mark.parametrize("operation", ["get", "get_range"])
+@pytest.mark.parametrize("operation", ["get", "get_range", "get_range_into"])
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_deadline_bounds_a_slow_body(slow: SlowServer, kind: str, operation: str) -> None:
     store = _open(kind, slow.endpoint, DEADLINE)
     try:
         if operation == "get":
             error = _run_bounded(lambda: store.get("k"))
-        else:
+        elif operation == "get_range":
             error = _run_bounded(lambda: store.get_range("k", 0, MIB))
+        else:
+            error = _run_bounded(lambda: store.get_range_into("k", 0, memoryview(bytearray(MIB))))
     finally:
         slow.stop.set()
         store.close()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage import (
@@ -113,6 +114,37 @@ def test_ranged_reads_at_edges(store: ObjectStore) -> None:
     assert store.get_range("r", 1000, 10) == b""
     with pytest.raises(ObjectNotFoundError):
         store.get_range("nope", 0, 10)
+
+
+def _read_into(store: ObjectStore, key: str, start: int, length: int) -> tuple[int, bytes]:
+    """`get_range_into` into a buffer one byte longer than asked, which must stay untouched."""
+    buffer = bytearray(b"\xee" * (length + 1))
+    placed = store.get_range_into(key, start, memoryview(buffer)[:length])
+    assert buffer[length:] == b"\xee"  # nothing written past the view
+    return placed, bytes(buffer[:placed])
+
+
+def test_ranged_reads_into_a_buffer_at_edges(store: ObjectStore) -> None:
+    data = _payload(1000)
+    store.put("r", data)
+    assert _read_into(store, "r", 0, 1) == (1, data[:1])
+    assert _read_into(store, "r", 999, 1) == (1, data[999:])
+    assert _read_into(store, "r", 10, 0) == (0, b"")
+    assert _read_into(store, "r", 0, 1000) == (1000, data)
+    assert _read_into(store, "r", 990, 50) == (10, data[990:])
+    assert _read_into(store, "r", 1000, 10) == (0, b"")
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range_into("nope", 0, memoryview(bytearray(10)))
+
+
+def test_ranged_read_into_a_tensor_of_a_streamed_object(store: ObjectStore) -> None:
+    data = os.urandom(2 * PART + 123)
+    with store.open_writer("big") as writer:
+        writer.write(data)
+    target = torch.zeros(PART + 7, dtype=torch.uint8)
+    memory = target.numpy().data
+    assert store.get_range_into("big", PART - 5, memory) == PART + 7
+    assert bytes(memory) == data[PART - 5 : 2 * PART + 2]
 
 
 def test_create_only_put_conflicts(store: ObjectStore) -> None:

@@ -65,6 +65,10 @@ class RecordingStore(FailingStore):
         self.ranges.append((key, start, length))
         return super().get_range(key, start, length)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        self.ranges.append((key, start, buffer.nbytes))
+        return super().get_range_into(key, start, buffer)
+
 
 def test_intact_checkpoint_is_streamed_in_pieces(fsdp_copy: Path) -> None:
     store = RecordingStore(open_store(str(fsdp_copy)))

@@ -74,6 +74,9 @@ class FailingStore:
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.inner.get_range(key, start, length)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        return self.inner.get_range_into(key, start, buffer)
+
     def head(self, key: str) -> ObjectInfo | None:
         return self.inner.head(key)
 

@@ -18,6 +18,9 @@ about two entries per step. Any delimiter works (more than one character too); a
 refuses one, or answers against these rules, is listed in full and rolled up client-side, with
 one warning.
 
+``get_range_into`` is ``get_range`` without an intermediate ``bytes`` object: a restore reads
+each tensor's bytes from the socket or file into the tensor's own memory.
+
 Stores pickle as what rebuilds them (URI parts and options), so a storage writer can cross to
 another process, such as the child of DCP's process-mode async save; a ``memory://`` store cannot.
 Explicit credentials cross only inside `ProcessSecrets` (see there), never into a file.
@@ -129,6 +132,11 @@ class ObjectStore(Protocol):
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Read `length` bytes from `start`; a short result means the object is shorter."""
+
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        """Read ``buffer.nbytes`` bytes from `start` straight into `buffer` (a writable byte
+        view, such as a destination tensor's memory); returns how many arrived, fewer when the
+        object is shorter. A retried attempt writes the buffer again from its start."""
 
     def head(self, key: str) -> ObjectInfo | None:
         """The object's size and time, or None when it does not exist."""

@@ -97,7 +97,7 @@ from spotckpt.storage.base import (
     UploadInfo,
     check_key,
 )
-from spotckpt.storage.retry import Deadline, RetryPolicy, read_body
+from spotckpt.storage.retry import Deadline, RetryPolicy, read_body, read_body_into
 
 log = logging.getLogger("spotckpt.storage")
 T = TypeVar("T")
@@ -796,6 +796,40 @@ class GCSStore:
         return self.call(
             what, lambda: self._download(key, deadline, start, last), deadline=deadline
         )
+
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        """Read ``buffer.nbytes`` bytes from `start` into `buffer`; fewer past the object's end."""
+        if start < 0:
+            raise InvalidArgumentError("range start must be non-negative")
+        self.full_name(key)
+        if buffer.nbytes == 0:
+            return 0
+        last = start + buffer.nbytes - 1
+        what = f"get bytes {start}-{last} of {self.where(key)}"
+        deadline = self.options.retry.deadline(what)
+        return self.call(
+            what, lambda: self._download_into(key, deadline, start, buffer), deadline=deadline
+        )
+
+    def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
+        """One ranged media GET into `buffer`, deadline-bound."""
+        headers = {
+            "Accept-Encoding": "gzip",  # with a raw read: the stored bytes as they are
+            "Range": f"bytes={start}-{start + buffer.nbytes - 1}",
+        }
+        left = deadline.check("sending the request")
+        timeout = (min(self.timeout[0], left), min(self.timeout[1], left))
+        response = self.session.get(
+            self.media_url(key), headers=headers, stream=True, timeout=timeout
+        )
+        with response:
+            status = response.status_code
+            if status == 416:
+                return 0  # the range starts at or past the end
+            if status not in (200, 206):
+                raise self._error_answer(response, deadline)
+            skip = start if status == 200 else 0  # the server ignored the range
+            return read_body_into(response.raw, deadline, self.timeout[1], buffer, skip)
 
     def head(self, key: str) -> ObjectInfo | None:
         """The object's size and time, or None when it does not exist."""

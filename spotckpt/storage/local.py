@@ -275,6 +275,18 @@ class LocalStore:
             file.seek(start)
             return file.read(length)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        if start < 0:
+            raise InvalidArgumentError("range start must be non-negative")
+        with self._open_object(key) as file:
+            placed = 0
+            while placed < buffer.nbytes:
+                got = os.preadv(file.fileno(), [buffer[placed:]], start + placed)
+                if got == 0:
+                    break
+                placed += got
+            return placed
+
     def head(self, key: str) -> ObjectInfo | None:
         name = key.rsplit("/", 1)[-1]
         try:

@@ -104,6 +104,13 @@ class MemoryStore:
             raise InvalidArgumentError("range start and length must be non-negative")
         return self.get(key)[start : start + length]
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        if start < 0:
+            raise InvalidArgumentError("range start must be non-negative")
+        data = memoryview(self.get(key))[start : start + buffer.nbytes]
+        buffer[: data.nbytes] = data
+        return data.nbytes
+
     def head(self, key: str) -> ObjectInfo | None:
         with self._lock:
             entry = self._objects.get(check_key(key))

@@ -230,6 +230,33 @@ def read_body(raw: Any, deadline: Deadline, read_timeout_s: float, expected: int
         out += chunk
 
 
+def read_body_into(
+    raw: Any, deadline: Deadline, read_timeout_s: float, buffer: memoryview, skip: int = 0
+) -> int:
+    """Like `read_body`, but into `buffer` after discarding the first `skip` bytes (for a server
+    that ignored a range); stops when the buffer is full or the body ends; returns the bytes
+    placed. Each step is one ``read1``: a trickling body cannot pass the deadline."""
+    placed = 0
+    while placed < buffer.nbytes:
+        doing = f"reading the answer ({placed} of {buffer.nbytes} bytes)"
+        left = deadline.check(doing)
+        _set_socket_timeout(raw, min(read_timeout_s, left))
+        try:
+            chunk = raw.read1(min(READ_SIZE, skip or buffer.nbytes - placed))
+        except Exception as error:
+            if deadline.remaining() <= 0:
+                raise deadline.exceeded(doing) from error
+            raise
+        if not chunk:
+            break
+        if skip:
+            skip -= len(chunk)
+            continue
+        buffer[placed : placed + len(chunk)] = chunk
+        placed += len(chunk)
+    return placed
+
+
 def _set_socket_timeout(raw: Any, timeout: float) -> None:
     connection = getattr(raw, "connection", None)
     sock = getattr(connection, "sock", None)

@@ -65,7 +65,7 @@ from spotckpt.storage.base import (
     UploadInfo,
     check_key,
 )
-from spotckpt.storage.retry import Deadline, RetryPolicy, read_body
+from spotckpt.storage.retry import Deadline, RetryPolicy, read_body, read_body_into
 
 log = logging.getLogger("spotckpt.storage")
 T = TypeVar("T")
@@ -469,6 +469,29 @@ class S3Store:
                     return b""
                 raise
             return self._read_body(response, deadline)
+
+        return self._call(what, fetch, deadline)
+
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        if start < 0:
+            raise InvalidArgumentError("range start must be non-negative")
+        if buffer.nbytes == 0:
+            return 0
+        byte_range = f"bytes={start}-{start + buffer.nbytes - 1}"
+        what = f"get {byte_range} of {self.uri}/{key}"
+        deadline = self.options.retry.deadline(what)
+
+        def fetch() -> int:
+            try:
+                response = self.client.get_object(
+                    Bucket=self.bucket, Key=self._full(key), Range=byte_range
+                )
+            except botocore.exceptions.ClientError as error:
+                if _error_code(error) == ("InvalidRange", 416):
+                    return 0
+                raise
+            with response["Body"] as raw:
+                return read_body_into(raw, deadline, self.options.read_timeout_s, buffer)
 
         return self._call(what, fetch, deadline)
 
