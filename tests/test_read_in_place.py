@@ -89,6 +89,7 @@ def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_large_tensors_land_in_their_own_memory_in_parallel_pieces(uri: str) -> None:
+    assert 2 * MIB >= IN_PLACE_MIN_BYTES > 400  # the matrix and each piece qualify, small not
     with _manager(uri) as mgr:
         mgr.save(1, _state(1))
     store = ReadsInto(open_store(uri))
