@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ddp_bench import ddp_table, ddp_target
+
 MIB = 1 << 20
 GIB = 1 << 30
 # What a save may use beyond its parts and staging: the interpreter's and DCP's own allocations
@@ -178,6 +180,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         )
     out.extend(_memory_targets(results, cases, primary))
     out.extend(tier_targets(results))
+    if results.get("ddp"):
+        out.append(ddp_target(results["ddp"]))
     return out
 
 
@@ -653,5 +657,7 @@ def render(results: dict[str, Any]) -> str:
         if extra:
             sections.append(extra)
     sections += _tier_tables(results)
+    if results.get("ddp"):
+        sections.append(ddp_table(results["ddp"]))
     sections.append(_targets_table(results))
     return "\n".join(lines) + "\n\n" + "\n\n".join(sections) + "\n"

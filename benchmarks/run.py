@@ -48,7 +48,11 @@ from bench_servers import (  # noqa: E402
     weed_binary,
 )
 from bench_units import MIB, StateSpec, Unit, summarize  # noqa: E402
+from ddp_bench import run_ddp  # noqa: E402
 from tiers_bench import TierSettings, run_tiers, wanted  # noqa: E402
+
+DDP_PART = "ddp/restore-bytes"
+"""The id of the 4-rank DDP restore section (`ddp_bench`), for ``--only``."""
 
 GIB = 1 << 30
 S3_METHODS = (
@@ -513,8 +517,9 @@ def _main(settings: Settings) -> int:
     guess = _primary(settings.servers)
     needed = {unit.server for unit in plan(settings, guess)}
     tier_parts = wanted(settings.only)
-    if tier_parts and guess is not None:
-        needed.add(guess)  # the fast-tier section's bucket
+    ddp_wanted = not settings.only or any(fnmatch.fnmatch(DDP_PART, p) for p in settings.only)
+    if (tier_parts or ddp_wanted) and guess is not None:
+        needed.add(guess)  # the fast-tier and DDP sections' bucket
     with started_servers(settings, [s for s in settings.servers if s in needed]) as (
         servers,
         notes,
@@ -528,6 +533,7 @@ def _main(settings: Settings) -> int:
             if record["status"] != "ok":
                 print(f"  {unit.uid:<55} {record['status']}: {record.get('error', '')}", flush=True)
         tiers = _tiers(settings, servers, tier_parts, notes)
+        ddp = _ddp(settings, servers) if ddp_wanted else None
         restarts = {name: s.restarts for name, s in servers.items()}
         endpoints = {name: s.endpoint for name, s in servers.items()}
     results = {
@@ -561,6 +567,7 @@ def _main(settings: Settings) -> int:
         },
         "cases": records,
         "tiers": tiers,
+        "ddp": ddp,
     }
     results["targets"] = bench_report.targets(results)
     text = bench_report.render(results)
@@ -597,6 +604,25 @@ def _tiers(
         settings.workdir / "tiers",
         parts,
     )
+
+
+def _ddp(settings: Settings, servers: dict[str, Server]) -> dict[str, Any] | None:
+    """The 4-rank DDP restore section (`ddp_bench`) against the primary store, or None."""
+    store = _primary(list(servers))
+    if store is None:
+        return None
+    print(f"4-rank DDP restore against {store}", flush=True)
+    part = run_ddp(
+        servers[store].endpoint,
+        BUCKET,
+        f"bench-{settings.run_id}/ddp",
+        settings.workdir,
+        state_mib=4 if settings.quick else 64,
+        reps=settings.reps,
+        timeout_s=600.0 * settings.timeout_scale,
+        storage_options={"part_size": settings.part_size, "max_concurrency": settings.concurrency},
+    )
+    return {**part, "store": store}
 
 
 def _primary(servers: list[str]) -> str | None:

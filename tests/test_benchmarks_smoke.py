@@ -195,6 +195,22 @@ def test_fast_tier_section_has_its_parts_sources_and_targets(results: dict[str, 
     assert any(t["target"] == "fast save >= 0.8x raw local write" for t in results["targets"])
 
 
+def test_ddp_section_reads_the_checkpoint_once_against_dcp_per_rank(
+    results: dict[str, Any],
+) -> None:
+    ddp = results["ddp"]
+    assert ddp["status"] == "ok" and ddp["world"] == 4, ddp.get("error")
+    assert ddp["store"] == results["meta"]["primary_server"]
+    size = ddp["checkpoint_bytes"]
+    spot, dcp = ddp["spotckpt"], ddp["dcp_default"]
+    assert len(spot["reps"]) == len(dcp["reps"]) >= 1
+    # spotckpt reads each replicated tensor once; DCP's default planning once per rank.
+    assert size <= spot["bytes_read"] <= 1.05 * size, (spot, size)
+    assert dcp["bytes_read"] >= 3.9 * size, (dcp, size)
+    assert "DDP RESTORE, 4 ranks" in bench_report.render(results)
+    assert any(t["target"].startswith("4-rank DDP restore reads") for t in results["targets"])
+
+
 def test_scale_simulator_reports_every_phase_for_a_small_fsdp_case() -> None:
     scale = ROOT / "benchmarks" / "scale.py"
     command = [sys.executable, str(scale), "--ranks", "8", "--tensors", "20", "--layout", "fsdp"]
