@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import itertools
 import logging
 import math
 import threading
@@ -29,15 +30,17 @@ from collections.abc import Callable
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
@@ -90,8 +93,18 @@ from spotckpt.format.manifest import (
 from spotckpt.format.safetensors_io import (
     DEFAULT_BLOCK_SIZE,
     SafetensorsStreamWriter,
+    StoredRange,
     TensorSpec,
+    block_crcs,
     tensor_bytes,
+)
+from spotckpt.packing import (
+    PACK_PREFIX,
+    PackedMember,
+    PackingSavePlanner,
+    Run,
+    members_of,
+    small_runs,
 )
 from spotckpt.storage.base import ObjectStore
 from spotckpt.values import UnsupportedValueError, ValueLoadError, load_plain
@@ -121,10 +134,12 @@ class RankAssignment:
 
 @dataclass(frozen=True)
 class WrittenItem:
-    """A WriteResult's storage data: where the item's bytes lie, and the object holding them."""
+    """A WriteResult's storage data: where the item's bytes lie, and the object holding them;
+    for a member of a pack (`spotckpt.packing`), also its dtype and shape."""
 
     location: ChunkLocation
     record: ObjectRecord
+    member: PackedMember | None = None
 
 
 SUMMARY_NAME = "__spotckpt__/rank-summary"
@@ -201,6 +216,15 @@ class ObjectStoreWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
+    def save_planner(self, world_size: int) -> SavePlanner:
+        """The planner to save through this writer with: small tensors in packs
+        (`spotckpt.packing`), unless the save writes index parts (from `INDEX_MIN_RANKS` ranks),
+        whose summaries describe DCP's items as they are."""
+        indexed = self.index_parts
+        if indexed is None:
+            indexed = world_size >= INDEX_MIN_RANKS
+        return DefaultSavePlanner() if indexed else PackingSavePlanner()
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.check_step_free()
         attempt = new_attempt_id()
@@ -250,32 +274,50 @@ class ObjectStoreWriter(StorageWriter):
         specs = [self._spec(item, values) for item in ordered]
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
         writer = self.store.open_writer(step_key(self.step, key))
-        ranges = []
+        placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
         with writer:
             stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
             for item, spec in zip(ordered, specs, strict=True):
                 data = values.get(item.index)
                 if data is None:
                     data = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
-                ranges.append(stream.write_tensor(spec.name, data))
-            size, crc = stream.finish()
-        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank)
-        return [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=stored.length,
-                storage_data=WrittenItem(
-                    ChunkLocation(
+                stored = stream.write_tensor(spec.name, data)
+                # While the object's last parts upload: where each item (or member) lies.
+                members = members_of(planner, item.index.fqn)
+                if members is None:
+                    location = ChunkLocation(
                         key=key,
                         offset=stored.offset,
                         length=stored.length,
                         block_crc32c=stored.block_crc32c,
-                    ),
-                    record,
-                ),
-            )
-            for item, stored in zip(ordered, ranges, strict=True)
+                    )
+                    placed.append((item.index, location, None))
+                else:
+                    placed += self._member_locations(members, stored, data, key)
+            size, crc = stream.finish()
+        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank)
+        return [
+            WriteResult(index, location.length, WrittenItem(location, record, member))
+            for index, location, member in placed
         ]
+
+    def _member_locations(
+        self, members: tuple[PackedMember, ...], stored: StoredRange, data: memoryview, key: str
+    ) -> list[tuple[MetadataIndex, ChunkLocation, PackedMember]]:
+        """Where each member of a pack lies in object `key`, with its own block CRC32Cs, as if
+        it had been written alone."""
+        located = []
+        for member in members:
+            piece = data[member.offset : member.offset + member.nbytes]
+            location = ChunkLocation(
+                key=key,
+                offset=stored.offset + member.offset,
+                length=member.nbytes,
+                block_crc32c=block_crcs(piece, self.block_size),
+            )
+            index = MetadataIndex(member.fqn, torch.Size([0] * len(member.shape)))
+            located.append((index, location, member))
+        return located
 
     def write_index_part(
         self, results: list[WriteResult], items: list[WriteItem]
@@ -383,14 +425,18 @@ class ObjectStoreWriter(StorageWriter):
         """Turn DCP's global metadata and every rank's results into the manifest."""
         written: dict[MetadataIndex, WrittenItem] = {}
         objects: dict[str, ObjectRecord] = {}
+        tensors: dict[str, TensorRecord] = {}
         for rank_results in results:
             for result in rank_results:
                 item = result.storage_data
                 written[result.index] = item
                 objects[item.record.key] = item.record
-        tensors: dict[str, TensorRecord] = {}
+                if item.member is not None:
+                    tensors.setdefault(item.member.fqn, _member_record(item))
         values: dict[str, ChunkLocation] = {}
         for fqn, entry in metadata.state_dict_metadata.items():
+            if fqn.startswith(PACK_PREFIX):
+                continue  # its members were recorded above
             if not isinstance(entry, TensorStorageMetadata):
                 values[fqn] = written[MetadataIndex(fqn)].location
                 continue
@@ -425,6 +471,15 @@ class ObjectStoreWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def _member_record(item: WrittenItem) -> TensorRecord:
+    """The manifest record of a packed tensor: one chunk, the whole tensor."""
+    member = cast(PackedMember, item.member)
+    chunk = TensorChunk(
+        offsets=(0,) * len(member.shape), sizes=member.shape, location=item.location
+    )
+    return TensorRecord(dtype=member.dtype, shape=member.shape, chunks=(chunk,))
 
 
 def _value_bytes(data: Any, fqn: str) -> memoryview:
@@ -540,6 +595,10 @@ class ObjectStoreReader(StorageReader):
     dimension of HSDP) is read from the bucket once, by one of them (spread for balance), and
     broadcast to the others inside `read_data`, so a restart reads the checkpoint about once
     whatever the number of replicas.
+
+    With `offer_runs`, the metadata also offers each run of small tensors (`spotckpt.packing`)
+    as one uint8 item, for a load planner that adopts runs (the manager's); plain DCP planners
+    would load such an item as a tensor of its own, so it is off by default.
     """
 
     def __init__(
@@ -551,6 +610,7 @@ class ObjectStoreReader(StorageReader):
         max_read_bytes: int = 16 << 20,
         coalesce_gap: int = 64 << 10,
         group: Any = None,
+        offer_runs: bool = False,
     ) -> None:
         super().__init__()
         self.group = group
@@ -572,6 +632,10 @@ class ObjectStoreReader(StorageReader):
             for fqn, tensor in manifest.tensors.items()
             for chunk in tensor.chunks
         }
+        self.offer_runs = offer_runs
+        self.runs = small_runs(manifest) if offer_runs else {}
+        for name, run in self.runs.items():
+            self._offer_run(name, run)
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
 
@@ -587,8 +651,22 @@ class ObjectStoreReader(StorageReader):
             max_parallel_reads=self.max_parallel_reads,
             max_read_bytes=self.max_read_bytes,
             coalesce_gap=self.coalesce_gap,
+            offer_runs=self.offer_runs,
         )
         return rebuild, (self.store, self.manifest)
+
+    def _offer_run(self, name: str, run: Run) -> None:
+        """Offer DCP a run of small tensors (`spotckpt.packing`) as one more uint8 item, which a
+        load planner may load instead of its members; its bytes are checked member by member."""
+        size = torch.Size([run.length])
+        chunk = ChunkStorageMetadata(torch.Size([0]), size)
+        properties = TensorProperties(dtype=torch.uint8)
+        self.metadata.state_dict_metadata[name] = TensorStorageMetadata(properties, size, [chunk])
+        index = MetadataIndex(name, torch.Size([0]))
+        self.locations[index] = ChunkLocation(
+            key=run.key, offset=run.offset, length=run.length, block_crc32c=()
+        )
+        self.chunk_sizes[index] = ("uint8", (run.length,))
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.stats = ReadStats()
@@ -749,19 +827,24 @@ class ObjectStoreReader(StorageReader):
         return target if need.contiguous and aligned and nbytes >= IN_PLACE_MIN_BYTES else None
 
     def _pieces(self, need: _Need, target: torch.Tensor) -> list[_Fetch]:
-        """An in-place need as fetches of at most `max_read_bytes` (whole CRC blocks), each
-        into its slice of the destination's memory, read in parallel."""
+        """An in-place need as fetches of at most about `max_read_bytes`, each into its slice of
+        the destination's memory, read in parallel; cut at CRC block boundaries, or, for a run
+        of small tensors, at its members' boundaries (each member is checked whole)."""
         memory = target.reshape(-1).view(torch.uint8).numpy().data
-        block = self.chunks.block_size
-        step = max(1, self.max_read_bytes // block) * block
+        run = self.runs.get(need.request.storage_index.fqn)
+        cuts = self._block_cuts(need) if run is None else _member_cuts(run, self.max_read_bytes)
         fetches = []
-        for start in range(need.start, need.end, step):
-            end = min(need.end, start + step)
-            piece = dataclasses.replace(need, start=start, end=end, first_block=start // block)
-            offset = need.location.offset
+        offset = need.location.offset
+        for start, end in itertools.pairwise([*cuts, need.end]):
+            first_block = start // self.chunks.block_size
+            piece = dataclasses.replace(need, start=start, end=end, first_block=first_block)
             into = memory[start - need.start : end - need.start]
             fetches.append(_Fetch(need.location.key, offset + start, offset + end, [piece], into))
         return fetches
+
+    def _block_cuts(self, need: _Need) -> list[int]:
+        block = self.chunks.block_size
+        return list(range(need.start, need.end, max(1, self.max_read_bytes // block) * block))
 
     def _need(self, item: ReadItem) -> _Need:
         location = self.locations.get(item.storage_index)
@@ -812,16 +895,28 @@ class ObjectStoreReader(StorageReader):
         self.chunks.read_into(fetch.key, fetch.start, view, names)
         for need in fetch.needs:
             base = need.location.offset + need.start - fetch.start
-            self.chunks.verify(
-                view[base : base + need.end - need.start],
-                need.location,
-                need.first_block,
-                need.request.storage_index.fqn,
-            )
+            piece = view[base : base + need.end - need.start]
+            run = self.runs.get(need.request.storage_index.fqn)
+            if run is None:
+                fqn = need.request.storage_index.fqn
+                self.chunks.verify(piece, need.location, need.first_block, fqn)
+            else:
+                self._verify_run(run, need, piece)
         with self._stats_lock:
             self.stats.bytes_read += view.nbytes
             self.stats.requests += 1
         return view
+
+    def _verify_run(self, run: Run, need: _Need, piece: memoryview) -> None:
+        """Check each member of a run, in the piece `need.start`..`need.end` of it (cut at
+        member boundaries), on its own bytes."""
+        start, end = run.offset + need.start, run.offset + need.end
+        for member in run.members:
+            at = member.location.offset
+            empty_at_end = member.location.length == 0 and at == end == run.offset + run.length
+            if start <= at < end or empty_at_end:
+                member_bytes = piece[at - start : at - start + member.location.length]
+                self.chunks.verify(member_bytes, member.location, 0, member.fqn)
 
     def _deliver(
         self, need: _Need, buffer: memoryview, buffer_start: int, planner: LoadPlanner
@@ -850,6 +945,16 @@ class ObjectStoreReader(StorageReader):
             )
         target.copy_(source)
         planner.commit_tensor(item, target)
+
+
+def _member_cuts(run: Run, step: int) -> list[int]:
+    """Offsets within a run where pieces of about `step` bytes start, at member boundaries."""
+    cuts = [0]
+    for member in run.members:
+        at = member.location.offset - run.offset
+        if at - cuts[-1] >= step:
+            cuts.append(at)
+    return cuts
 
 
 def _first_failure(

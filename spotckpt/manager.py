@@ -20,13 +20,18 @@ from typing import Any, cast
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from spotckpt.catalog import Catalog, step_folder
+from spotckpt.collector import collector_paused
 from spotckpt.config import Config, ConfigError, Settings
 from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats, wanted_boxes
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
@@ -34,6 +39,7 @@ from spotckpt.errors import (
     CheckpointAlreadyCommittedError,
     CheckpointError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     ManifestError,
     NoCheckpointError,
     SaveFailedError,
@@ -49,6 +55,7 @@ from spotckpt.format.index import (
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
+from spotckpt.packing import RUN_PREFIX, Run, Unpack, adopt_runs
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.state import (
     RNG_KEY,
@@ -82,25 +89,57 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
     are never unexpected: a restore on fewer ranks leaves some unread.
     """
 
-    def __init__(self, allow_missing: bool, allow_unexpected: bool) -> None:
+    def __init__(
+        self, allow_missing: bool, allow_unexpected: bool, runs: Mapping[str, Run] | None = None
+    ) -> None:
         super().__init__(allow_partial_load=allow_missing)
         self.allow_unexpected = allow_unexpected
+        self.runs = dict(runs or {})
+        self.wanted: list[str] = []
+        self.unpacks: dict[str, Unpack] = {}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """DCP's set-up, then runs of small tensors (`spotckpt.packing`) adopted where the
+        destination can take them whole."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self.wanted = sorted(self.state_dict)
+        self.state_dict, self.unpacks = adopt_runs(self.state_dict, self.runs)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """A loaded run goes to its members' destinations."""
+        unpack = self.unpacks.get(read_item.dest_index.fqn)
+        if unpack is not None:
+            unpack(tensor)
 
     def create_local_plan(self) -> LoadPlan:
         stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
-        missing = sorted(set(self.state_dict) - stored)
+        missing = sorted(set(self.wanted) - stored)
         if missing and not self.allow_partial_load:
             raise KeyMismatchError(
                 f"missing from the checkpoint: {_some(missing)} (pass strict=False to restore() "
                 "to allow this)"
             )
-        plan = super().create_local_plan()
-        return dataclasses.replace(plan, planner_data=sorted(self.state_dict))
+        # DCP's own create_local_plan re-flattens the whole state when checkpoint keys are not
+        # in the state (for checkpoints of torch < 2.4, which spotckpt never wrote): that would
+        # undo the adopted runs, whose members are such keys.
+        if self.metadata is None:
+            raise InvalidArgumentError("the load planner was not set up with metadata")
+        plan = create_default_local_load_plan(
+            self.state_dict, self.metadata, not self.allow_partial_load
+        )
+        return dataclasses.replace(plan, planner_data=self.wanted)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         wanted = {key for plan in global_plan for key in (plan.planner_data or ())}
         stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
-        unexpected = sorted(k for k in stored - wanted if not k.startswith(f"{RNG_KEY}."))
+        unexpected = sorted(
+            k for k in stored - wanted if not k.startswith((f"{RNG_KEY}.", RUN_PREFIX))
+        )
         if unexpected and not self.allow_unexpected:
             raise KeyMismatchError(
                 f"in the checkpoint but not in the state: {_some(unexpected)} (pass "
@@ -250,6 +289,20 @@ class CheckpointManager:
         self._check_open()
         blocking = not self.async_save if blocking is None else blocking
         self.wait()
+        with collector_paused():
+            self._start_save(step, state, blocking, user_metadata, emergency, durable)
+
+    def _start_save(
+        self,
+        step: int,
+        state: TrainState | Mapping[str, Any],
+        blocking: bool,
+        user_metadata: Mapping[str, Any] | None,
+        emergency: bool,
+        durable: bool,
+    ) -> None:
+        """A save from its start to its commit (blocking) or to its hand-over to the
+        background (async), with the garbage collector paused (`spotckpt.collector`)."""
         self._saves += 1
         progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
         self._progress = progress
@@ -273,6 +326,7 @@ class CheckpointManager:
         response = dcp.async_save(
             state_dict,
             storage_writer=writer,
+            planner=writer.save_planner(self.collective.world_size),
             process_group=self.collective.save_group,
             async_stager=self._async_stager(),
             no_dist=self.group is None,
@@ -330,6 +384,7 @@ class CheckpointManager:
             response = dcp.async_save(
                 state_dict,
                 storage_writer=writer,
+                planner=writer.save_planner(self.collective.world_size),
                 process_group=self.collective.save_group,
                 async_stager=self._async_stager(),
                 no_dist=self.group is None,
@@ -436,6 +491,7 @@ class CheckpointManager:
         dcp.save(
             state_dict,
             storage_writer=writer,
+            planner=writer.save_planner(self.collective.world_size),
             process_group=self.collective.save_group,
             no_dist=self.group is None,
         )
@@ -676,7 +732,8 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         started = time.monotonic()
-        restored = self._restore_any(state, step, fallback, strict)
+        with collector_paused():
+            restored = self._restore_any(state, step, fallback, strict)
         if self.tier is not None:
             self.tier.discard_newer(restored)
         self.goodput.restored(restored, time.monotonic() - started)
@@ -754,7 +811,7 @@ class CheckpointManager:
     ) -> ReadStats:
         """Load `manifest`'s checkpoint from `store` into `state`; returns job-wide read stats."""
         step = manifest.step
-        reader = ObjectStoreReader(store, manifest, group=self.group)
+        reader = ObjectStoreReader(store, manifest, group=self.group, offer_runs=True)
         started = time.monotonic()
         loaded = as_dcp_state(state)
         try:
@@ -762,7 +819,7 @@ class CheckpointManager:
                 dcp.load(
                     loaded,
                     storage_reader=reader,
-                    planner=self._planner(strict),
+                    planner=self._planner(strict, reader.runs),
                     process_group=self.group,
                     no_dist=self.group is None,
                 )
@@ -790,8 +847,8 @@ class CheckpointManager:
         return state.restoring(step, saved_world, self.rank, self.world_size)
 
     @staticmethod
-    def _planner(strict: bool) -> CheckedLoadPlanner:
-        return CheckedLoadPlanner(allow_missing=not strict, allow_unexpected=not strict)
+    def _planner(strict: bool, runs: Mapping[str, Run] | None = None) -> CheckedLoadPlanner:
+        return CheckedLoadPlanner(allow_missing=not strict, allow_unexpected=not strict, runs=runs)
 
     def _restore_from_tier(
         self, state: TrainState | Mapping[str, Any], durable: int | None, strict: bool

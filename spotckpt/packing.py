@@ -1,0 +1,270 @@
+"""Packs of small tensors: DCP plans and writes a few large items instead of thousands of tiny ones.
+
+DCP's planning and a storage writer's per-item work cost tens of microseconds per tensor, so a
+state of 20,000 small tensors (an MoE model's per-expert biases and norms, their optimizer
+state) spends most of a save on bookkeeping. `PackingSavePlanner` is DCP's default save planner
+plus one step after flattening: plain tensors of at most `PACK_MAX_TENSOR_BYTES` (not DTensors
+or other tensor subclasses: those shard) are concatenated, per device and in name order, into
+uint8 packs of at most `PACK_MAX_BYTES`, each a single DCP item named ``__spotckpt_pack__/<digest
+of its members' names, dtypes and shapes>``. Ranks that hold the same small tensors (replicas)
+build the same pack under the same name, which DCP writes once, like any replicated tensor.
+
+The writer stores a pack's bytes as they are and records every member in the manifest as a
+tensor of its own, one chunk with its own location and block CRC32Cs inside the pack's bytes:
+the manifest, and so every export and verify, cannot tell a packed tensor from one saved alone.
+
+Restores get the same saving from the manifest alone (`small_runs`): small whole tensors that
+lie back to back in one object (a pack's members, and DCP's own safetensors entries of older
+checkpoints alike) form a `Run`, which the reader offers DCP as one more uint8 item. A load
+planner that finds every member of a run in its destination, as plain contiguous CPU tensors of
+the stored dtype and shape, loads the run instead (`adopt_runs`): one read item and one ranged
+read, every member's CRC32Cs checked on its own bytes, then one copy per member. Members whose
+destinations differ are planned one by one, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from spotckpt.errors import InvalidTypeError
+from spotckpt.format.dtypes import BY_NAME, dtype_of
+from spotckpt.format.manifest import ChunkLocation, Manifest
+
+PACK_PREFIX = "__spotckpt_pack__/"
+PACK_MAX_TENSOR_BYTES = 64 << 10
+"""The largest tensor that goes into a pack (one CRC block); larger ones gain nothing."""
+PACK_MAX_BYTES = 64 << 20
+"""The most bytes in one pack, so that packs spread over ranks and stay bounded in memory."""
+PACK_MIN_TENSORS = 16
+"""Fewer small tensors than this on a rank are saved as they are (or, restoring, read so)."""
+RUN_PREFIX = "__spotckpt_run__/"
+
+
+@dataclass(frozen=True)
+class PackedMember:
+    """One tensor inside a pack: its name, stored dtype, shape and byte range in the pack."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _plain_tensor(value: Any) -> bool:
+    """A tensor that is not a DTensor or any other subclass (a Parameter is fine)."""
+    return type(value) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _packable(value: Any) -> bool:
+    if not _plain_tensor(value) or value.nbytes > PACK_MAX_TENSOR_BYTES:
+        return False
+    try:
+        dtype_of(value.dtype)
+    except InvalidTypeError:
+        return False
+    return value.device.type != "meta"
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _pack(
+    group: list[tuple[str, torch.Tensor]],
+) -> tuple[str, torch.Tensor, tuple[PackedMember, ...]]:
+    members, offset = [], 0
+    for fqn, tensor in group:
+        dtype = dtype_of(tensor.dtype).name
+        members.append(PackedMember(fqn, dtype, tuple(tensor.shape), offset, tensor.nbytes))
+        offset += tensor.nbytes
+    digest = hashlib.sha256(
+        "\n".join(f"{m.fqn}\t{m.dtype}\t{list(m.shape)}" for m in members).encode()
+    ).hexdigest()[:32]
+    data = torch.cat([_flat_bytes(tensor) for _fqn, tensor in group])
+    return PACK_PREFIX + digest, data, tuple(members)
+
+
+def pack_small_tensors(
+    flat: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, tuple[PackedMember, ...]]]:
+    """A flattened state dict with its small plain tensors replaced by packs, and the packs'
+    members by pack name (unchanged, with no packs, when there are too few small tensors)."""
+    small = sorted(((f, v) for f, v in flat.items() if _packable(v)), key=lambda e: e[0])
+    if len(small) < PACK_MIN_TENSORS:
+        return flat, {}
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for fqn, tensor in small:
+        by_device.setdefault(tensor.device, []).append((fqn, tensor))
+    packed = dict(flat)
+    packs: dict[str, tuple[PackedMember, ...]] = {}
+    for tensors in by_device.values():
+        for group in _groups(tensors):
+            name, data, members = _pack(group)
+            packed[name], packs[name] = data, members
+            for member in members:
+                del packed[member.fqn]
+    return packed, packs
+
+
+def _groups(tensors: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of `tensors` of at most `PACK_MAX_BYTES` each."""
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for fqn, tensor in tensors:
+        if group and size + tensor.nbytes > PACK_MAX_BYTES:
+            yield group
+            group, size = [], 0
+        group.append((fqn, tensor))
+        size += tensor.nbytes
+    if group:
+        yield group
+
+
+class PackingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that saves small plain tensors in packs (module docstring).
+
+    `packs` maps each pack's name to its members once `set_up_planner` ran; the storage writer
+    reads it to record the members.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packs: dict[str, tuple[PackedMember, ...]] = {}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.state_dict, self.packs = pack_small_tensors(self.state_dict)
+
+
+def members_of(planner: Any, fqn: str) -> tuple[PackedMember, ...] | None:
+    """The members of the pack `fqn` if `planner` packed it, else None."""
+    packs = getattr(planner, "packs", None)
+    return packs.get(fqn) if isinstance(packs, dict) and fqn.startswith(PACK_PREFIX) else None
+
+
+# Restoring: runs of small tensors ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunMember:
+    """One tensor of a run: its name, stored dtype and shape, and its own location."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    location: ChunkLocation
+
+
+@dataclass(frozen=True)
+class Run:
+    """Small whole tensors stored back to back in one object: bytes `offset`.. `offset +
+    length` of object `key`, the members in order."""
+
+    key: str
+    offset: int
+    length: int
+    members: tuple[RunMember, ...]
+
+
+def small_runs(manifest: Manifest) -> dict[str, Run]:
+    """Every run of at least `PACK_MIN_TENSORS` small whole tensors lying back to back in an
+    object of `manifest` (at most `PACK_MAX_BYTES` each), by run name."""
+    candidates = [
+        RunMember(fqn, record.dtype, record.shape, record.chunks[0].location)
+        for fqn, record in manifest.tensors.items()
+        if len(record.chunks) == 1 and record.chunks[0].location.length <= PACK_MAX_TENSOR_BYTES
+    ]
+    candidates.sort(key=lambda m: (m.location.key, m.location.offset, m.fqn))
+    runs: dict[str, Run] = {}
+    group: list[RunMember] = []
+    for member in candidates:
+        if group and not _extends(group, member.location):
+            _close(group, runs)
+            group = []
+        group.append(member)
+    _close(group, runs)
+    return runs
+
+
+def _extends(group: list[RunMember], location: ChunkLocation) -> bool:
+    first, last = group[0].location, group[-1].location
+    return (
+        location.key == last.key
+        and location.offset == last.offset + last.length
+        and location.offset + location.length - first.offset <= PACK_MAX_BYTES
+    )
+
+
+def _close(group: list[RunMember], runs: dict[str, Run]) -> None:
+    if len(group) < PACK_MIN_TENSORS:
+        return
+    first, last = group[0].location, group[-1].location
+    length = last.offset + last.length - first.offset
+    runs[f"{RUN_PREFIX}{first.key}@{first.offset}"] = Run(
+        first.key, first.offset, length, tuple(group)
+    )
+
+
+@dataclass(frozen=True)
+class Unpack:
+    """Where a loaded run's bytes go: each member's destination bytes and its range in the run."""
+
+    targets: tuple[tuple[torch.Tensor, int, int], ...]
+
+    def __call__(self, run_bytes: torch.Tensor) -> None:
+        """Copy each member's bytes from the loaded run into its destination."""
+        for target, start, end in self.targets:
+            target.copy_(run_bytes[start:end])
+
+
+def adopt_runs(
+    state_dict: dict[str, Any], runs: dict[str, Run]
+) -> tuple[dict[str, Any], dict[str, Unpack]]:
+    """A flattened destination state dict in which each run whose members are all there, as
+    plain contiguous CPU tensors of the stored dtype and shape, replaces them by one uint8
+    buffer (the run's item); and how to unpack each adopted run once loaded."""
+    adopted = dict(state_dict)
+    unpacks: dict[str, Unpack] = {}
+    for name, run in runs.items():
+        targets = []
+        for member in run.members:
+            target: Any = state_dict.get(member.fqn)
+            if not _fits(target, member):
+                break
+            start = member.location.offset - run.offset
+            targets.append(
+                (
+                    target.detach().reshape(-1).view(torch.uint8),
+                    start,
+                    start + member.location.length,
+                )
+            )
+        else:
+            for member in run.members:
+                del adopted[member.fqn]
+            adopted[name] = torch.empty(run.length, dtype=torch.uint8)
+            unpacks[name] = Unpack(tuple(targets))
+    return adopted, unpacks
+
+
+def _fits(target: Any, member: RunMember) -> bool:
+    return (
+        _plain_tensor(target)
+        and target.device.type == "cpu"
+        and target.dtype == BY_NAME[member.dtype].torch_dtype
+        and tuple(target.shape) == member.shape
+        and target.is_contiguous()
+    )
