@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from bench_units import S3_METHODS
 from ddp_bench import ddp_table, ddp_target
 
 MIB = 1 << 20
@@ -13,14 +14,7 @@ GIB = 1 << 30
 # (plans, metadata, the manifest), thread stacks, and the HTTP client's buffers.
 MEMORY_ALLOWANCE = 64 * MIB
 
-S3_ORDER = (
-    "spotckpt",
-    "dcp_fsspec",
-    "torch_save_boto3",
-    "s3torchconnector",
-    "raw_boto3",
-    "raw_boto3_single",
-)
+S3_ORDER = S3_METHODS
 RAW_GETS = ("raw_boto3", "raw_boto3_single")
 """The raw restores; the faster one is the reference ('best raw get')."""
 LOCAL_ORDER = ("spotckpt", "dcp_fs", "torch_save_file", "raw_file")

@@ -9,6 +9,15 @@ from typing import Any
 MIB = 1 << 20
 GIB = 1 << 30
 REGION = "us-east-1"
+S3_METHODS = (
+    "spotckpt",
+    "dcp_fsspec",
+    "torch_save_boto3",
+    "s3torchconnector",
+    "raw_boto3",
+    "raw_boto3_single",
+)
+"""The ways of checkpointing to S3 that every run measures, in report order."""
 
 
 @dataclass

@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -55,6 +54,7 @@ from bench_servers import (  # noqa: E402
     weed_binary,
 )
 from bench_units import MIB  # noqa: E402
+from tiers_bench import agree, job_timed  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 600
 LAYERS = 4
@@ -318,28 +318,6 @@ def _same(model: Any, optimizer: Any, fresh: Any, fresh_optimizer: Any) -> bool:
     return True
 
 
-def _agree(ok: bool, what: str) -> None:
-    """Raise on every rank when `ok` is false on any (no rank waits for a failed one)."""
-    import torch.distributed as dist
-
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, ok)
-    bad = [rank for rank, flag in enumerate(flags) if not flag]
-    if bad:
-        raise RuntimeError(f"{what} on rank(s) {bad}")
-
-
-def _job_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Job-wide seconds of `fn`: from a barrier before it to a barrier after it."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    started = time.perf_counter()
-    value = fn()
-    dist.barrier()
-    return time.perf_counter() - started, value
-
-
 def _manager(args: dict[str, Any]) -> Any:
     from spotckpt import CheckpointManager
 
@@ -420,11 +398,11 @@ def rank_bench(rank: int, args: dict[str, Any]) -> dict[str, Any]:
         for rep in range(args["reps"]):
             for method, restore in restores.items():
                 _perturb(fresh, fresh_optimizer)
-                _agree(not _same(model, optimizer, fresh, fresh_optimizer), "perturbing failed")
-                seconds, (step_ok, read, requests) = _job_timed(
+                agree(not _same(model, optimizer, fresh, fresh_optimizer), "perturbing failed")
+                seconds, (step_ok, read, requests) = job_timed(
                     partial(restore, fresh, fresh_optimizer)
                 )
-                _agree(
+                agree(
                     step_ok and _same(model, optimizer, fresh, fresh_optimizer),
                     f"the {method} restore differs from the saved values",
                 )

@@ -47,7 +47,7 @@ from bench_servers import (  # noqa: E402
     delete_prefix,
     weed_binary,
 )
-from bench_units import MIB, StateSpec, Unit, summarize  # noqa: E402
+from bench_units import MIB, S3_METHODS, StateSpec, Unit, summarize  # noqa: E402
 from ddp_bench import run_ddp  # noqa: E402
 from tiers_bench import TierSettings, run_tiers, wanted  # noqa: E402
 
@@ -55,14 +55,6 @@ DDP_PART = "ddp/restore-bytes"
 """The id of the 4-rank DDP restore section (`ddp_bench`), for ``--only``."""
 
 GIB = 1 << 30
-S3_METHODS = (
-    "spotckpt",
-    "dcp_fsspec",
-    "torch_save_boto3",
-    "s3torchconnector",
-    "raw_boto3",
-    "raw_boto3_single",
-)
 LOCAL_METHODS = ("spotckpt", "dcp_fs", "torch_save_file", "raw_file")
 MOTO_RESTART_RSS = 2 * GIB
 

@@ -484,7 +484,7 @@ def _rank_state(rank: int, nbytes: int) -> dict[str, Any]:
     return {f"rank{rank}.{key}": value for key, value in built.items()}
 
 
-def _job_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def job_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     """Job-wide seconds of `fn`: from a barrier before it to a barrier after it."""
     import torch.distributed as dist
 
@@ -496,7 +496,7 @@ def _job_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, value
 
 
-def _agree(ok: bool, what: str) -> None:
+def agree(ok: bool, what: str) -> None:
     """Raise on every rank when `ok` is false on any (no rank waits for a failed one)."""
     import torch.distributed as dist
 
@@ -518,9 +518,9 @@ def node_save(rank: int, world: int, args: dict[str, Any]) -> None:
     bucket = _bucket_manager(args, _uri(args))
     reps = []
     for step in range(1, args["reps"] + 1):
-        fast, _ = _job_timed(partial(_fast_save, tier, step, state))
-        _agree(_in_tier(tier, step), f"the fast save of step {step} is not in the tier")
-        durable, _ = _job_timed(partial(bucket.save, step, state, blocking=True))
+        fast, _ = job_timed(partial(_fast_save, tier, step, state))
+        agree(_in_tier(tier, step), f"the fast save of step {step} is not in the tier")
+        durable, _ = job_timed(partial(bucket.save, step, state, blocking=True))
         reps.append({"fast_save_s": fast, "bucket_save_s": durable})
         print(f"step {step}: {json.dumps(reps[-1])}", flush=True)
     tier.close()
@@ -556,8 +556,8 @@ def node_restore(rank: int, world: int, args: dict[str, Any]) -> None:
         for source, make in makers.items():
             _zero(dest)
             with contextlib.closing(make()) as manager:
-                seconds, (step, sources) = _job_timed(partial(_restore, manager, {"model": dest}))
-            _agree(step == args["reps"] and same_state(dest, tensors), f"{source} restore differs")
+                seconds, (step, sources) = job_timed(partial(_restore, manager, {"model": dest}))
+            agree(step == args["reps"] and same_state(dest, tensors), f"{source} restore differs")
             measured[f"{source}_restore_s"] = seconds
             measured[f"{source}_restore_sources"] = sources
         reps.append(measured)

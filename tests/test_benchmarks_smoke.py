@@ -22,14 +22,7 @@ RUN = ROOT / "benchmarks" / "run.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_report  # noqa: E402
 
-S3_METHODS = (
-    "spotckpt",
-    "dcp_fsspec",
-    "torch_save_boto3",
-    "s3torchconnector",
-    "raw_boto3",
-    "raw_boto3_single",
-)
+S3_METHODS = bench_report.S3_ORDER
 LOCAL_METHODS = ("spotckpt", "dcp_fs", "torch_save_file", "raw_file")
 # Optional tools: reported as skipped, with the reason, when not installed.
 OPTIONAL = {"s3torchconnector"}

@@ -733,16 +733,20 @@ class GCSStore:
         bucket, name = quote(self.bucket, safe=""), quote(self.full_name(key), safe="")
         return f"{self.endpoint}/download/storage/v1/b/{bucket}/o/{name}?alt=media"
 
-    def _download(self, key: str, deadline: Deadline, first: int, last: int | None) -> bytes:
-        """One media GET of bytes `first`..`last` (None: the whole object), deadline-bound."""
+    def _media_get(
+        self, key: str, deadline: Deadline, first: int, last: int | None
+    ) -> requests.Response:
+        """Send one streamed media GET of bytes `first`..`last` (None: the whole object)."""
         headers = {"Accept-Encoding": "gzip"}  # with a raw read: the stored bytes as they are
         if last is not None:
             headers["Range"] = f"bytes={first}-{last}"
         left = deadline.check("sending the request")
         timeout = (min(self.timeout[0], left), min(self.timeout[1], left))
-        response = self.session.get(
-            self.media_url(key), headers=headers, stream=True, timeout=timeout
-        )
+        return self.session.get(self.media_url(key), headers=headers, stream=True, timeout=timeout)
+
+    def _download(self, key: str, deadline: Deadline, first: int, last: int | None) -> bytes:
+        """One media GET of bytes `first`..`last` (None: the whole object), deadline-bound."""
+        response = self._media_get(key, deadline, first, last)
         with response:
             status = response.status_code
             if last is not None and status == 416:
@@ -813,15 +817,7 @@ class GCSStore:
 
     def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
         """One ranged media GET into `buffer`, deadline-bound."""
-        headers = {
-            "Accept-Encoding": "gzip",  # with a raw read: the stored bytes as they are
-            "Range": f"bytes={start}-{start + buffer.nbytes - 1}",
-        }
-        left = deadline.check("sending the request")
-        timeout = (min(self.timeout[0], left), min(self.timeout[1], left))
-        response = self.session.get(
-            self.media_url(key), headers=headers, stream=True, timeout=timeout
-        )
+        response = self._media_get(key, deadline, start, start + buffer.nbytes - 1)
         with response:
             status = response.status_code
             if status == 416:
