@@ -8,8 +8,8 @@ create-only, the commit point, then the ``latest.json`` hint).
 
 Load: ``read_metadata`` comes from a validated `Manifest`; ``read_data`` first checks that every
 object it reads from exists with the manifest's size, then fetches with parallel ranged reads.
-A tensor piece of 1 MiB or more that can take the stored bytes as they are (a contiguous CPU
-destination of the stored dtype and shape) is read straight into the destination's memory, in
+A tensor piece of half a read (8 MiB) or more that can take the stored bytes as they are (a
+contiguous CPU destination of the stored dtype and shape) is read straight into its memory, in
 pieces of at most ``max_read_bytes``, and its CRC32C blocks are checked there, in the reading
 thread: no intermediate buffer, no copy. Smaller pieces (and those needing a strided copy or
 another device) are widened to CRC block boundaries, coalesced with their neighbours into one
@@ -113,10 +113,11 @@ log = logging.getLogger("spotckpt")
 VALUE_PREFIX = "__value__/"
 
 
-IN_PLACE_MIN_BYTES = 1 << 20
-"""From this size on, a tensor piece is read straight into its destination, in pieces of at most
-``max_read_bytes`` read in parallel; smaller ones are coalesced with their neighbours into one
-ranged read each and copied out (a request per small tensor would cost more than the copy)."""
+IN_PLACE_SHARE = 2
+"""A tensor piece of at least ``max_read_bytes / IN_PLACE_SHARE`` (8 MiB by default) is read
+straight into its destination, in pieces of at most ``max_read_bytes`` read in parallel; smaller
+ones are coalesced with their neighbours into ranged reads of up to ``max_read_bytes`` and
+copied out: a request of its own per mid-sized tensor would cost more than the copy."""
 
 INDEX_MIN_RANKS = 32
 """From this many ranks on, a save writes an indexed manifest (`spotckpt.format.index`)."""
@@ -808,7 +809,7 @@ class ObjectStoreReader(StorageReader):
         """Resolve a tensor need's destination (kept in `need.target`); return it when the
         stored bytes can be read straight into its memory: a CPU tensor, contiguous, of the
         stored dtype and shape, whose piece is contiguous in the chunk, block-aligned and at
-        least `IN_PLACE_MIN_BYTES`."""
+        least half a read (`IN_PLACE_SHARE`)."""
         item = need.request
         if item.type == LoadItemType.BYTE_IO:
             return None
@@ -824,7 +825,8 @@ class ObjectStoreReader(StorageReader):
             and tuple(target.shape) == tuple(item.lengths)
         )
         aligned = (need.start, need.end) == (need.wanted_start, need.wanted_end)
-        return target if need.contiguous and aligned and nbytes >= IN_PLACE_MIN_BYTES else None
+        large = nbytes >= self.max_read_bytes // IN_PLACE_SHARE
+        return target if need.contiguous and aligned and large else None
 
     def _pieces(self, need: _Need, target: torch.Tensor) -> list[_Fetch]:
         """An in-place need as fetches of at most about `max_read_bytes`, each into its slice of

@@ -41,7 +41,7 @@ def _state(step: int) -> dict[str, Any]:
     model["half"] = torch.randn(64, generator=generator).to(torch.bfloat16)
     model["mask"] = torch.rand(33, generator=generator) > 0.5
     model["ids"] = torch.arange(40, dtype=torch.int64) * step
-    model["big"] = torch.randn(1 << 18, generator=generator)  # 1 MiB: saved as it is
+    model["big"] = torch.randn(1 << 19, generator=generator)  # 2 MiB: saved as it is
     return {"model": model, "meta": {"epoch": step}}
 
 

@@ -1,10 +1,10 @@
 """Restores read large tensors straight into the destination's memory, and stay correct.
 
-A tensor piece of `IN_PLACE_MIN_BYTES` or more whose destination can take the stored bytes as
-they are is fetched by parallel ranged reads of at most ``max_read_bytes`` into the tensor's own
-memory and verified there; everything else is coalesced, read into a buffer and copied. These
-tests run against a moto server over HTTP and a local folder, count the reads the store was
-asked for, and damage real bytes.
+A tensor piece of half a read (``max_read_bytes / IN_PLACE_SHARE``) or more whose destination
+can take the stored bytes as they are is fetched by parallel ranged reads of at most
+``max_read_bytes`` into the tensor's own memory and verified there; everything else is
+coalesced, read into a buffer and copied. These tests run against a moto server over HTTP and a
+local folder, count the reads the store was asked for, and damage real bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import spotckpt.manager
 from spotckpt import CheckpointManager, CorruptCheckpointError
 from spotckpt.catalog import step_folder
-from spotckpt.dcp import IN_PLACE_MIN_BYTES
+from spotckpt.dcp import IN_PLACE_SHARE
 from spotckpt.format.manifest import Manifest
 from spotckpt.storage import ObjectStore, open_store
 
@@ -89,7 +89,7 @@ def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_large_tensors_land_in_their_own_memory_in_parallel_pieces(uri: str) -> None:
-    assert 2 * MIB >= IN_PLACE_MIN_BYTES > 400  # the matrix and each piece qualify, small not
+    assert 2 * MIB >= PIECE // IN_PLACE_SHARE > 400  # the matrix and pieces qualify, small not
     with _manager(uri) as mgr:
         mgr.save(1, _state(1))
     store = ReadsInto(open_store(uri))
