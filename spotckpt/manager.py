@@ -87,6 +87,9 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
     Missing keys are checked on each rank; unexpected ones on the coordinator against the union
     of what all ranks asked for (ranks may legitimately own different keys). Per-rank RNG keys
     are never unexpected: a restore on fewer ranks leaves some unread.
+
+    With the reader's `runs` (`spotckpt.packing`), small tensors stored back to back are loaded
+    as one item each run, where every member's destination fits, and unpacked when committed.
     """
 
     def __init__(
