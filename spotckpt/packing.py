@@ -4,9 +4,10 @@ DCP's planning and a storage writer's per-item work cost tens of microseconds pe
 state of 20,000 small tensors (an MoE model's per-expert biases and norms, their optimizer
 state) spends most of a save on bookkeeping. `PackingSavePlanner` is DCP's default save planner
 plus one step after flattening: plain tensors of at most `PACK_MAX_TENSOR_BYTES` (not DTensors
-or other tensor subclasses: those shard) are concatenated, per device and in name order, into
-uint8 packs of at most `PACK_MAX_BYTES`, each a single DCP item named ``__spotckpt_pack__/<digest
-of its members' names, dtypes and shapes>``. Ranks that hold the same small tensors (replicas)
+or other tensor subclasses: those shard) are grouped, per device and in name order, into uint8
+packs of at most `PACK_MAX_BYTES`, each a single DCP item named ``__spotckpt_pack__/<digest of
+its members' names, dtypes and shapes>``. DCP plans with a placeholder that holds no memory; a
+pack's bytes are concatenated only when the writer asks for them, one pack at a time. Ranks that hold the same small tensors (replicas)
 build the same pack under the same name, which DCP writes once, like any replicated tensor.
 
 The writer stores a pack's bytes as they are and records every member in the manifest as a
@@ -27,11 +28,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import WriteItem
 
 from spotckpt.errors import InvalidTypeError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
@@ -78,9 +80,25 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _pack(
-    group: list[tuple[str, torch.Tensor]],
-) -> tuple[str, torch.Tensor, tuple[PackedMember, ...]]:
+@dataclass(frozen=True)
+class Pack:
+    """One pack: its members' layout, and the tensors whose bytes it holds (in that order)."""
+
+    members: tuple[PackedMember, ...]
+    sources: tuple[torch.Tensor, ...]
+
+    def data(self) -> torch.Tensor:
+        """The pack's bytes, built now: the writer asks for one pack at a time, so a save holds
+        at most one pack's copy, never one of every small tensor at once."""
+        return torch.cat([_flat_bytes(tensor) for tensor in self.sources])
+
+    def placeholder(self) -> torch.Tensor:
+        """What DCP plans with: a uint8 tensor of the pack's size that holds no memory."""
+        nbytes = sum(member.nbytes for member in self.members)
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
+def _pack(group: list[tuple[str, torch.Tensor]]) -> tuple[str, Pack]:
     members, offset = [], 0
     for fqn, tensor in group:
         dtype = dtype_of(tensor.dtype).name
@@ -89,15 +107,12 @@ def _pack(
     digest = hashlib.sha256(
         "\n".join(f"{m.fqn}\t{m.dtype}\t{list(m.shape)}" for m in members).encode()
     ).hexdigest()[:32]
-    data = torch.cat([_flat_bytes(tensor) for _fqn, tensor in group])
-    return PACK_PREFIX + digest, data, tuple(members)
+    return PACK_PREFIX + digest, Pack(tuple(members), tuple(t for _f, t in group))
 
 
-def pack_small_tensors(
-    flat: dict[str, Any],
-) -> tuple[dict[str, Any], dict[str, tuple[PackedMember, ...]]]:
-    """A flattened state dict with its small plain tensors replaced by packs, and the packs'
-    members by pack name (unchanged, with no packs, when there are too few small tensors)."""
+def pack_small_tensors(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Pack]]:
+    """A flattened state dict with its small plain tensors replaced by packs' placeholders, and
+    the packs by name (unchanged, with no packs, when there are too few small tensors)."""
     small = sorted(((f, v) for f, v in flat.items() if _packable(v)), key=lambda e: e[0])
     if len(small) < PACK_MIN_TENSORS:
         return flat, {}
@@ -105,12 +120,12 @@ def pack_small_tensors(
     for fqn, tensor in small:
         by_device.setdefault(tensor.device, []).append((fqn, tensor))
     packed = dict(flat)
-    packs: dict[str, tuple[PackedMember, ...]] = {}
+    packs: dict[str, Pack] = {}
     for tensors in by_device.values():
         for group in _groups(tensors):
-            name, data, members = _pack(group)
-            packed[name], packs[name] = data, members
-            for member in members:
+            name, pack = _pack(group)
+            packed[name], packs[name] = pack.placeholder(), pack
+            for member in pack.members:
                 del packed[member.fqn]
     return packed, packs
 
@@ -132,13 +147,13 @@ def _groups(tensors: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str,
 class PackingSavePlanner(DefaultSavePlanner):
     """DCP's default save planner that saves small plain tensors in packs (module docstring).
 
-    `packs` maps each pack's name to its members once `set_up_planner` ran; the storage writer
-    reads it to record the members.
+    `packs` maps each pack's name to its `Pack` once `set_up_planner` ran; the storage writer
+    reads it to record the members, and `resolve_data` builds a pack's bytes when it is written.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.packs: dict[str, tuple[PackedMember, ...]] = {}
+        self.packs: dict[str, Pack] = {}
 
     def set_up_planner(
         self,
@@ -149,11 +164,18 @@ class PackingSavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.state_dict, self.packs = pack_small_tensors(self.state_dict)
 
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """A pack's bytes, built when it is written; anything else as DCP resolves it."""
+        pack = self.packs.get(write_item.index.fqn)
+        return pack.data() if pack is not None else super().resolve_data(write_item)
+
 
 def members_of(planner: Any, fqn: str) -> tuple[PackedMember, ...] | None:
     """The members of the pack `fqn` if `planner` packed it, else None."""
     packs = getattr(planner, "packs", None)
-    return packs.get(fqn) if isinstance(packs, dict) and fqn.startswith(PACK_PREFIX) else None
+    if not isinstance(packs, dict) or not fqn.startswith(PACK_PREFIX) or fqn not in packs:
+        return None
+    return cast(Pack, packs[fqn]).members
 
 
 # Restoring: runs of small tensors ---------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +168,14 @@ def test_packs_are_bounded_named_by_their_members_and_skip_large_and_odd_tensors
     assert len(packs) == 8  # 40 tensors of 200 bytes, 5 to a pack of at most 1000
     assert "large" in packed and packed["value"] == 7
     assert not any(name.startswith("t") for name in packed)
-    members = [m for group in packs.values() for m in group]
+    members = [m for pack in packs.values() for m in pack.members]
     assert sorted(m.fqn for m in members) == sorted(f"t{i:03d}" for i in range(40))
-    for name, group in packs.items():
-        for member in group:
-            stored = packed[name][member.offset : member.offset + member.nbytes]
+    for name, pack in packs.items():
+        assert packed[name].device.type == "meta"  # DCP plans with a placeholder
+        data = pack.data()
+        assert packed[name].shape == data.shape
+        for member in pack.members:
+            stored = data[member.offset : member.offset + member.nbytes]
             assert torch.equal(stored.view(torch.float32), flat[member.fqn])
     again, _packs = pack_small_tensors(
         {k: v.clone() if k != "value" else v for k, v in flat.items()}
@@ -186,7 +190,8 @@ def test_the_planner_packs_after_flattening_a_nested_state() -> None:
     planner = PackingSavePlanner()
     state = {"opt": {"state": {str(i): {"step": torch.tensor(float(i))} for i in range(40)}}}
     planner.set_up_planner(state, is_coordinator=True)
-    (members,) = planner.packs.values()
+    (pack,) = planner.packs.values()
+    members = pack.members
     assert {m.fqn for m in members} == {f"opt.state.{i}.step" for i in range(40)}
     assert all(m.shape == () and m.dtype == "float32" for m in members)
 
@@ -304,4 +309,29 @@ def test_a_large_run_is_read_in_pieces_cut_between_members(
             mgr.restore(target, step=2)
         assert sum(1 for n in store.lengths if n >= 1 << 20) >= 6  # 1 MiB pieces, in parallel
         assert mgr.restore(target) == 1
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_a_save_builds_one_pack_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packs are concatenated when written, and each is freed before the next is built, so a
+    save never holds a second copy of all its small tensors."""
+    monkeypatch.setattr(packing, "PACK_MAX_BYTES", 64 << 10)
+    built: list[weakref.ref[torch.Tensor]] = []
+    alive_at_build: list[int] = []
+    original = packing.Pack.data
+
+    def data(self: packing.Pack) -> torch.Tensor:
+        alive_at_build.append(sum(ref() is not None for ref in built))
+        tensor = original(self)
+        built.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(packing.Pack, "data", data)
+    state = {f"w{i:03d}": torch.full((4096,), float(i)) for i in range(64)}  # 16 KiB each
+    with CheckpointManager(str(tmp_path / "ck"), preemption=False) as mgr:
+        mgr.save(1, state)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert mgr.restore(target) == 1
+    assert len(built) == 16  # 4 tensors to a 64 KiB pack
+    assert alive_at_build == [0] * 16
     assert all(torch.equal(target[k], v) for k, v in state.items())
