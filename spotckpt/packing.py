@@ -7,8 +7,9 @@ plus one step after flattening: plain tensors of at most `PACK_MAX_TENSOR_BYTES`
 or other tensor subclasses: those shard) are grouped, per device and in name order, into uint8
 packs of at most `PACK_MAX_BYTES`, each a single DCP item named ``__spotckpt_pack__/<digest of
 its members' names, dtypes and shapes>``. DCP plans with a placeholder that holds no memory; a
-pack's bytes are concatenated only when the writer asks for them, one pack at a time. Ranks that hold the same small tensors (replicas)
-build the same pack under the same name, which DCP writes once, like any replicated tensor.
+pack's bytes are concatenated only when the writer asks for them, one pack at a time. Ranks
+that hold the same small tensors (replicas) build the same pack under the same name, which DCP
+writes once, like any replicated tensor.
 
 The writer stores a pack's bytes as they are and records every member in the manifest as a
 tensor of its own, one chunk with its own location and block CRC32Cs inside the pack's bytes:
