@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 import warnings
@@ -55,12 +56,13 @@ from spotckpt.format.index import (
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
+from spotckpt.loader_rng import RECORD_KEY
 from spotckpt.packing import RUN_PREFIX, Run, Unpack, adopt_runs
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.state import (
-    RNG_KEY,
     TrainState,
     as_dcp_state,
+    is_per_rank_key,
     release_worker_shields,
     write_back,
 )
@@ -110,6 +112,12 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         """DCP's set-up, then runs of small tensors (`spotckpt.packing`) adopted where the
         destination can take them whole."""
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        # A data loader's randomness record is absent from checkpoints of earlier releases:
+        # then there is nothing to replay (the loader keeps the record it offered, its own).
+        stored = metadata.state_dict_metadata if metadata else {}
+        for fqn in [k for k in self.state_dict if k.endswith(f".{RECORD_KEY}")]:
+            if fqn not in stored:
+                del self.state_dict[fqn]
         self.wanted = sorted(self.state_dict)
         self.state_dict, self.unpacks = adopt_runs(self.state_dict, self.runs)
 
@@ -141,7 +149,7 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         wanted = {key for plan in global_plan for key in (plan.planner_data or ())}
         stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
         unexpected = sorted(
-            k for k in stored - wanted if not k.startswith((f"{RNG_KEY}.", RUN_PREFIX))
+            k for k in stored - wanted if not (is_per_rank_key(k) or k.startswith(RUN_PREFIX))
         )
         if unexpected and not self.allow_unexpected:
             raise KeyMismatchError(
@@ -800,7 +808,7 @@ class CheckpointManager:
 
     def _partial_manifest(self, state: TrainState | Mapping[str, Any], root: Root) -> Manifest:
         """What this rank's shards need of an indexed checkpoint: the root plus their parts."""
-        with self._restoring(state, root.step, root.world_size):
+        with self._restoring(state, root):
             plain = _plain(as_dcp_state(state))
         boxes, values = wanted_boxes(plain)
         return partial_manifest(self.store, step_folder(root.step), root, boxes, values)
@@ -818,7 +826,7 @@ class CheckpointManager:
         started = time.monotonic()
         loaded = as_dcp_state(state)
         try:
-            with self._restoring(state, manifest.step, manifest.world_size):
+            with self._restoring(state, manifest):
                 dcp.load(
                     loaded,
                     storage_reader=reader,
@@ -843,11 +851,12 @@ class CheckpointManager:
         return self.last_read_stats
 
     def _restoring(
-        self, state: TrainState | Mapping[str, Any], step: int, saved_world: int
+        self, state: TrainState | Mapping[str, Any], saved: Manifest | Root
     ) -> contextlib.AbstractContextManager[None]:
         if not isinstance(state, TrainState):
             return contextlib.nullcontext()
-        return state.restoring(step, saved_world, self.rank, self.world_size)
+        stored = itertools.chain(saved.tensors, saved.values)
+        return state.restoring(saved.step, saved.world_size, self.rank, self.world_size, stored)
 
     @staticmethod
     def _planner(strict: bool, runs: Mapping[str, Run] | None = None) -> CheckedLoadPlanner:
@@ -860,7 +869,7 @@ class CheckpointManager:
         tier = cast(FastTier, self.tier)
 
         def needs(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
-            with self._restoring(state, manifest.step, manifest.world_size):
+            with self._restoring(state, manifest):
                 plan = _local_plan(as_dcp_state(state), manifest, self._planner(strict))
             return ObjectStoreReader(tier.store, manifest).byte_ranges(plan)
 

@@ -25,10 +25,10 @@ import multiprocessing
 import multiprocessing.util
 import os
 import random
+import re
 import signal
-import warnings
 import weakref
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from types import FrameType
 from typing import Any
 
@@ -47,11 +47,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Sampler
 
 from spotckpt.errors import InvalidArgumentError, InvalidTypeError
+from spotckpt.loader_rng import RECORD_KEY, loader_randomness
 from spotckpt.seeding import SampleKey
 from spotckpt.values import decode, encode
 
 log = logging.getLogger("spotckpt")
 RNG_KEY = "rng"
+RANK_PREFIX = "rank_"
+_PER_RANK_FQN = re.compile(r"^[^.]+\.rank_\d{5}(\.|$)")
 
 
 class ModelState:
@@ -94,20 +97,49 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class RNGState:
-    """Python, NumPy, torch CPU and CUDA RNG states of this rank.
+def rank_key(rank: int) -> str:
+    """The key segment under which a rank's own state is stored: ``rank_00003``."""
+    return f"{RANK_PREFIX}{rank:05d}"
 
-    Saved under ``rank_<r>`` so that every rank restores its own streams. `source_rank` says which
-    saved rank to read; the manager sets it when a checkpoint is restored on another world size.
+
+def is_per_rank_key(fqn: str) -> bool:
+    """Whether a stored key belongs to one rank's own state (``<part>.rank_NNNNN.<...>``)."""
+    return _PER_RANK_FQN.match(fqn) is not None
+
+
+class PerRankState:
+    """A Stateful whose state is stored under this rank's key, so each rank gets its own back.
+
+    DCP stores a non-tensor value (and a plain tensor) once per key for the whole job, taking one
+    rank's copy: a data-loader position, an RNG stream or an extra that differs by rank would come
+    back from another rank. Keyed by rank, every rank's copy is kept. `source_rank` says which
+    saved rank to read (the manager sets it on another world size: rank r reads saved rank
+    ``r % saved_world``); `keyed` is False while loading a checkpoint written before this part
+    was keyed by rank (earlier spotckpt releases keyed only the RNGs): then every rank reads the one
+    stored copy, as those versions did.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, inner: Stateful) -> None:
+        self.inner = inner
         self.source_rank: int | None = None
+        self.keyed = True
 
     def key(self) -> str:
         """The per-rank key this rank reads and writes."""
-        rank = _rank() if self.source_rank is None else self.source_rank
-        return f"rank_{rank:05d}"
+        return rank_key(_rank() if self.source_rank is None else self.source_rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{rank_key: inner state}`` (the inner state alone while loading an unkeyed layout)."""
+        inner = self.inner.state_dict()
+        return {self.key(): inner} if self.keyed else inner
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Hand this rank's (or the source rank's) stored state to the inner Stateful."""
+        self.inner.load_state_dict(state_dict[self.key()] if self.keyed else state_dict)
+
+
+class RNGStreams:
+    """Python, NumPy, torch CPU and CUDA RNG states of this process."""
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of every generator, as tensors and plain values."""
@@ -132,11 +164,10 @@ class RNGState:
         }
         if torch.cuda.is_available():
             state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-        return {self.key(): state}
+        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore every generator from a snapshot made by `state_dict`."""
-        state = state_dict[self.key()]
         python = state["python"]
         random.setstate(
             (python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"])
@@ -155,6 +186,13 @@ class RNGState:
         if "cuda" in state and torch.cuda.is_available():
             saved = [state["cuda"][str(i)] for i in range(len(state["cuda"]))]
             torch.cuda.set_rng_state_all(saved[: torch.cuda.device_count()])
+
+
+class RNGState(PerRankState):
+    """Every RNG of this rank (`RNGStreams`), saved under ``rank_<r>`` (always keyed)."""
+
+    def __init__(self) -> None:
+        super().__init__(RNGStreams())
 
 
 class ResumableSampler(Sampler[SampleKey]):
@@ -229,18 +267,28 @@ def track_batches(loader: DataLoader) -> Iterator[Any]:
 
 
 class DataLoaderState:
-    """Adapter for a plain DataLoader driven by a ResumableSampler."""
+    """Adapter for a plain DataLoader driven by a ResumableSampler.
 
-    def __init__(self, sampler: ResumableSampler) -> None:
+    Its state is the sampler's position plus the loader's randomness record (see
+    `spotckpt.loader_rng`): the base seed a new iterator draws, from the global RNG when the
+    loader has no ``generator=``, is drawn again as it was, not from the restored stream.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler) -> None:
         self.sampler = sampler
+        self.randomness = loader_randomness(loader)
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's position."""
-        return self.sampler.state_dict()
+        """The sampler's position and the loader's randomness record."""
+        return {**self.sampler.state_dict(), RECORD_KEY: self.randomness.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the sampler."""
-        self.sampler.load_state_dict(state_dict)
+        """Resume the sampler; replay the loader's draws at its next iterator."""
+        saved = dict(state_dict)
+        record = saved.pop(RECORD_KEY, None)
+        if record is not None:
+            self.randomness.restore(record)
+        self.sampler.load_state_dict(saved)
 
 
 class ShieldedWorkerInit:
@@ -290,13 +338,27 @@ def release_worker_shields() -> None:
         shield.release()
 
 
+_LOADERS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Multi-worker loaders given to spotckpt, whose workers are shut down in order at exit."""
+
+
 def _shut_down_workers_at_exit() -> None:
-    # A loader iterator kept alive only by a reference cycle (a frame held by a traceback is
-    # enough) would be collected after multiprocessing's exit hook has already terminated its
-    # workers; collecting it first lets the DataLoader shut its workers down the normal way.
+    # multiprocessing's exit hook terminates live workers with SIGTERM, and the DataLoader's
+    # SIGCHLD handler then raises "DataLoader worker is killed by signal" inside that hook (a
+    # traceback at every preempted exit). So first: collect iterators kept alive only by a
+    # reference cycle (a frame held by a traceback is enough), release the shields, and shut
+    # down the workers of the iterators loaders keep (torchdata's always, torch's with
+    # persistent workers) the normal way, as the DataLoader does when an iterator is freed.
     if _SHIELDS:
         gc.collect()
     release_worker_shields()
+    for loader in list(_LOADERS):
+        shut_down = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
+        if callable(shut_down):
+            try:
+                shut_down()
+            except Exception as error:  # at exit: report, and let the other loaders shut down
+                log.warning("could not shut down a data loader's workers at exit: %s", error)
 
 
 # Registered after multiprocessing's own exit hook (imported above), so it runs first.
@@ -310,10 +372,15 @@ def shield_workers(
     current = getattr(loader, "worker_init_fn", None)
     if getattr(loader, "num_workers", 0) > 0 and not isinstance(current, ShieldedWorkerInit):
         loader.worker_init_fn = ShieldedWorkerInit(current, signals)
+        _LOADERS.add(loader)
 
 
 def dataloader_stateful(loader: Any) -> Stateful:
-    """The Stateful for a data loader: its own (StatefulDataLoader) or its ResumableSampler's."""
+    """The Stateful for a data loader: its own (StatefulDataLoader) or its ResumableSampler's.
+
+    Either way the loader's randomness is recorded and replayed (`spotckpt.loader_rng`), so a
+    loader with or without ``generator=``, with any sampler, resumes the cut epoch exactly.
+    """
     base = getattr(loader, "base_dataloader", None)  # Accelerate's prepared loaders wrap one
     if base is not None and not hasattr(base, "state_dict"):
         raise InvalidTypeError(
@@ -328,17 +395,12 @@ def dataloader_stateful(loader: Any) -> Stateful:
                 "a plain DataLoader cannot be resumed: give it a spotckpt ResumableSampler, or "
                 "use torchdata's StatefulDataLoader"
             )
-        stateful: Stateful = DataLoaderState(sampler)
+        stateful: Stateful = DataLoaderState(loader, sampler)
     elif isinstance(loader, Stateful):
+        loader_randomness(base if base is not None else loader)
         stateful = loader
     else:
         raise InvalidTypeError(f"{type(loader).__name__} has no state_dict()/load_state_dict()")
-    if isinstance(loader, DataLoader) and loader.generator is None and loader.num_workers > 0:
-        warnings.warn(
-            "the DataLoader has no generator=: creating its iterator after a restore draws "
-            "from the global torch RNG, so the resumed run will not match bit for bit",
-            stacklevel=3,
-        )
     shield_workers(loader)
     return stateful
 
@@ -426,10 +488,10 @@ class TrainState:
         if self.scaler is not None:
             parts["scaler"] = _stateful(self.scaler, "scaler")
         if self.dataloader is not None:
-            parts["dataloader"] = dataloader_stateful(self.dataloader)
+            parts["dataloader"] = PerRankState(dataloader_stateful(self.dataloader))
         if self.rng is not None:
             parts[RNG_KEY] = self.rng
-        parts["train"] = self.values
+        parts["train"] = PerRankState(self.values)
         return parts
 
     def _model_for(self, optimizer_name: str) -> nn.Module:
@@ -449,19 +511,34 @@ class TrainState:
         return dict(self._parts)
 
     @contextlib.contextmanager
-    def restoring(self, step: int, saved_world: int, rank: int, world: int) -> Iterator[None]:
+    def restoring(
+        self, step: int, saved_world: int, rank: int, world: int, stored: Iterable[str] = ()
+    ) -> Iterator[None]:
         """Around a load of `step` saved by `saved_world` ranks into rank `rank` of `world`.
 
-        On another world size each rank takes the RNG streams of saved rank ``rank % saved``;
+        Every per-rank part (RNG streams, data-loader position and randomness, step and extras)
+        is read from this rank's own key; on another world size rank r reads saved rank
+        ``r % saved_world``'s, whole (never a mix of ranks). `stored` are the checkpoint's keys:
+        a part stored without rank keys (by an earlier release) is read from its one copy.
         `step` becomes this state's step only when the load succeeded.
         """
-        if self.rng is not None:
-            self.rng.source_rank = None if saved_world == world else rank % saved_world
+        present: set[str] = set()
+        keyed: set[str] = set()
+        for fqn in stored:
+            top = fqn.split(".", 1)[0]
+            present.add(top)
+            if is_per_rank_key(fqn):
+                keyed.add(top)
+        per_rank = {k: p for k, p in self.parts().items() if isinstance(p, PerRankState)}
+        for name, part in per_rank.items():
+            part.source_rank = None if saved_world == world else rank % saved_world
+            part.keyed = isinstance(part, RNGState) or name in keyed or name not in present
         try:
             yield
         finally:
-            if self.rng is not None:
-                self.rng.source_rank = None
+            for part in per_rank.values():
+                part.source_rank = None
+                part.keyed = True
         self.values.step = step
 
 

@@ -27,8 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
-from spotckpt import CheckpointManager, SaveFailedError, TrainState
+from spotckpt import CheckpointManager, ResumableSampler, SaveFailedError, TrainState, track_batches
+from spotckpt.state import RNGState
 from spotckpt.storage import open_store
 
 from tests_support import FailingStore
@@ -337,7 +339,65 @@ class KillingStore(FailingStore):
         return writer
 
 
+def _per_rank_state(
+    rank: int, seed: int
+) -> tuple[TrainState, Any, ResumableSampler, dict[str, Any]]:
+    """A rank's state whose loader position, extras and RNGs differ by rank."""
+    data = list(range(40))
+    sampler = ResumableSampler(len(data), seed=seed)
+    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    extra: dict[str, Any] = {"rank_value": -1, "shared": 0}
+    state = TrainState(model=nn.Linear(2, 2), dataloader=loader, extra=extra)
+    return state, loader, sampler, extra
+
+
+def _what_rank_has(sampler: ResumableSampler, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "sampler": sampler.state_dict(),
+        "extra": dict(extra),
+        "torch_rng": torch.get_rng_state().tolist()[:64],
+        "draw": torch.rand(1).item(),
+    }
+
+
+def per_rank_state(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Save (each rank at its own position) or restore, then record what this rank holds.
+
+    ``layout="legacy"`` saves a dict shaped as earlier releases stored a TrainState: loader
+    position and extras once for the job, not keyed by rank.
+    """
+    legacy = args.get("layout") == "legacy"  # that release failed on per-rank seeds
+    state, loader, sampler, extra = _per_rank_state(rank, seed=0 if legacy else rank)
+    manager = CheckpointManager(args["uri"], preemption=False)
+    out = Path(args["out"])
+    if args["mode"] == "save":
+        torch.manual_seed(1000 + rank)
+        for _, _batch in zip(range(rank + 2), track_batches(loader), strict=False):
+            pass
+        extra.update(rank_value=10 * rank, shared=7)
+        if legacy:
+            old_layout = {
+                "model": state.models["model"],
+                "dataloader": sampler.state_dict(),
+                "rng": RNGState(),
+                "train": {"step": 5, "extra": dict(extra)},
+            }
+            manager.save(5, old_layout, blocking=True)
+        else:
+            manager.save(5, state, blocking=True)
+        name = f"saved-rank{rank}.json"
+    else:
+        torch.manual_seed(99)  # restored over
+        step = manager.restore(state)
+        if step != 5:
+            raise AssertionError(f"rank {rank} restored {step}")
+        name = f"restored-world{world}-rank{rank}.json"
+    (out / name).write_text(json.dumps(_what_rank_has(sampler, extra)))
+    manager.close()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
+    "per_rank_state": per_rank_state,
     "fsdp_save": fsdp_save,
     "fsdp_restore": fsdp_restore,
     "ddp_save": ddp_save,

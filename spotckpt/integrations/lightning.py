@@ -23,9 +23,9 @@ and ends the process with `spotckpt.PREEMPTED_EXIT_CODE` (75): started again, th
 continues bit for bit. When training ends, the last step is saved too.
 
 For an exact mid-epoch resume, train from a torchdata ``StatefulDataLoader`` (Lightning stores
-its position in the loop state) with ``generator=`` and a sampler that has a generator of its
-own, e.g. ``sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0))``; the
-callback warns at train start when a stateful loader lacks either.
+its position in the loop state), with any sampler and with or without ``generator=``: the
+callback has the training loaders record the generators each epoch's iterator draws from
+(`spotckpt.loader_rng`), so a resumed epoch is shuffled and seeded as the cut one was.
 
 Lightning stops a run by itself on SIGTERM (at the end of the batch, or of an epoch or a
 validation batch); a signal that lands after this callback's check of a batch is handled there:
@@ -34,10 +34,10 @@ the state, still that of a completed optimizer step, is saved and the exit statu
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -49,8 +49,9 @@ except ImportError:  # only the standalone package is installed
 
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt.errors import CheckpointError
+from spotckpt.loader_rng import loader_randomness
 from spotckpt.manager import CheckpointManager
-from spotckpt.state import TrainState
+from spotckpt.state import PerRankState, TrainState
 from spotckpt.values import decode, encode, load_plain
 
 log = logging.getLogger("spotckpt")
@@ -120,10 +121,15 @@ class LightningTrainState(TrainState):
         optimizers = {str(index): opt for index, opt in enumerate(trainer.optimizers)}
         super().__init__(model=trainer.lightning_module, optimizer=optimizers or None)
         self.checkpoint = TrainerCheckpoint(trainer)
+        self._checkpoint_part = PerRankState(self.checkpoint)
 
     def parts(self, step: int | None = None) -> dict[str, Any]:
-        """TrainState's parts plus the Lightning checkpoint under `CHECKPOINT_KEY`."""
-        return {**super().parts(step), CHECKPOINT_KEY: self.checkpoint}
+        """TrainState's parts plus the Lightning checkpoint under `CHECKPOINT_KEY`, per rank.
+
+        The checkpoint holds this rank's loop state, loader positions and randomness records,
+        which differ by rank: keyed by rank, each rank gets its own back.
+        """
+        return {**super().parts(step), CHECKPOINT_KEY: self._checkpoint_part}
 
 
 class SpotckptCallback(pl.callbacks.Checkpoint):
@@ -157,6 +163,7 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Restore the latest committed checkpoint into the trainer, if there is one."""
         manager = self._manager()
+        _record_loader_randomness(trainer)
         self._state = LightningTrainState(trainer)
         self._state.checkpoint.restoring = True
         try:
@@ -172,18 +179,6 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
         _restore_trainer(trainer, loaded)
         self._step = trainer.global_step
         log.info("resumed from step %d (%s)", step, self.uri)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Warn when a stateful training loader cannot resume exactly."""
-        for loader in _flatten(trainer.train_dataloader):
-            problem = _inexact_resume(loader)
-            if problem:
-                warnings.warn(
-                    f"the training data loader {problem}: a resumed run may not match an "
-                    "uninterrupted one bit for bit (give the loader generator=torch.Generator() "
-                    "and its sampler a generator of its own)",
-                    stacklevel=2,
-                )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -261,31 +256,36 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
             manager.close()
 
 
-def _flatten(loaders: Any) -> list[Any]:
-    """The loaders of ``trainer.train_dataloader``: one, or a list, tuple or dict of them."""
-    if isinstance(loaders, Mapping):
-        return list(loaders.values())
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    return [] if loaders is None else [loaders]
+def _record_loader_randomness(trainer: pl.Trainer) -> None:
+    """Have the fit loop's training loaders record and replay their randomness on resume.
 
-
-def _inexact_resume(loader: Any) -> str | None:
-    """Why a stateful loader would draw differently after a resume, or None.
-
-    A new iterator draws its base seed from ``generator=`` (the global torch RNG without one,
-    which the restore has just set, so the draw shifts every later random number). torchdata
-    restores the sampler's position by resetting the sampler's generator, so a generator shared
-    with the loader loses that draw and the next epoch is shuffled differently.
+    Lightning builds the training loaders (re-creating them for a distributed sampler), loads
+    their saved states and creates the first iterator in one step, with no hook in between but
+    its fit loop's ``_load_combined_loader_states``, which runs right before that iterator. So
+    `spotckpt.loader_rng` is installed on the loaders there (and, through the wrapped
+    ``load_state_dict``, takes the saved record back), once per fit.
     """
-    if not hasattr(loader, "load_state_dict"):
-        return None
-    generator = getattr(loader, "generator", None)
-    if generator is None:
-        return "has no generator="
-    if getattr(getattr(loader, "sampler", None), "generator", None) is generator:
-        return "shares its generator with its sampler (shuffle=True with generator=)"
-    return None
+    loop = trainer.fit_loop
+    load_states = getattr(loop, "_load_combined_loader_states", None)
+    if not callable(load_states) or isinstance(load_states, functools.partial):
+        if load_states is None:
+            warnings.warn(
+                "this Lightning version has no fit_loop._load_combined_loader_states: the data "
+                "order of a resumed epoch may differ from the uninterrupted run's",
+                stacklevel=3,
+            )
+        return
+
+    def install_then_load(original: Any) -> None:
+        combined = loop._combined_loader
+        for loader in [] if combined is None else combined.flattened:
+            if hasattr(loader, "_get_iterator"):
+                loader_randomness(loader)
+        original()
+
+    loop._load_combined_loader_states = functools.partial(  # type: ignore[method-assign]
+        install_then_load, load_states
+    )
 
 
 def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
