@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# Container entry point: run the trainer under torchrun so that a stop signal reaches every
-# worker, the workers get the time their emergency save needs, and the container's exit status
-# tells the scheduler what to do:
+# Container entry point: run the trainer under `spotckpt launch` (torch's elastic launcher,
+# torchrun, with exit statuses a scheduler can act on; see spotckpt/launch.py) so that a stop
+# signal reaches every worker, the workers get the time their emergency save needs, and the
+# container's exit status tells the scheduler what to do:
 #   0   training finished
 #   75  preempted: a checkpoint was (or was being) saved; start the job again to resume
-#   1   anything else (a crash): counts against the scheduler's retry limit
+#   other  a crash (the failed worker's own status, 1 if it was killed): counts against the
+#          scheduler's retry limit
 #
 # Signal path: docker stop / kubelet / systemd -> tini (PID 1) -> this script, which `exec`s the
 # launcher, so the launcher *is* this process -> torchrun's agent (inside the launcher) forwards
 # the signal to each worker's process group -> the trainer's PreemptionWatcher flags it, the
-# training loop saves, and the worker exits 75.
+# training loop saves, and the worker exits 75. The launcher forwards SIGTERM, SIGINT, SIGHUP,
+# SIGQUIT and SIGUSR1 (what SLURM and some schedulers send ahead of a stop) by default.
 #
 # Timing chain (every link must be longer than the one before it):
 #   SPOTCKPT_SAVE_BUDGET_S                    seconds the trainer's emergency save may take
 #   + LAUNCH_EXIT_MARGIN_S                    seconds for a worker to exit after its save
-#   = torchrun --shutdown-timeout             torchrun SIGKILLs workers this long after forwarding
+#   = --shutdown-timeout                      the launcher SIGKILLs workers this long after
+#                                             forwarding (spotckpt launch's own default: the
+#                                             budget + 5 s; torchrun's: 30 s whatever the save
+#                                             needs); set here so that the margin can change
 #   + a few seconds for the launcher to exit
 #   <= the caller's stop timeout              Kubernetes terminationGracePeriodSeconds,
 #                                             `docker run --stop-timeout`, systemd TimeoutStopSec
-# torchrun's own default shutdown timeout is 30 s whatever the save needs; it is set here.
 #
 # Arguments: the training command, which is the image's CMD (or Kubernetes `args`):
 #   SCRIPT [ARGS...]           run that Python script, e.g. /app/train.py --epochs 3
@@ -31,10 +36,11 @@
 #   SPOTCKPT_SAVE_BUDGET_S   emergency save budget in seconds (default 25, as the trainer's)
 #   LAUNCH_EXIT_MARGIN_S     see above (default 5)
 #   LAUNCH_NPROC_PER_NODE    worker processes (default: one per visible GPU, else 1)
-#   LAUNCH_TORCHRUN_ARGS     rendezvous arguments for torchrun (default: --standalone)
+#   LAUNCH_TORCHRUN_ARGS     rendezvous (torchrun) options for the launcher (default: --standalone)
 #   LAUNCH_TRAIN_SCRIPT      the default script, when the arguments name none (default: train.py
 #                            beside this file, else ../examples/train.py, as in the repository)
-#   LAUNCH_PYTHON            the interpreter (default: python3)
+#   LAUNCH_PYTHON            the interpreter that runs the launcher, `python3 -m spotckpt.launch`,
+#                            and the workers (default: python3)
 #   LAUNCH_DRY_RUN=1         print the command, one argument per line, and exit 0
 set -euo pipefail
 
@@ -60,10 +66,6 @@ export SPOTCKPT_SAVE_BUDGET_S="${SPOTCKPT_SAVE_BUDGET_S:-25}"
 budget="$(ceil_seconds SPOTCKPT_SAVE_BUDGET_S "$SPOTCKPT_SAVE_BUDGET_S")"
 margin="$(ceil_seconds LAUNCH_EXIT_MARGIN_S "${LAUNCH_EXIT_MARGIN_S:-5}")"
 shutdown_timeout=$((budget + margin))
-
-# Signals torchrun catches and forwards to the workers. SIGUSR1 is what SLURM and some
-# schedulers send ahead of a stop; torchrun does not handle it unless told.
-signals="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 nproc="${LAUNCH_NPROC_PER_NODE:-}"
 if [[ -z $nproc ]]; then
@@ -98,17 +100,16 @@ else
 	program=("$script")
 fi
 
-# Word splitting is intended: the variable holds several torchrun options.
+# Word splitting is intended: the variable holds several launcher (torchrun) options.
 # shellcheck disable=SC2206
 rdzv=(${LAUNCH_TORCHRUN_ARGS:---standalone})
 
 cmd=(
-	"${LAUNCH_PYTHON:-python3}" "$here/launch.py"
+	"${LAUNCH_PYTHON:-python3}" -m spotckpt.launch
 	"${rdzv[@]}"
 	--nproc-per-node="$nproc"
 	--max-restarts=0
 	--shutdown-timeout="$shutdown_timeout"
-	--signals-to-handle="$signals"
 	"${program[@]}" "$@"
 )
 
@@ -117,7 +118,7 @@ if [[ ${LAUNCH_DRY_RUN:-0} == 1 ]]; then
 	exit 0
 fi
 
-echo "entrypoint: save budget ${budget}s, torchrun shutdown timeout ${shutdown_timeout}s," \
+echo "entrypoint: save budget ${budget}s, launcher shutdown timeout ${shutdown_timeout}s," \
 	"$nproc worker(s), running ${program[*]}" >&2
 # exec: no shell stays in between to swallow the stop signal.
 exec "${cmd[@]}"

@@ -6,7 +6,7 @@ by a `ResumableSampler`, and its dataset is wrapped in a `SeededDataset`, so tha
 masking drawn in the worker processes is reproduced exactly after a resume.
 
     SPOTCKPT_URI=s3://bucket/runs/tiny python examples/train.py --steps 200
-    SPOTCKPT_URI=/tmp/ckpt-ddp torchrun --standalone --nproc-per-node=2 examples/train.py
+    SPOTCKPT_URI=/tmp/ckpt-ddp spotckpt launch --standalone --nproc-per-node=2 examples/train.py
     SPOTCKPT_URI=s3://bucket/runs/tiny python examples/train.py --save-every 25 \
         --local-dir '/mnt/nvme/ckpt/{node}' --local-every 5
 

@@ -1,4 +1,4 @@
-"""The ``spotckpt`` command line: ls, inspect, verify, gc, export-hf, stats.
+"""The ``spotckpt`` command line: ls, inspect, verify, gc, export-hf, stats, launch.
 
 The checkpoint URI argument may be left out when ``SPOTCKPT_URI`` or ``uri`` in ``spotckpt.toml``
 (see `spotckpt.config.Config`) gives it. Storage options come from the config's
@@ -11,7 +11,11 @@ errors), with a one-line message on stderr. With ``--json`` every outcome is one
 stdout, errors included (``{"error": "...", "exit_code": 2}``), with the same exit status.
 Progress bars appear on stderr only when it is a terminal; log records are one line each.
 Credentials are never printed, and control characters in names read from a bucket are escaped.
-Only ``verify`` and ``export-hf`` import torch.
+Only ``verify``, ``export-hf`` and ``launch`` import torch.
+
+``launch`` is the exception to the statuses above: it runs a training job under torch's elastic
+launcher and exits with the job's status (0 done, 75 preempted, else the first failed worker's
+status; 2 on bad usage); see `spotckpt.launch`.
 """
 
 from __future__ import annotations
@@ -295,7 +299,7 @@ _step_option = click.option(
 @click.version_option(__version__, prog_name="spotckpt")
 @click.option("-v", "--verbose", is_flag=True, help="Log what is done on stderr.")
 def cli(verbose: bool) -> None:
-    """Inspect, verify, clean up and export spotckpt checkpoints.
+    """Inspect, verify, clean up and export spotckpt checkpoints; launch training jobs.
 
     URI is s3://bucket/prefix, gs://bucket/prefix, file:///path or a path; without it,
     SPOTCKPT_URI or uri in ./spotckpt.toml is used.
@@ -840,6 +844,29 @@ def stats_command(
         _emit_json(stats.to_dict())
         return
     click.echo("\n".join(printable(line) for line in stats.text().splitlines()))
+
+
+# launch -------------------------------------------------------------------------------------------
+
+
+@cli.command(
+    "launch",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    add_help_option=False,  # --help goes to torchrun's parser, which lists every option
+)
+@click.argument("torchrun_args", nargs=-1, type=click.UNPROCESSED)
+def launch_command(torchrun_args: tuple[str, ...]) -> int:
+    """Run a training script under torchrun; exit 75 when the job was preempted.
+
+    spotckpt launch [TORCHRUN OPTIONS] SCRIPT.py [SCRIPT ARGS], e.g. spotckpt launch
+    --standalone --nproc-per-node=2 train.py --steps 200. Exit status: 0 done; 75 preempted
+    (the first failed worker exited 75, or the launcher got a stop signal, forwarded it to the
+    workers and waited for their emergency save); else that worker's status; 2 bad usage.
+    `spotckpt launch --help` lists torchrun's options.
+    """
+    from spotckpt.launch import main as launch  # imports torch: only this command needs it
+
+    return launch(list(torchrun_args))
 
 
 # Entry point --------------------------------------------------------------------------------------

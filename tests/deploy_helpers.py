@@ -40,9 +40,13 @@ SKYPILOT_TASKS = {"cpu": DEPLOY / "skypilot.yaml", "cuda": DEPLOY / "skypilot-cu
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERFILE_TRAINER = DEPLOY / "Dockerfile.trainer"
 
-# Seconds the launcher needs to exit after torchrun's shutdown timeout; every caller's stop timeout
+# Seconds the launcher needs to exit after its shutdown timeout; every caller's stop timeout
 # (grace period, docker --stop-timeout) must exceed the shutdown timeout by at least this.
 LAUNCHER_EXIT_S = 3
+# How the entry point runs the launcher (`spotckpt launch`) with the interpreter it was given.
+LAUNCHER_MODULE = ["-m", "spotckpt.launch"]
+# An existing file that stands in for a training script in dry runs (which never run it).
+ANY_SCRIPT = ENTRYPOINT
 
 # What checkov needs: python3 -m venv .venv-checkov && .venv-checkov/bin/pip install checkov==...
 CHECKOV_VERSION = "3.3.30"
@@ -308,7 +312,7 @@ def entrypoint_dry_run(env: Mapping[str, str], *args: str) -> list[str]:
     full = clean_env(
         LAUNCH_DRY_RUN="1",
         LAUNCH_NPROC_PER_NODE="1",
-        LAUNCH_TRAIN_SCRIPT=str(DEPLOY / "launch.py"),  # any existing file
+        LAUNCH_TRAIN_SCRIPT=str(ANY_SCRIPT),
     )
     full.update(env)
     result = subprocess.run(
@@ -323,9 +327,15 @@ def entrypoint_dry_run(env: Mapping[str, str], *args: str) -> list[str]:
     return result.stdout.splitlines()
 
 
+def launcher_arguments(argv: list[str]) -> list[str]:
+    """The arguments the entry point's command gives `spotckpt launch` (after the interpreter)."""
+    assert argv[1:3] == LAUNCHER_MODULE, f"not the launcher: {argv}"
+    return argv[3:]
+
+
 def shutdown_timeout(env: Mapping[str, str]) -> int:
-    """torchrun's --shutdown-timeout as the entry point derives it from `env`."""
-    return int(option(entrypoint_dry_run(env), "--shutdown-timeout"))
+    """The launcher's --shutdown-timeout as the entry point derives it from `env`."""
+    return int(option(launcher_arguments(entrypoint_dry_run(env)), "--shutdown-timeout"))
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------

@@ -2,13 +2,15 @@
 
 Static checks read the files (the Kubernetes overlays built as kustomize builds them); the SkyPilot
 tasks' scripts run against a stand-in `docker` that records its arguments; the entry-point tests
-run deploy/entrypoint.sh for real (torchrun with one worker on the CPU, no Docker): a stop signal
+run deploy/entrypoint.sh for real (`spotckpt launch` with one worker on the CPU, no Docker): a stop
+signal
 sent to the entry point must reach the training process, which saves and exits 75, and the entry
 point must exit 75 too.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -27,8 +29,10 @@ import yaml
 
 import spotckpt
 from spotckpt.config import Config
+from spotckpt.launch import FORWARDED_SIGNALS
 
 from deploy_helpers import (
+    ANY_SCRIPT,
     DEPLOY,
     DOCKERFILE,
     DOCKERFILE_TRAINER,
@@ -36,6 +40,7 @@ from deploy_helpers import (
     K8S,
     K8S_VARIANTS,
     LAUNCHER_EXIT_S,
+    LAUNCHER_MODULE,
     REPO,
     SKYPILOT_TASKS,
     clean_env,
@@ -45,6 +50,7 @@ from deploy_helpers import (
     entrypoint_dry_run,
     k8s_object,
     kustomize_build,
+    launcher_arguments,
     option,
     pod_spec,
     shutdown_timeout,
@@ -67,13 +73,11 @@ def _cloud(variant: str) -> str:
 
 
 def test_preempted_exit_code_is_the_documented_one() -> None:
-    sys.path.insert(0, str(DEPLOY))
-    try:
-        import launch
-    finally:
-        sys.path.remove(str(DEPLOY))
+    from spotckpt import launch
+
     assert spotckpt.PREEMPTED_EXIT_CODE == PREEMPTED
     assert launch.PREEMPTED_EXIT_CODE == PREEMPTED
+    assert not (DEPLOY / "launch.py").exists(), "spotckpt launch is the one launcher"
 
 
 # ---- YAML ----------------------------------------------------------------------------------------
@@ -204,11 +208,11 @@ def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_k8s_grace_period_covers_the_save_budget(variant: str) -> None:
-    """save budget <= torchrun shutdown timeout; + launcher exit <= grace period."""
+    """save budget <= launcher shutdown timeout; + launcher exit <= grace period."""
     docs = _docs(variant)
     env = effective_env(docs)
     budget = float(env["SPOTCKPT_SAVE_BUDGET_S"])
-    timeout = shutdown_timeout(env)  # what the entry point passes to torchrun with this env
+    timeout = shutdown_timeout(env)  # what the entry point passes to the launcher with this env
     grace = pod_spec(docs)["terminationGracePeriodSeconds"]
     assert timeout >= budget + 1, "the workers need time to exit after the save"
     assert grace >= timeout + LAUNCHER_EXIT_S
@@ -224,7 +228,7 @@ def test_k8s_grace_period_covers_the_save_budget(variant: str) -> None:
 def test_k8s_stop_signal_goes_to_the_image_entry_point(variant: str) -> None:
     docs = _docs(variant)
     container = trainer_container(docs)
-    # No command: the image's ENTRYPOINT (tini -> entrypoint.sh -> torchrun) is PID 1 and gets
+    # No command: the image's ENTRYPOINT (tini -> entrypoint.sh -> launcher) is PID 1 and gets
     # the kubelet's SIGTERM. A `sh -c` command would swallow it.
     assert "command" not in container
     assert all(isinstance(a, str) for a in container.get("args", []))
@@ -320,7 +324,7 @@ def test_k8s_overlay_settings_reach_the_container(variant: str, tmp_path: Path) 
     container = trainer_container(kustomize_build(folder))
     assert container["image"] == "registry.example/team/my-trainer:7-x"
     assert container["args"] == command
-    # The entry point hands that command to torchrun unchanged.
+    # The entry point hands that command to the launcher unchanged.
     argv = entrypoint_dry_run({}, *command)
     assert argv[-len(command) :] == command
 
@@ -516,10 +520,10 @@ def test_dockerfile_stop_signal_reaches_the_trainer() -> None:
     instructions = dict(_instructions())
     entrypoint = json.loads(instructions["ENTRYPOINT"])  # exec form: no shell in between
     assert entrypoint[0].endswith("/tini") and entrypoint[1] == "--"
-    assert "-g" not in entrypoint, "torchrun forwards to the workers; tini -g would double it"
+    assert "-g" not in entrypoint, "the launcher forwards to the workers; tini -g would double it"
     assert entrypoint[-1] == "/opt/spotckpt/entrypoint.sh"
     stop_signal = instructions.get("STOPSIGNAL", "SIGTERM")
-    handled = option(entrypoint_dry_run({}), "--signals-to-handle").split(",")
+    handled = _launcher_reads(entrypoint_dry_run({})).signals_to_handle.split(",")
     assert stop_signal in handled
     assert {"SIGTERM", "SIGUSR1"} <= set(handled)
     # The entry point replaces itself with the launcher rather than running it as a child.
@@ -571,15 +575,15 @@ def test_trainer_dockerfile_builds_on_the_base_with_its_own_command() -> None:
 # ---- the entry point: dry runs -------------------------------------------------------------------
 
 
-def test_entrypoint_derives_torchrun_shutdown_timeout_from_the_save_budget() -> None:
+def test_entrypoint_derives_the_shutdown_timeout_from_the_save_budget() -> None:
     assert shutdown_timeout({}) == 25 + 5  # the trainer's default budget + the default margin
     assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "60"}) == 65
     assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "12.5", "LAUNCH_EXIT_MARGIN_S": "2"}) == 15
     assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "10.0", "LAUNCH_EXIT_MARGIN_S": "0"}) == 10
 
 
-def test_entrypoint_command_runs_the_trainer_under_torchrun() -> None:
-    script = str(TRAINER if TRAINER.exists() else DEPLOY / "launch.py")
+def test_entrypoint_command_runs_the_trainer_under_the_launcher() -> None:
+    script = str(TRAINER)
     cmd = entrypoint_dry_run(
         {"LAUNCH_TRAIN_SCRIPT": script, "LAUNCH_NPROC_PER_NODE": "4", "LAUNCH_PYTHON": "py"},
         "--steps",
@@ -587,42 +591,51 @@ def test_entrypoint_command_runs_the_trainer_under_torchrun() -> None:
         "--save-every",
         "a b",
     )
-    assert cmd[:2] == ["py", str(DEPLOY / "launch.py")]
+    assert cmd[:3] == ["py", *LAUNCHER_MODULE]
     assert "--standalone" in cmd and "--max-restarts=0" in cmd
     assert option(cmd, "--nproc-per-node") == "4"
     assert cmd[cmd.index(script) :] == [script, "--steps", "7", "--save-every", "a b"]
+    # What the launcher makes of it: the entry point's timeout, the launcher's signal list.
+    args = _launcher_reads(cmd)
+    assert args.shutdown_timeout == shutdown_timeout({})
+    assert args.signals_to_handle.split(",") == list(FORWARDED_SIGNALS)
 
 
-def _torchrun_reads(argv: list[str]) -> tuple[bool, str, list[str]]:
-    """(module?, script or module, its arguments) as torchrun parses the launcher's arguments."""
-    from torch.distributed.run import parse_args
+def _launcher_reads(argv: list[str]) -> argparse.Namespace:
+    """The entry point's command as `spotckpt launch` parses it (torchrun's parser and defaults)."""
+    from spotckpt.launch import parse_launch_args
 
-    args = parse_args(argv[2:])
+    return parse_launch_args(launcher_arguments(argv))
+
+
+def _program_reads(argv: list[str]) -> tuple[bool, str, list[str]]:
+    """(module?, script or module, its arguments) as the launcher parses its arguments."""
+    args = _launcher_reads(argv)
     return args.module, args.training_script, args.training_script_args
 
 
 def test_entrypoint_runs_the_training_command_it_is_given() -> None:
     """The arguments (the image's CMD, Kubernetes args) are a script or -m MODULE, then its
     arguments; options alone go to the default script."""
-    default = str(DEPLOY / "launch.py")
+    default = str(ANY_SCRIPT)
     env = {"LAUNCH_TRAIN_SCRIPT": default}
     script = str(TRAINER)
-    assert _torchrun_reads(entrypoint_dry_run(env, script, "--steps", "7", "a b")) == (
+    assert _program_reads(entrypoint_dry_run(env, script, "--steps", "7", "a b")) == (
         False,
         script,
         ["--steps", "7", "a b"],
     )
-    assert _torchrun_reads(entrypoint_dry_run(env, "-m", "my_trainer.main", "--epochs", "3")) == (
+    assert _program_reads(entrypoint_dry_run(env, "-m", "my_trainer.main", "--epochs", "3")) == (
         True,
         "my_trainer.main",
         ["--epochs", "3"],
     )
-    assert _torchrun_reads(entrypoint_dry_run(env, "--steps", "7")) == (
+    assert _program_reads(entrypoint_dry_run(env, "--steps", "7")) == (
         False,
         default,
         ["--steps", "7"],
     )
-    assert _torchrun_reads(entrypoint_dry_run(env)) == (False, default, [])
+    assert _program_reads(entrypoint_dry_run(env)) == (False, default, [])
 
 
 @pytest.mark.parametrize(
@@ -657,7 +670,7 @@ def test_entrypoint_rejects_bad_settings(env: dict[str, str]) -> None:
     assert "entrypoint:" in result.stderr
 
 
-# ---- the entry point: real runs under torchrun ---------------------------------------------------
+# ---- the entry point: real runs under the launcher -----------------------------------------------
 
 FAKE_WORKER = """
 import os, signal, sys, time
@@ -725,11 +738,11 @@ def fake_worker(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
     yield tmp_path, env
 
 
-@pytest.mark.parametrize(("worker_status", "expected"), [(0, 0), (PREEMPTED, PREEMPTED), (3, 1)])
+@pytest.mark.parametrize(("worker_status", "expected"), [(0, 0), (PREEMPTED, PREEMPTED), (3, 3)])
 def test_entrypoint_exit_status_follows_the_worker(
     fake_worker: tuple[Path, dict[str, str]], worker_status: int, expected: int
 ) -> None:
-    """torchrun alone exits 1 for any worker failure; the launcher keeps 75 apart."""
+    """torchrun alone exits 1 for any worker failure; the launcher passes the worker's on."""
     folder, env = fake_worker
     # The training command names the script, as an image's CMD does.
     proc = _start(env, str(folder / "worker.py"), "--exit", str(worker_status))
@@ -758,7 +771,7 @@ def test_stop_signal_to_the_entrypoint_reaches_the_worker(
 
 # The real trainer runs inside this wrapper so that the test can see its own exit status (the
 # launcher reports 75 for any stop by signal). The trainer stays in the wrapper's process group,
-# which is the one torchrun signals, so it gets the signal exactly as it would without the wrapper.
+# which is the one the launcher signals, so it gets the signal exactly as it would without it.
 STATUS_WRAPPER = """
 import os, signal, subprocess, sys
 from pathlib import Path

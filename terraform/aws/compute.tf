@@ -15,7 +15,7 @@ locals {
     : "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
   )
   shutdown_timeout_s = var.save_budget_s + var.exit_margin_s
-  # docker stop waits for torchrun's shutdown timeout plus the launcher's exit.
+  # docker stop waits for the launcher's (spotckpt launch) shutdown timeout plus its exit.
   stop_timeout_s      = local.shutdown_timeout_s + 10
   unit_stop_timeout_s = local.stop_timeout_s + 10
   checkpoint_uri      = "s3://${aws_s3_bucket.checkpoints.bucket}/${var.run_prefix}"

@@ -103,7 +103,7 @@ variable "save_budget_s" {
 }
 
 variable "exit_margin_s" {
-  description = "Seconds for the workers to exit after the save (added to save_budget_s for torchrun's shutdown timeout)."
+  description = "Seconds for the workers to exit after the save (added to save_budget_s for the shutdown timeout of spotckpt launch, the image's launcher)."
   type        = number
   default     = 5
 }

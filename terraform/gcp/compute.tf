@@ -10,7 +10,7 @@ data "google_compute_image" "cos" {
 
 locals {
   shutdown_timeout_s = var.save_budget_s + var.exit_margin_s
-  # docker stop waits for torchrun's shutdown timeout plus the launcher's exit; all of it has
+  # docker stop waits for the launcher's shutdown timeout plus its exit; all of it has
   # to fit in the 30 s between the preemption notice and the hard stop.
   stop_timeout_s      = local.shutdown_timeout_s + 3
   unit_stop_timeout_s = local.stop_timeout_s + 2
