@@ -7,6 +7,12 @@ two interval saves, and gets SIGTERM on every rank (as torchrun forwards it): ea
 commit step 3 and exit with status 75. The same command started again must train steps 4 to 6
 only and end with the reference's model and optimizer tensors, bit for bit: one rank on a local
 folder, two FSDP ranks on S3.
+
+Every run sees no CUDA device (``CUDA_VISIBLE_DEVICES=""``), as on a CPU-only machine: nothing
+in the worker moves torchtitan off CUDA, `SpotckptTrainer` does. The README's command itself,
+``spotckpt launch --nproc-per-node=2 -m spotckpt.integrations.torchtitan``, trains and resumes
+on the CPU too (the worker's module, imported by ``--experimental.custom_import``, only adds the
+synthetic data set).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import select
 import signal
 import subprocess
@@ -34,7 +41,9 @@ from spotckpt.values import ValueLoadError
 from dist_worker import free_port
 from torchtitan_worker import Tokens
 
-WORKER = Path(__file__).resolve().parent / "torchtitan_worker.py"
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "torchtitan_worker.py"
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # a CPU-only machine, whatever this one has
 TIMEOUT_S = 600  # a guard against hangs only: a run takes seconds
 STEPS, INTERVAL, STOP_AT = 6, 2, 3
 TITAN_ARGS = [
@@ -68,6 +77,7 @@ class Ranks:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
             PYTHONUNBUFFERED="1",
+            **NO_CUDA,
         )
         for rank in range(world):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -168,6 +178,8 @@ def test_sigterm_exit_75_and_bit_identical_resume(
     killed.signal(signal.SIGTERM)
     assert killed.finish() == [PREEMPTED_EXIT_CODE] * world, killed.log()
     assert f"emergency save of step {STOP_AT} committed" in killed.log()
+    whole = (killed.out / "rank-0.log").read_text(errors="replace")
+    assert "training on the CPU" in whole and "CPU capacity" in whole and "cuda" not in whole
     assert ("Applied FSDP to the model" in killed.log()) == (world > 1)
     assert all(killed.steps(rank) == [1, 2, 3] for rank in range(world))
     with CheckpointManager(uri, preemption=False) as manager:
@@ -183,6 +195,75 @@ def test_sigterm_exit_75_and_bit_identical_resume(
         different = [k for k, v in reference[part].items() if result[part].get(k) != v]
         assert not different, f"{part}: {len(different)} entries differ: {different[:5]}"
     assert result["lr_scheduler"] == reference["lr_scheduler"]
+
+
+def _titan_command(steps: int, out: Path, port: int) -> list[str]:
+    """The README's command on 2 ranks (``python -m spotckpt.launch`` is ``spotckpt launch``),
+    with the synthetic data set and a small run."""
+    args = list(TITAN_ARGS)
+    args[args.index("--training.steps") + 1] = str(steps)
+    return [
+        sys.executable, "-m", "spotckpt.launch", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={port}",
+        "-m", "spotckpt.integrations.torchtitan",
+        "--experimental.custom_import", "torchtitan_worker",
+        *args, "--job.dump_folder", str(out),
+    ]  # fmt: skip
+
+
+def test_the_readme_command_trains_and_resumes_on_the_cpu(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ck")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
+    env.update(SPOTCKPT_URI=uri, PYTHONPATH=str(TESTS), PYTHONUNBUFFERED="1", **NO_CUDA)
+    logs = []
+    for steps in (2, 4):
+        result = subprocess.run(
+            _titan_command(steps, tmp_path / f"out-{steps}", free_port()),
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+        )  # fmt: skip
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-6000:]
+        assert "_cuda_setDevice" not in output
+        assert output.count("training on the CPU") == 2  # one line per rank
+        assert "Applied FSDP to the model" in output
+        logs.append(output)
+    trained = [{int(step) for step in re.findall(r"step:\s+(\d+)\s", log)} for log in logs]
+    assert trained == [{1, 2}, {3, 4}]
+    assert "resuming after step 2" in logs[1] and "resuming" not in logs[0]
+    with CheckpointManager(uri, preemption=False) as manager:
+        assert manager.steps() == [2, 4]
+
+
+def test_use_the_cpu_rebinds_torchtitan_s_device_only_when_the_trainer_starts() -> None:
+    code = """if True:
+        import torch
+        import torchtitan.tools.utils as utils
+        import spotckpt.integrations.torchtitan as integration
+        from torchtitan.distributed import utils as dist_utils, parallel_dims
+        from torchtitan.components import metrics
+        before = (utils.device_type, integration._needs_the_cpu())
+        integration._use_the_cpu()
+        from torchtitan.distributed import dual_pipe_v  # imported after the switch
+        cpu = integration.CPU_DEVICE_MODULE
+        modules = (utils, dist_utils, metrics, dual_pipe_v)
+        print(before, integration._needs_the_cpu(),
+              {m.device_type for m in (*modules, parallel_dims)},
+              all(m.device_module is cpu for m in modules),
+              metrics.build_device_memory_monitor().get_peak_stats().max_active_gib < 0)
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S,
+        env={**os.environ, **NO_CUDA},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[-2] == "('cuda', True) False {'cpu'} True True"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path only")
+def test_refuses_a_cuda_memory_snapshot_on_the_cpu(tmp_path: Path) -> None:
+    job_config = ConfigManager().parse_args(["--profiling.enable_memory_snapshot"])
+    with pytest.raises(ConfigError, match=r"profiling\.enable_memory_snapshot .* no CUDA"):
+        SpotckptTrainer(job_config, spotckpt_config=Config(uri=str(tmp_path)))
 
 
 def test_refuses_checkpoint_options_it_cannot_honour(tmp_path: Path) -> None:

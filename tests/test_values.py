@@ -175,14 +175,14 @@ def _assert_nothing_committed(manager: CheckpointManager, root: Path) -> None:
 @pytest.mark.parametrize(
     ("value", "path", "type_name"),
     [
-        (Config(), "train.extra.v", "test_values.Config"),
-        (Custom(), "train.extra.v", "test_values.Custom"),
-        (Secret.A, "train.extra.v", "test_values.Secret"),
-        ({"a": [1, {"b": Config()}]}, r"train.extra.v.a\[1\].b", "test_values.Config"),
-        (np.array(["text"]), "train.extra.v", "numpy.ndarray"),
-        (np.datetime64("2024-01-01"), "train.extra.v", "numpy.datetime64"),
-        (("__spotckpt_value__", "enum"), "train.extra.v", "tuple"),
-        ({Secret.A: 1}, "train.extra.v", "test_values.Secret"),
+        (Config(), "train.rank_00000.extra.v", "test_values.Config"),
+        (Custom(), "train.rank_00000.extra.v", "test_values.Custom"),
+        (Secret.A, "train.rank_00000.extra.v", "test_values.Secret"),
+        ({"a": [1, {"b": Config()}]}, r"train.rank_00000.extra.v.a\[1\].b", "test_values.Config"),
+        (np.array(["text"]), "train.rank_00000.extra.v", "numpy.ndarray"),
+        (np.datetime64("2024-01-01"), "train.rank_00000.extra.v", "numpy.datetime64"),
+        (("__spotckpt_value__", "enum"), "train.rank_00000.extra.v", "tuple"),
+        ({Secret.A: 1}, "train.rank_00000.extra.v", "test_values.Secret"),
     ],
     ids=["dataclass", "custom", "enum", "nested", "str-array", "datetime64", "marker", "key"],
 )
@@ -229,7 +229,7 @@ def test_forged_value_is_a_clear_error_not_corruption(
     marker = tmp_path / "pwned"
     payload = io.BytesIO()
     torch.save(Exploit(marker), payload)
-    forge_value(root, 2, "train.extra.epoch", payload.getvalue())
+    forge_value(root, 2, "train.rank_00000.extra.epoch", payload.getvalue())
 
     extra = {"epoch": 0}
     state = TrainState(extra=extra, rng=False)
@@ -242,7 +242,7 @@ def test_forged_value_is_a_clear_error_not_corruption(
 
     report = verify_checkpoint(manager.store, 2)
     assert [p.kind for p in report.problems] == ["value"]
-    assert report.problems[0].tensors == ("value train.extra.epoch",)
+    assert report.problems[0].tensors == ("value train.rank_00000.extra.epoch",)
     assert "weights_only" in report.problems[0].message
     assert verify_checkpoint(manager.store, 1).ok
 
@@ -252,7 +252,7 @@ def test_enum_not_allow_listed_at_restore_names_the_key(
 ) -> None:
     manager.save(1, TrainState(extra={"mode": Color.RED}, rng=False))
     monkeypatch.delitem(ALLOWED_ENUMS, f"{Color.__module__}.{Color.__qualname__}")
-    with pytest.raises(ValueLoadError, match=r"train\.extra\.mode.*allow_enum") as caught:
+    with pytest.raises(ValueLoadError, match=r"train\.rank_00000\.extra\.mode.*allow_enum") as caught:
         manager.restore(TrainState(extra={"mode": None}, rng=False))
     assert not isinstance(caught.value, CorruptCheckpointError)
 

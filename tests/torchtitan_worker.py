@@ -7,15 +7,15 @@ and SPOTCKPT_URI naming the checkpoint root:
     [WAIT_AT=K MARKER_FD=FD] python torchtitan_worker.py --job.dump_folder OUT TORCHTITAN-ARGS...
 
 (torchtitan reads its command line as it was when it was imported, so the worker's own two
-options come from the environment.)
+options come from the environment.) Imported, as by ``--experimental.custom_import
+torchtitan_worker`` under ``torchrun -m spotckpt.integrations.torchtitan``, it only registers
+its train spec, ``spotckpt_debug``.
 
 The model is torchtitan's llama3 ``debugmodel``, trained by torchtitan's own Trainer, optimizer
 container, LR schedulers, loss and ``ParallelAwareDataloader`` (FSDP2 over the ranks, gloo). The
 data is a deterministic synthetic token stream per data-parallel rank (no tokenizer, no
-download), a Stateful dataset so the loader can resume it. Two accommodations for a machine
-without an accelerator: torchtitan 0.2.2 takes "cuda" as its device type when it finds no
-accelerator, so the worker points it at the CPU (with a stand-in device module for its memory
-monitor); and gloo has no PREMUL_SUM, so FSDP reduces gradients with plain sums.
+download), a Stateful dataset so the loader can resume it. Nothing else is patched: on a
+machine without an accelerator `SpotckptTrainer` itself moves torchtitan to the CPU and gloo.
 
 Every rank appends each step it trained to ``OUT/steps-<rank>.txt``. With ``WAIT_AT=K``
 every rank, after step K's optimizer step (before the checkpointer sees the step), writes
@@ -32,24 +32,18 @@ import json
 import os
 import select
 import signal
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torchtitan.components.metrics as titan_metrics
-import torchtitan.distributed.parallel_dims as titan_parallel_dims
-import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.protocols.train_spec as train_spec
-import torchtitan.tools.utils as titan_utils
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
@@ -58,26 +52,6 @@ from spotckpt.integrations.torchtitan import SpotckptTrainer, main
 WAIT_TIMEOUT_S = 600.0
 VOCAB = 2048  # the debugmodel's vocabulary
 SPEC = "spotckpt_debug"
-
-CPU_DEVICE = types.SimpleNamespace(
-    set_device=lambda device: None,
-    current_device=lambda: 0,
-    device_count=lambda: 1,
-    synchronize=lambda: None,
-    get_device_name=lambda device=None: "cpu",
-    get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=1 << 30),
-    memory_stats=lambda device=None: {},
-    reset_peak_memory_stats=lambda: None,
-    empty_cache=lambda: None,
-)
-
-
-def use_the_cpu() -> None:
-    """Point torchtitan's device type and module at the CPU (it defaults to "cuda")."""
-    for module in (titan_utils, titan_metrics, titan_dist_utils):
-        module.device_type = "cpu"  # type: ignore[attr-defined]
-        module.device_module = CPU_DEVICE  # type: ignore[attr-defined]
-    titan_parallel_dims.device_type = "cpu"  # type: ignore[attr-defined]
 
 
 class Tokens(IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
@@ -112,19 +86,9 @@ def build_loader(
 
 
 def register_spec() -> None:
-    """llama3 with the synthetic loader, no tokenizer or validator, and sum-only FSDP."""
-    llama3 = train_spec.get_train_spec("llama3")
-
-    def parallelize(model: torch.nn.Module, parallel_dims: Any, job_config: Any) -> Any:
-        model = llama3.parallelize_fn(model, parallel_dims, job_config)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-        return model
-
+    """llama3 with the synthetic loader and no tokenizer or validator."""
     spec = dataclasses.replace(
-        llama3,
-        parallelize_fn=parallelize,
+        train_spec.get_train_spec("llama3"),
         build_dataloader_fn=build_loader,
         build_tokenizer_fn=None,
         build_validator_fn=None,
@@ -201,10 +165,11 @@ class WorkerTrainer(SpotckptTrainer):
         (self.out / "digest.json").write_text(json.dumps(digest, indent=1, sort_keys=True))
 
 
+register_spec()
+
+
 def run() -> None:
     torch.set_num_threads(1)
-    use_the_cpu()
-    register_spec()
     main(WorkerTrainer)
 
 

@@ -32,6 +32,13 @@ Options it cannot honour are refused at start: ``async_mode`` (use spotckpt's ``
 ``initial_load_path``, ``initial_load_in_hf``, ``last_save_in_hf`` and ``load_only`` (a job
 that may not save cannot make an emergency save).
 
+On a machine without an accelerator torchtitan 0.2.2 still takes "cuda" as its device type and
+fails in its own ``Trainer`` (``torch._C`` has no ``_cuda_setDevice``). `SpotckptTrainer` then
+points torchtitan at the CPU instead (its device type ``"cpu"``, for which torchtitan's own
+backend choice is gloo, and a CPU device module for its memory monitor, which reports no memory
+statistics), and has FSDP reduce gradients with plain sums (gloo has no ``PREMUL_SUM``). A CUDA
+memory snapshot (``profiling.enable_memory_snapshot``) is refused there.
+
 Written for torchtitan 0.2.2. Importing this module imports torchtitan; ``import spotckpt`` does
 not.
 """
@@ -41,11 +48,18 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import os
+import platform
+import sys
+import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torchtitan.tools.utils as titan_utils
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
@@ -79,6 +93,60 @@ def _check_supported(checkpoint_config: Any) -> None:
             "asynchronous saves set spotckpt's async_save; export weights with spotckpt "
             "export-hf)"
         )
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf names: the percentages are moot
+        return 1
+
+
+CPU_DEVICE_MODULE = types.SimpleNamespace(
+    set_device=lambda device: None,
+    current_device=lambda: 0,  # torchtitan passes it to barrier(device_ids=[...])
+    device_count=lambda: 1,
+    synchronize=torch.cpu.synchronize,
+    get_device_name=lambda device=None: f"CPU ({platform.machine() or 'unknown'})",
+    get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=_total_memory()),
+    memory_stats=lambda device=None: {},  # torchtitan reports -1 for what is missing
+    reset_peak_memory_stats=lambda device=None: None,
+    empty_cache=lambda: None,
+)
+"""What torchtitan calls on its device module (``torch.cuda`` by default), for the CPU."""
+
+
+def _needs_the_cpu() -> bool:
+    """True when torchtitan would use CUDA and there is none (it found no accelerator)."""
+    return titan_utils.device_type == "cuda" and not torch.cuda.is_available()
+
+
+def _use_the_cpu() -> None:
+    """Point torchtitan's device type and device module at the CPU.
+
+    torchtitan keeps them as module globals, set at import by ``get_device_info`` (``"cuda"`` and
+    ``torch.cuda`` when it finds no accelerator) and copied by ``from ... import`` into the
+    modules loaded since; each copy is replaced, and ``get_device_info`` answers the CPU for
+    modules loaded later. torchtitan's own backend choice for device type ``"cpu"`` is gloo.
+    """
+    cuda_type, cuda_module = titan_utils.device_type, titan_utils.device_module
+    titan_utils.get_device_info = lambda: ("cpu", CPU_DEVICE_MODULE)
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torchtitan" or name.startswith("torchtitan.")):
+            continue
+        globals_ = vars(module)
+        if globals_.get("device_type") == cuda_type:
+            globals_["device_type"] = "cpu"
+        if globals_.get("device_module") is cuda_module:
+            globals_["device_module"] = CPU_DEVICE_MODULE
+
+
+def _sum_reductions(model_parts: list[nn.Module]) -> None:
+    """Have FSDP reduce gradients with SUM (then divide), as gloo has no ``PREMUL_SUM``."""
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
 
 
 class LoaderState:
@@ -222,7 +290,8 @@ class SpotckptTrainer(Trainer):
 
     `spotckpt_config` gives the URI and the manager's settings (default: `Config.load()`, from
     ``SPOTCKPT_*`` variables and ``spotckpt.toml``). `train` ends the process with status 75
-    after an emergency save.
+    after an emergency save. Without CUDA or another accelerator it trains on the CPU with gloo
+    (see the module docstring).
     """
 
     checkpointer: SpotckptCheckpointManager
@@ -230,10 +299,20 @@ class SpotckptTrainer(Trainer):
     def __init__(self, job_config: Any, *, spotckpt_config: Config | None = None) -> None:
         config = spotckpt_config if spotckpt_config is not None else Config.load()
         _check_supported(job_config.checkpoint)  # before the model is built
+        if _needs_the_cpu():
+            if job_config.profiling.enable_memory_snapshot:
+                raise ConfigError(
+                    "profiling.enable_memory_snapshot records CUDA memory: there is no CUDA "
+                    "device here (torchtitan runs on the CPU), so turn it off"
+                )
+            log.warning("torchtitan: no CUDA device or other accelerator, training on the CPU")
+            _use_the_cpu()
         disabled = dataclasses.replace(
             job_config, checkpoint=dataclasses.replace(job_config.checkpoint, enable=False)
         )
         super().__init__(disabled)  # its own checkpointer, disabled, is replaced below
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            _sum_reductions(self.model_parts)
         self.job_config = job_config
         self.checkpointer = SpotckptCheckpointManager(
             dataloader=self.dataloader,
