@@ -233,7 +233,9 @@ def test_forged_value_is_a_clear_error_not_corruption(
 
     extra = {"epoch": 0}
     state = TrainState(extra=extra, rng=False)
-    with pytest.raises(CheckpointError, match=r"train\.extra\.epoch.*weights_only") as caught:
+    with pytest.raises(
+        CheckpointError, match=r"train\.rank_00000\.extra\.epoch.*weights_only"
+    ) as caught:
         manager.restore(state)  # fallback allowed, yet step 1 must not silently replace step 2
     assert not isinstance(caught.value, CorruptCheckpointError)
     assert "corrupt" not in str(caught.value).lower()
@@ -252,7 +254,9 @@ def test_enum_not_allow_listed_at_restore_names_the_key(
 ) -> None:
     manager.save(1, TrainState(extra={"mode": Color.RED}, rng=False))
     monkeypatch.delitem(ALLOWED_ENUMS, f"{Color.__module__}.{Color.__qualname__}")
-    with pytest.raises(ValueLoadError, match=r"train\.rank_00000\.extra\.mode.*allow_enum") as caught:
+    with pytest.raises(
+        ValueLoadError, match=r"train\.rank_00000\.extra\.mode.*allow_enum"
+    ) as caught:
         manager.restore(TrainState(extra={"mode": None}, rng=False))
     assert not isinstance(caught.value, CorruptCheckpointError)
 
