@@ -29,7 +29,9 @@ Randomness drawn inside worker processes (``Dataset.__getitem__``) is not covere
 from __future__ import annotations
 
 import functools
+import inspect
 import io
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,17 +55,18 @@ class LoaderRandomness:
     """
 
     def __init__(self, loader: Any) -> None:
-        self.loader = loader
+        self._loader = weakref.ref(loader)  # the loader holds this object: no reference cycle
         self.epoch_start: dict[str, torch.Tensor] | None = None
         self.pending: dict[str, Any] | None = None
 
     def generators(self) -> dict[str, torch.Generator]:
         """The loader's own generators by role, each object once: loader, sampler, batch sampler."""
         found: dict[str, torch.Generator] = {}
+        loader = self._loader()
         owners = {
-            "loader": self.loader,
-            "sampler": getattr(self.loader, "sampler", None),
-            "batch_sampler": getattr(getattr(self.loader, "batch_sampler", None), "sampler", None),
+            "loader": loader,
+            "sampler": getattr(loader, "sampler", None),
+            "batch_sampler": getattr(getattr(loader, "batch_sampler", None), "sampler", None),
         }
         for role, owner in owners.items():
             generator = getattr(owner, "generator", None)
@@ -115,14 +118,19 @@ class LoaderRandomness:
                 self._set(pending["now"])
                 torch.set_rng_state(current)
         reset = getattr(iterator, "_reset", None)
-        if callable(reset) and not isinstance(reset, functools.partial):
-            iterator._reset = functools.partial(self._reset, reset)
+        if inspect.ismethod(reset):
+            # A weak method: the iterator must stay free of reference cycles, or its workers
+            # outlive it until a collection (and, at exit, multiprocessing terminates them).
+            iterator._reset = functools.partial(self._reset, weakref.WeakMethod(reset))
         return iterator
 
-    def _reset(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _reset(self, original: weakref.WeakMethod, *args: Any, **kwargs: Any) -> Any:
         # A persistent-workers iterator starts its next epoch here instead of in _get_iterator.
         self.epoch_start = self.snapshot()
-        return original(*args, **kwargs)
+        method = original()
+        if method is None:
+            raise ReferenceError("the data-loader iterator being reset no longer exists")
+        return method(*args, **kwargs)
 
     def _set(self, states: Mapping[str, torch.Tensor]) -> None:
         generators = self.generators()

@@ -311,6 +311,7 @@ class ShieldedWorkerInit:
         self.signals = signals
         self.released = multiprocessing.RawValue("b", 0)
         _SHIELDS.add(self)
+        _RELEASE_FLAGS.append(self.released)
 
     def release(self) -> None:
         """Let the next preemption signal end this loader's workers (from the trainer process)."""
@@ -330,12 +331,15 @@ class ShieldedWorkerInit:
 
 
 _SHIELDS: weakref.WeakSet[ShieldedWorkerInit] = weakref.WeakSet()
+_RELEASE_FLAGS: list[Any] = []
+"""Every shield's flag, held strongly: a shield freed before exit must still release its workers
+(they keep the flag's shared memory mapped and would ignore SIGTERM forever)."""
 
 
 def release_worker_shields() -> None:
     """Release every data-loader worker shield of this process (see `ShieldedWorkerInit`)."""
-    for shield in list(_SHIELDS):
-        shield.release()
+    for flag in _RELEASE_FLAGS:
+        flag.value = 1
 
 
 _LOADERS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -349,9 +353,9 @@ def _shut_down_workers_at_exit() -> None:
     # reference cycle (a frame held by a traceback is enough), release the shields, and shut
     # down the workers of the iterators loaders keep (torchdata's always, torch's with
     # persistent workers) the normal way, as the DataLoader does when an iterator is freed.
+    release_worker_shields()
     if _SHIELDS:
         gc.collect()
-    release_worker_shields()
     for loader in list(_LOADERS):
         shut_down = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
         if callable(shut_down):
