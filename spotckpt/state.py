@@ -310,12 +310,7 @@ class ShieldedWorkerInit:
         self.original = original
         self.signals = signals
         self.released = multiprocessing.RawValue("b", 0)
-        _SHIELDS.add(self)
         _RELEASE_FLAGS.append(self.released)
-
-    def release(self) -> None:
-        """Let the next preemption signal end this loader's workers (from the trainer process)."""
-        self.released.value = 1
 
     def __call__(self, worker_id: int) -> None:
         for signum in self.signals:
@@ -330,7 +325,6 @@ class ShieldedWorkerInit:
             os.kill(os.getpid(), signum)
 
 
-_SHIELDS: weakref.WeakSet[ShieldedWorkerInit] = weakref.WeakSet()
 _RELEASE_FLAGS: list[Any] = []
 """Every shield's flag, held strongly: a shield freed before exit must still release its workers
 (they keep the flag's shared memory mapped and would ignore SIGTERM forever)."""
@@ -354,7 +348,7 @@ def _shut_down_workers_at_exit() -> None:
     # down the workers of the iterators loaders keep (torchdata's always, torch's with
     # persistent workers) the normal way, as the DataLoader does when an iterator is freed.
     release_worker_shields()
-    if _SHIELDS:
+    if _RELEASE_FLAGS:
         gc.collect()
     for loader in list(_LOADERS):
         shut_down = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
