@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt.config import Settings
+from spotckpt.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -88,7 +89,7 @@ _PROG = "spotckpt launch"
 log = logging.getLogger(__name__)
 
 
-class LaunchUsageError(ValueError):
+class LaunchUsageError(InvalidArgumentError):
     """A setting the launcher reads (not a torchrun option) has a value it cannot use."""
 
 

@@ -144,14 +144,18 @@ class Probe(pl.Callback):
         torch.save(snapshot(trainer), self.out / "final.pt")
 
 
-def loader() -> StatefulDataLoader:
+def loader(shared_generator: bool = False) -> StatefulDataLoader:
     """64 fixed samples in batches of 8, shuffled by a sampler with a generator of its own.
 
-    (With ``shuffle=True, generator=g`` the sampler and the iterator's seed share `g`, and
-    torchdata restores only the sampler's use of it: the epoch after a resume would differ.)
+    With `shared_generator` the loader is ``shuffle=True, generator=g`` instead: the sampler and
+    the iterator's base seed draw from the one generator `g`.
     """
     data = torch.Generator().manual_seed(1)
     dataset = TensorDataset(torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data))
+    if shared_generator:
+        return StatefulDataLoader(
+            dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3)
+        )
     sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(2))
     return StatefulDataLoader(
         dataset, batch_size=8, sampler=sampler, generator=torch.Generator().manual_seed(3)
@@ -170,6 +174,7 @@ def run(
     wait_at: int | None = None,
     wait_in_module: bool = False,
     trigger_at_batch: int | None = None,
+    shared_generator: bool = False,
 ) -> None:
     """Train to `steps` optimizer steps (resuming from `uri`), recording into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +191,8 @@ def run(
         enable_model_summary=False,
         callbacks=[SpotckptCallback(uri, interval_steps=interval, async_save=async_save), probe],
     )
-    trainer.fit(Net(wait_at if wait_in_module else None), train_dataloaders=loader())
+    net = Net(wait_at if wait_in_module else None)
+    trainer.fit(net, train_dataloaders=loader(shared_generator))
 
 
 def main() -> None:

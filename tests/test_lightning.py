@@ -4,7 +4,8 @@ Each run is `lightning_worker.py` as a child process: a reference run trains uni
 second run is sent SIGTERM once it reports a chosen step (mid-epoch), must exit with status 75
 after committing that step, and a third run of the same command must resume there and end with
 the reference's parameters, optimizer state (every AdamW moment, under the same integer keys),
-scheduler state and RNG, bit for bit. Gradient accumulation and the warnings run in-process.
+scheduler state and RNG, bit for bit. Gradient accumulation and a loader whose sampler shares
+its generator run in-process.
 """
 
 from __future__ import annotations
@@ -21,21 +22,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import TensorDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from spotckpt import CheckpointManager
 from spotckpt.integrations.lightning import (
-    SpotckptCallback,
     pack_checkpoint,
     unpack_checkpoint,
 )
 from spotckpt.values import UnsupportedValueError
 
-from lightning_worker import Net, run
+from lightning_worker import run
 
 WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
 TIMEOUT_S = 600  # a guard against hangs only: runs take seconds
@@ -188,18 +185,23 @@ def test_a_notice_while_accumulating_saves_at_the_next_optimizer_step(
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "ref")[6:]
 
 
-def test_warns_about_a_loader_that_cannot_resume_exactly(tmp_path: Path, in_process: None) -> None:
-    dataset = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
-    shared = StatefulDataLoader(dataset, batch_size=8, shuffle=True, generator=torch.Generator())
-    trainer = pl.Trainer(
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[SpotckptCallback(str(tmp_path / "ck"), preemption=False)],
+def test_a_loader_sharing_its_generator_with_its_sampler_resumes_exactly_in_a_later_epoch(
+    tmp_path: Path, in_process: None
+) -> None:
+    """``shuffle=True, generator=g``: the sampler and the workers' base seed draw from `g`."""
+    common: dict[str, Any] = {"steps": STEPS, "interval": None, "shared_generator": True}
+    run(str(tmp_path / "ref-ck"), tmp_path / "ref", **common)
+    uri = str(tmp_path / "ck")
+    with pytest.raises(SystemExit) as stopped:
+        run(uri, tmp_path / "killed", trigger_at_batch=11, **common)  # batch 3 of epoch 1
+    assert stopped.value.code == 75
+    with CheckpointManager(uri, preemption=False) as manager:
+        assert manager.steps() == [11]
+    run(uri, tmp_path / "resumed", **common)
+    assert_same_state(
+        _load(tmp_path / "ref" / "final.pt"), _load(tmp_path / "resumed" / "final.pt")
     )
-    with pytest.warns(UserWarning, match="shares its generator with its sampler"):
-        trainer.fit(Net(), train_dataloaders=shared)
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "ref")[11:]
 
 
 def test_the_packed_checkpoint_keeps_key_types_and_refuses_objects() -> None:
