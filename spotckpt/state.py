@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from spotckpt.errors import InvalidArgumentError, InvalidTypeError
 from spotckpt.loader_rng import RECORD_KEY, loader_randomness
@@ -123,6 +123,7 @@ class PerRankState:
         self.inner = inner
         self.source_rank: int | None = None
         self.keyed = True
+        self.discard = False
 
     def key(self) -> str:
         """The per-rank key this rank reads and writes."""
@@ -134,8 +135,10 @@ class PerRankState:
         return {self.key(): inner} if self.keyed else inner
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Hand this rank's (or the source rank's) stored state to the inner Stateful."""
-        self.inner.load_state_dict(state_dict[self.key()] if self.keyed else state_dict)
+        """Hand this rank's (or the source rank's) stored state to the inner Stateful, unless
+        `discard` says that state does not apply to this run (the inner one stays as it is)."""
+        if not self.discard:
+            self.inner.load_state_dict(state_dict[self.key()] if self.keyed else state_dict)
 
 
 class RNGStreams:
@@ -531,13 +534,35 @@ class TrainState:
         for name, part in per_rank.items():
             part.source_rank = None if saved_world == world else rank % saved_world
             part.keyed = isinstance(part, RNGState) or name in keyed or name not in present
+        loader = per_rank.get("dataloader")
+        if loader is not None and saved_world != world:
+            loader.discard = _splits_by_rank(self.dataloader)
+            if loader.discard:
+                log.warning(
+                    "step %d was saved by %d ranks and restores on %d: the data loader's "
+                    "DistributedSampler deals each rank another share of the data, so its "
+                    "position does not carry over and the cut epoch starts again from its first "
+                    "batch on every rank",
+                    step,
+                    saved_world,
+                    world,
+                )
         try:
             yield
         finally:
             for part in per_rank.values():
                 part.source_rank = None
                 part.keyed = True
+                part.discard = False
         self.values.step = step
+
+
+def _splits_by_rank(loader: Any) -> bool:
+    """Whether the loader's sampler is a DistributedSampler, whose share of an epoch depends on
+    the number of ranks (its position on one world size means other samples on another)."""
+    samplers = [getattr(loader, "sampler", None)]
+    samplers.append(getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    return any(isinstance(sampler, DistributedSampler) for sampler in samplers)
 
 
 def _named(value: Any, what: str) -> dict[str, Any]:

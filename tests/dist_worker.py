@@ -396,8 +396,38 @@ def per_rank_state(rank: int, world: int, args: dict[str, Any]) -> None:
     manager.close()
 
 
+def distributed_sampler(rank: int, world: int, args: dict[str, Any]) -> None:
+    """A StatefulDataLoader over a DistributedSampler in epoch 1: save after `taken` batches,
+    or restore and record the batches left in the epoch (``rest-world{W}-rank{r}.json``)."""
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(40))
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
+    state = TrainState(model=nn.Linear(2, 2), dataloader=loader)
+    manager = CheckpointManager(args["uri"], preemption=False)
+    out = Path(args["out"])
+    if args["mode"] == "save":
+        batches = iter(loader)
+        for _ in range(int(args["taken"])):
+            next(batches)
+        manager.save(5, state, blocking=True)
+        rest = [batch.tolist() for batch in batches]
+        name = f"saved-world{world}-rank{rank}.json"
+    else:
+        if manager.restore(state) != 5:
+            raise AssertionError(f"rank {rank} did not restore step 5")
+        rest = [batch.tolist() for batch in loader]
+        name = f"rest-world{world}-rank{rank}.json"
+    (out / name).write_text(json.dumps(rest))
+    manager.close()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "per_rank_state": per_rank_state,
+    "distributed_sampler": distributed_sampler,
     "fsdp_save": fsdp_save,
     "fsdp_restore": fsdp_restore,
     "ddp_save": ddp_save,

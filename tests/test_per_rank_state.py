@@ -5,7 +5,8 @@ an RNG stream or an extra that differs by rank must be stored under a per-rank k
 here saves a sampler seeded by its rank at its own position, its own extras and RNG stream; a
 restore on the same world gives each rank its own back; on another world rank r gets saved rank
 ``r % saved_world``'s, whole; a checkpoint of an earlier release (one copy for the job) still
-restores.
+restores. A DistributedSampler's position carries over on the same world only: on another,
+its epoch starts again (each rank now holds another share of it), with a warning.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from torch.utils.data import DistributedSampler
 
 from dist_worker import launch_ranks, run_ranks
 
@@ -74,3 +76,37 @@ def test_a_checkpoint_with_one_copy_for_the_job_still_restores(tmp_path: Path) -
     )
     kept = {_read(tmp_path, f"restored-world2-rank{r}.json")["extra"]["rank_value"] for r in (0, 1)}
     assert len(kept) == 1  # one stored copy, the same on every rank (as that release did)
+
+
+def _epoch_share(rank: int, world: int) -> list[list[int]]:
+    """The batches of 4 that a fresh DistributedSampler deals `rank` of `world` in epoch 1."""
+    sampler = DistributedSampler(list(range(40)), num_replicas=world, rank=rank, seed=3)
+    sampler.set_epoch(1)
+    order = list(sampler)
+    return [order[i : i + 4] for i in range(0, len(order), 4)]
+
+
+@pytest.mark.parametrize(
+    ("saved_world", "world", "taken"),
+    [(2, 2, 3), (1, 2, 7), (2, 1, 4)],
+    ids=["2to2-carries-over", "1to2-past-the-new-share", "2to1"],
+)
+def test_a_distributed_sampler_position_carries_over_on_the_same_world_only(
+    tmp_path: Path, saved_world: int, world: int, taken: int
+) -> None:
+    """1 -> 2 with 7 of 10 batches taken: a rank's new share has 5, so the position cannot
+    apply (torchdata's fast-forward would run past the end of the epoch)."""
+    uri = str(tmp_path / "ckpt")
+    args = {"uri": uri, "out": str(tmp_path), "taken": taken}
+    run_ranks(saved_world, "distributed_sampler", {**args, "mode": "save"})
+    results = launch_ranks(world, "distributed_sampler", {**args, "mode": "restore"})
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, result.stdout[-4000:]
+        rest = _read(tmp_path, f"rest-world{world}-rank{rank}.json")
+        if saved_world == world:
+            assert rest == _read(tmp_path, f"saved-world{world}-rank{rank}.json")
+            assert "starts again" not in result.stdout
+        else:
+            assert rest == _epoch_share(rank, world)
+    if saved_world != world:  # said once for the job, by rank 0
+        assert "the cut epoch starts again from its first batch" in results[0].stdout
