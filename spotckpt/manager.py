@@ -56,10 +56,10 @@ from spotckpt.format.index import (
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
-from spotckpt.loader_rng import RECORD_KEY
 from spotckpt.packing import RUN_PREFIX, Run, Unpack, adopt_runs
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.state import (
+    ADDED_LOADER_KEYS,
     TrainState,
     as_dcp_state,
     is_per_rank_key,
@@ -112,10 +112,12 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         """DCP's set-up, then runs of small tensors (`spotckpt.packing`) adopted where the
         destination can take them whole."""
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        # A data loader's randomness record is absent from checkpoints of earlier releases:
-        # then there is nothing to replay (the loader keeps the record it offered, its own).
+        # What spotckpt adds to a data loader's state (its randomness record, Accelerate's epoch
+        # count) is absent from checkpoints of earlier releases: then there is nothing to load
+        # (the loader keeps what it offered, its own).
         stored = metadata.state_dict_metadata if metadata else {}
-        for fqn in [k for k in self.state_dict if k.endswith(f".{RECORD_KEY}")]:
+        added = tuple(f".{key}" for key in ADDED_LOADER_KEYS)
+        for fqn in [k for k in self.state_dict if k.endswith(added)]:
             if fqn not in stored:
                 del self.state_dict[fqn]
         self.wanted = sorted(self.state_dict)

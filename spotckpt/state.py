@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from spotckpt.errors import InvalidArgumentError, InvalidTypeError
-from spotckpt.loader_rng import RECORD_KEY, loader_randomness
+from spotckpt.loader_rng import RECORD_KEY, LoaderRandomness, loader_randomness
 from spotckpt.seeding import SampleKey
 from spotckpt.values import decode, encode
 
@@ -294,6 +294,46 @@ class DataLoaderState:
         self.sampler.load_state_dict(saved)
 
 
+ITERATION_KEY = "_spotckpt_iteration"
+"""An Accelerate-prepared loader's epoch counter, in its state."""
+
+ADDED_LOADER_KEYS = (RECORD_KEY, ITERATION_KEY)
+"""Keys spotckpt adds to a data loader's state; checkpoints of earlier releases lack them."""
+
+
+class PreparedLoaderState:
+    """Adapter for a loader Accelerate prepared (a wrapper around a StatefulDataLoader).
+
+    Its ``state_dict()`` is a snapshot Accelerate takes as it yields each batch, and before the
+    first one, the snapshot it took in ``prepare``: before `loader_randomness` was installed,
+    so without the randomness record. A restore loads only the keys the restoring loader offers,
+    and a freshly prepared loader offers that first snapshot: the record is added where missing,
+    or a resume in epoch 1 or later would shuffle as epoch 0 did. The snapshot also lacks the
+    loader's ``iteration`` (its epoch count), which each ``iter()`` hands to ``set_epoch`` of the
+    dataset (a `SeededDataset`) or sampler; it is stored beside, or a resumed epoch would be
+    seeded as epoch 0.
+    """
+
+    def __init__(self, loader: Any, randomness: LoaderRandomness) -> None:
+        self.loader = loader
+        self.randomness = randomness
+
+    def state_dict(self) -> dict[str, Any]:
+        """Accelerate's snapshot, with the randomness record it holds (or the current one)."""
+        state = dict(self.loader.state_dict())
+        state.setdefault(RECORD_KEY, self.randomness.state())
+        state[ITERATION_KEY] = int(getattr(self.loader, "iteration", 0))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Hand the state to the prepared loader (which passes the record to the wrapped one)."""
+        state = dict(state_dict)
+        iteration = state.pop(ITERATION_KEY, None)
+        if iteration is not None:
+            self.loader.iteration = int(iteration)
+        self.loader.load_state_dict(state)
+
+
 class ShieldedWorkerInit:
     """A DataLoader ``worker_init_fn`` that shields workers from preemption signals until released.
 
@@ -369,11 +409,22 @@ atexit.register(_shut_down_workers_at_exit)
 def shield_workers(
     loader: Any, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
 ) -> None:
-    """Install `ShieldedWorkerInit` on a DataLoader (once), keeping its own worker_init_fn."""
+    """Install `ShieldedWorkerInit` on a DataLoader (once), keeping its own worker_init_fn.
+
+    torchdata's ``state_dict()`` on a loader that was never iterated starts an iterator, with
+    its workers, to ask it; Accelerate's ``prepare`` does so. Those workers began before the
+    shield and would die of the first SIGTERM, so that iterator, from which nothing was taken,
+    is shut down here: the next ``iter(loader)`` starts shielded workers.
+    """
     current = getattr(loader, "worker_init_fn", None)
     if getattr(loader, "num_workers", 0) > 0 and not isinstance(current, ShieldedWorkerInit):
         loader.worker_init_fn = ShieldedWorkerInit(current, signals)
         _LOADERS.add(loader)
+        if getattr(loader, "_initial_iter_for_state_dict", False):
+            unshielded = loader._iterator
+            loader._iterator = None
+            loader._initial_iter_for_state_dict = False
+            unshielded._shutdown_workers()
 
 
 def dataloader_stateful(loader: Any) -> Stateful:
@@ -397,12 +448,14 @@ def dataloader_stateful(loader: Any) -> Stateful:
                 "use torchdata's StatefulDataLoader"
             )
         stateful: Stateful = DataLoaderState(loader, sampler)
+    elif base is not None:
+        stateful = PreparedLoaderState(loader, loader_randomness(base))
     elif isinstance(loader, Stateful):
-        loader_randomness(base if base is not None else loader)
+        loader_randomness(loader)
         stateful = loader
     else:
         raise InvalidTypeError(f"{type(loader).__name__} has no state_dict()/load_state_dict()")
-    shield_workers(loader)
+    shield_workers(base if base is not None else loader)  # the workers are the wrapped loader's
     return stateful
 
 

@@ -1,12 +1,16 @@
 """The README's Accelerate recipe, run as a child process by tests/test_accelerate_recipe.py.
 
-    python accelerate_worker.py URI OUT_DIR --steps 14 [--stop-at K]
+    python accelerate_worker.py URI OUT_DIR --steps 14 [--stop-at K] [--loader L] [--workers N]
 
 A small classifier with dropout, AdamW, a warm-up schedule and a shuffled loader, all passed
 through `accelerator.prepare`, with gradient accumulation over 2 batches (11 batches an epoch, so
 each epoch ends on a partial accumulation). The prepared objects go into `TrainState` as they
 are; the loader is a `StatefulDataLoader` (``use_stateful_dataloader=True``), which keeps its
-position. With ``--stop-at K`` it prints ``REACHED K`` after optimizer step K and waits there
+position. ``--loader`` picks its sampler: ``torchdata`` (torchdata's stateful RandomSampler),
+``torch-sampler`` (torch's ``RandomSampler(generator=g)``, whose permutation a resume must draw
+again) or ``augment`` (the torch sampler over a `SeededDataset` that adds noise in
+``__getitem__``: Accelerate's own ``set_epoch`` seeds each epoch); ``--workers`` its worker
+processes. With ``--stop-at K`` it prints ``REACHED K`` after optimizer step K and waits there
 for SIGTERM. On completion it writes ``OUT_DIR/digest.json`` (a SHA-256 of every parameter and
 optimizer tensor).
 """
@@ -25,26 +29,49 @@ from types import FrameType
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, RandomSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import RandomSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler as TorchdataRandomSampler
 
-from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager, TrainState
+from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager, SeededDataset, TrainState
 
 ACCUMULATE = 2
 
 
-def make_loader() -> StatefulDataLoader[tuple[torch.Tensor, ...]]:
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Random augmentation: noise from torch's RNG of the process that loads the sample."""
+
+    def __init__(self, base: TensorDataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        features, label = self.base[index]
+        return features + 0.1 * torch.randn(features.shape), label
+
+
+def make_loader(kind: str, workers: int) -> StatefulDataLoader[tuple[torch.Tensor, ...]]:
     """44 examples in shuffled batches of 4; the loader's own generator leaves the global RNG."""
     generator = torch.Generator().manual_seed(1234)
     features = torch.randn(44, 8, generator=generator)
     labels = torch.randint(0, 3, (44,), generator=generator)
-    data = TensorDataset(features, labels)
+    data: Dataset[tuple[torch.Tensor, ...]] = TensorDataset(features, labels)
+    shuffle = torch.Generator().manual_seed(0)
+    if kind == "augment":
+        data = SeededDataset(Noisy(TensorDataset(features, labels)), seed=5)
+    sampler = (
+        TorchdataRandomSampler(data, generator=shuffle)
+        if kind == "torchdata"
+        else RandomSampler(data, generator=shuffle)
+    )
     return StatefulDataLoader(
         data,
         batch_size=4,
-        sampler=RandomSampler(data, generator=torch.Generator().manual_seed(0)),
+        sampler=sampler,
         generator=torch.Generator().manual_seed(1),
+        num_workers=workers,
     )
 
 
@@ -59,6 +86,8 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--stop-at", type=int)
+    parser.add_argument("--loader", choices=["torchdata", "torch-sampler", "augment"])
+    parser.add_argument("--workers", type=int, default=0)
     options = parser.parse_args()
     signalled = threading.Event()
 
@@ -79,7 +108,7 @@ def main() -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     model, optimizer, loader, scheduler = accelerator.prepare(
-        model, optimizer, make_loader(), scheduler
+        model, optimizer, make_loader(options.loader or "torchdata", options.workers), scheduler
     )
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, dataloader=loader)
     manager = CheckpointManager(options.uri, interval_steps=3)
