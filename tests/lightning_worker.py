@@ -1,7 +1,7 @@
 """A deterministic Lightning training run with `SpotckptCallback`, for test_lightning.py.
 
 Usage: python lightning_worker.py URI OUT [--steps N] [--interval S] [--async-save]
-       [--dump-at K ...] [--wait-at K --wait-in callback|module]
+       [--dump-at K ...] [--wait-at K --wait-in callback|module] [--workers N]
 
 A tiny MLP with dropout, AdamW and a per-step StepLR, fed by a torchdata StatefulDataLoader of
 8 shuffled batches per epoch. Into the folder OUT it writes ``losses.jsonl`` (one line per
@@ -144,7 +144,7 @@ class Probe(pl.Callback):
         torch.save(snapshot(trainer), self.out / "final.pt")
 
 
-def loader(shared_generator: bool = False) -> StatefulDataLoader:
+def loader(shared_generator: bool = False, workers: int = 0) -> StatefulDataLoader:
     """64 fixed samples in batches of 8, shuffled by a sampler with a generator of its own.
 
     With `shared_generator` the loader is ``shuffle=True, generator=g`` instead: the sampler and
@@ -154,11 +154,19 @@ def loader(shared_generator: bool = False) -> StatefulDataLoader:
     dataset = TensorDataset(torch.randn(64, 8, generator=data), torch.randn(64, 1, generator=data))
     if shared_generator:
         return StatefulDataLoader(
-            dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3)
+            dataset,
+            batch_size=8,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(3),
+            num_workers=workers,
         )
     sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(2))
     return StatefulDataLoader(
-        dataset, batch_size=8, sampler=sampler, generator=torch.Generator().manual_seed(3)
+        dataset,
+        batch_size=8,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(3),
+        num_workers=workers,
     )
 
 
@@ -175,6 +183,7 @@ def run(
     wait_in_module: bool = False,
     trigger_at_batch: int | None = None,
     shared_generator: bool = False,
+    workers: int = 0,
 ) -> None:
     """Train to `steps` optimizer steps (resuming from `uri`), recording into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -192,7 +201,7 @@ def run(
         callbacks=[SpotckptCallback(uri, interval_steps=interval, async_save=async_save), probe],
     )
     net = Net(wait_at if wait_in_module else None)
-    trainer.fit(net, train_dataloaders=loader(shared_generator))
+    trainer.fit(net, train_dataloaders=loader(shared_generator, workers))
 
 
 def main() -> None:
@@ -205,6 +214,7 @@ def main() -> None:
     parser.add_argument("--dump-at", type=int, nargs="*", default=[])
     parser.add_argument("--wait-at", type=int)
     parser.add_argument("--wait-in", choices=["callback", "module"], default="callback")
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
     torch.set_num_threads(1)
@@ -218,6 +228,7 @@ def main() -> None:
             async_save=args.async_save,
             dump_at=args.dump_at,
             wait_at=args.wait_at,
+            workers=args.workers,
         )
 
 

@@ -43,10 +43,16 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
 
 
-def _start(uri: str, out: Path, *args: str) -> subprocess.Popen[bytes]:
+def _start(uri: str, out: Path, *args: str, group: bool = False) -> subprocess.Popen[bytes]:
+    """The worker; with `group`, in a process group of its own (its loader workers too)."""
     command = [sys.executable, str(WORKER), uri, str(out), "--steps", str(STEPS), *args]
     return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=WORKER.parent
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=_env(),
+        cwd=WORKER.parent,
+        start_new_session=group,
     )
 
 
@@ -153,6 +159,34 @@ def test_sigterm_and_restart_end_bit_identical(
     assert_same_state(_load(reference / "final.pt"), _load(resumed / "final.pt"))
     assert _losses(resumed) == _losses(reference)[stop_at:]
     assert _losses(tmp_path / "killed") == _losses(reference)[:stop_at]
+
+
+@pytest.fixture(scope="module")
+def reference_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run with 2 loader workers."""
+    root = tmp_path_factory.mktemp("reference-workers")
+    _finish(_start(str(root / "ck"), root / "out", "--workers", "2"), 0)
+    return root / "out"
+
+
+@pytest.mark.parametrize("stop_at", [5, 11], ids=["epoch-0", "epoch-1"])
+def test_sigterm_to_the_process_group_with_loader_workers(
+    tmp_path: Path, reference_with_workers: Path, stop_at: int
+) -> None:
+    """As torchrun, SLURM and Kubernetes deliver it: the loader's 2 workers get SIGTERM too, and
+    must outlive it until the emergency save is in."""
+    reference = reference_with_workers
+    uri = str(tmp_path / "ck")
+    workers = ("--workers", "2")
+    killed = _start(uri, tmp_path / "killed", "--wait-at", str(stop_at), *workers, group=True)
+    _read_until(killed, f"waiting at step {stop_at}".encode())
+    os.killpg(killed.pid, signal.SIGTERM)
+    log = _finish(killed, 75)
+    assert f"emergency save of step {stop_at} committed" in log
+    assert "killed by signal" not in log
+    _finish(_start(uri, tmp_path / "resumed", *workers), 0)
+    assert_same_state(_load(reference / "final.pt"), _load(tmp_path / "resumed" / "final.pt"))
+    assert _losses(tmp_path / "resumed") == _losses(reference)[stop_at:]
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt.errors import CheckpointError
 from spotckpt.loader_rng import loader_randomness
 from spotckpt.manager import CheckpointManager
-from spotckpt.state import PerRankState, TrainState
+from spotckpt.state import PerRankState, TrainState, shield_workers
 from spotckpt.values import decode, encode, load_plain
 
 log = logging.getLogger("spotckpt")
@@ -281,11 +281,34 @@ def _record_loader_randomness(trainer: pl.Trainer) -> None:
         for loader in [] if combined is None else combined.flattened:
             if hasattr(loader, "_get_iterator"):
                 loader_randomness(loader)
+            shield_workers(loader)
         original()
 
     loop._load_combined_loader_states = functools.partial(  # type: ignore[method-assign]
         install_then_load, load_states
     )
+    _shield_evaluation_workers(loop.epoch_loop.val_loop)
+
+
+def _shield_evaluation_workers(loop: Any) -> None:
+    """Shield the validation loaders' workers from preemption signals, as the training ones are.
+
+    A SIGTERM to the process group during validation would otherwise kill them, and the fit
+    would fail ("DataLoader worker ... is killed by signal") before the emergency save. The loop
+    creates their iterator in ``reset``, right after it built the loaders, so the shields are
+    installed there, once per fit.
+    """
+    reset = loop.reset
+    if isinstance(reset, functools.partial):
+        return
+
+    def shield_then_reset(original: Any) -> None:
+        combined = loop._combined_loader
+        for loader in [] if combined is None else combined.flattened:
+            shield_workers(loader)
+        original()
+
+    loop.reset = functools.partial(shield_then_reset, reset)
 
 
 def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
