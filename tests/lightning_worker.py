@@ -129,7 +129,12 @@ class Probe(pl.Callback):
         step = trainer.global_step
         self.batches += 1
         with open(self.out / "losses.jsonl", "a") as log:
-            log.write(json.dumps({"step": step, "loss": outputs["loss"].item().hex()}) + "\n")
+            line = {
+                "step": step,
+                "epoch": trainer.current_epoch,
+                "loss": outputs["loss"].item().hex(),
+            }
+            log.write(json.dumps(line) + "\n")
         if step in self.dump_at:
             self.dump_at.discard(step)
             torch.save(snapshot(trainer), self.out / f"at-{step}.pt")

@@ -201,7 +201,15 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
             return  # gradients are being accumulated: no step to save yet
         self._step = step
         self._maybe_save(step)
-        if self._manager().should_stop():
+        manager = self._manager()
+        if step == trainer.max_steps and self._saved != step and self._state is not None:
+            # The last step is saved here, where the loops' counters are those of a step within
+            # its epoch: saved in on_train_end, they say the epoch is over, and a later fit
+            # with more steps would start the next epoch instead of finishing this one.
+            manager.wait()
+            manager.save(step, self._state)
+            self._saved = step
+        if manager.should_stop():
             raise SystemExit(PREEMPTED_EXIT_CODE)  # on_exception logs it and closes the manager
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -311,6 +319,23 @@ def _shield_evaluation_workers(loop: Any) -> None:
     loop.reset = functools.partial(shield_then_reset, reset)
 
 
+def _count_the_last_batch_once(checkpoint: dict[str, Any]) -> None:
+    """Restore a save made at the end of an epoch's last batch as one made within the epoch.
+
+    Lightning 2.x, restarting from such a save (its own ``ModelCheckpoint(every_n_train_steps)``
+    makes them too), counts the epoch as finished in its fit loop's ``reset`` and again when the
+    epoch ends: ``current_epoch`` comes back one too high, so a ``set_epoch`` seeded by it shuffles
+    another order, and ``max_epochs`` ends the run an epoch early. Without the last-batch mark,
+    the restored loader, which has nothing left in that epoch, ends it once, as the
+    uninterrupted run did.
+    """
+    loops = checkpoint.get("loops")
+    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
+    progress = fit_loop.get("epoch_loop.batch_progress") if isinstance(fit_loop, dict) else None
+    if isinstance(progress, dict) and progress.get("is_last_batch"):
+        progress["is_last_batch"] = False
+
+
 def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     """Hand a checkpoint to Lightning's own restore steps, as ``fit(ckpt_path=...)`` would.
 
@@ -318,6 +343,7 @@ def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     them, with the key types torch itself uses.
     """
     strategy = trainer.strategy
+    _count_the_last_batch_once(checkpoint)
     checkpoint["state_dict"] = strategy.lightning_module_state_dict()
     checkpoint["optimizer_states"] = [strategy.optimizer_state(o) for o in trainer.optimizers]
     connector = _connector(trainer)
