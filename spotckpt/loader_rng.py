@@ -195,7 +195,26 @@ def loader_randomness(loader: Any) -> LoaderRandomness:
 
         object.__setattr__(loader, "state_dict", wrapped_state_dict)
         object.__setattr__(loader, "load_state_dict", wrapped_load_state_dict)
+    discard_unused_iterator(loader)
     return randomness
+
+
+def discard_unused_iterator(loader: Any) -> None:
+    """Drop the iterator torchdata's ``state_dict()`` starts on a loader never iterated.
+
+    Asked for its state before any ``iter()`` (Accelerate's ``prepare`` asks), a
+    StatefulDataLoader creates an iterator, and its first ``iter()`` then hands out that one. It
+    was created before spotckpt looked (its draws are not recorded, its workers not shielded),
+    and nothing was taken from it, so it is shut down: the first ``iter()`` creates a new one.
+    """
+    if not getattr(loader, "_initial_iter_for_state_dict", False):
+        return
+    unused = loader._iterator
+    loader._iterator = None
+    loader._initial_iter_for_state_dict = False
+    shut_down = getattr(unused, "_shutdown_workers", None)
+    if callable(shut_down):
+        shut_down()
 
 
 def take_pending_record(loader: Any) -> None:

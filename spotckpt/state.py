@@ -47,7 +47,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from spotckpt.errors import InvalidArgumentError, InvalidTypeError
-from spotckpt.loader_rng import RECORD_KEY, LoaderRandomness, loader_randomness
+from spotckpt.loader_rng import (
+    RECORD_KEY,
+    LoaderRandomness,
+    discard_unused_iterator,
+    loader_randomness,
+)
 from spotckpt.seeding import SampleKey
 from spotckpt.values import decode, encode
 
@@ -411,20 +416,14 @@ def shield_workers(
 ) -> None:
     """Install `ShieldedWorkerInit` on a DataLoader (once), keeping its own worker_init_fn.
 
-    torchdata's ``state_dict()`` on a loader that was never iterated starts an iterator, with
-    its workers, to ask it; Accelerate's ``prepare`` does so. Those workers began before the
-    shield and would die of the first SIGTERM, so that iterator, from which nothing was taken,
-    is shut down here: the next ``iter(loader)`` starts shielded workers.
+    An iterator torchdata started for a ``state_dict()`` before the shield (Accelerate's
+    ``prepare`` asks for one) has unshielded workers: it is discarded, unused.
     """
     current = getattr(loader, "worker_init_fn", None)
     if getattr(loader, "num_workers", 0) > 0 and not isinstance(current, ShieldedWorkerInit):
         loader.worker_init_fn = ShieldedWorkerInit(current, signals)
         _LOADERS.add(loader)
-        if getattr(loader, "_initial_iter_for_state_dict", False):
-            unshielded = loader._iterator
-            loader._iterator = None
-            loader._initial_iter_for_state_dict = False
-            unshielded._shutdown_workers()
+        discard_unused_iterator(loader)
 
 
 def dataloader_stateful(loader: Any) -> Stateful:

@@ -44,6 +44,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int]
     [
         ("torchdata", 4),
         ("torchdata", 6),
+        ("torch-sampler", 3),
         ("torch-sampler", 8),
         ("torch-sampler", 12),
         ("augment", 3),
