@@ -324,11 +324,29 @@ class PreparedLoaderState:
         self.randomness = randomness
 
     def state_dict(self) -> dict[str, Any]:
-        """Accelerate's snapshot, with the randomness record it holds (or the current one)."""
+        """Accelerate's snapshot, with the randomness record it holds (or the current one) and
+        the epoch count the next ``iter()`` is to use."""
         state = dict(self.loader.state_dict())
         state.setdefault(RECORD_KEY, self.randomness.state())
-        state[ITERATION_KEY] = int(getattr(self.loader, "iteration", 0))
+        state[ITERATION_KEY] = self._next_iteration(bool(state.get("_iterator_finished")))
         return state
+
+    def _next_iteration(self, finished: bool) -> int:
+        """The epoch count of the epoch a restored loader continues, or starts.
+
+        Accelerate counts an epoch (``iteration += 1``) only when the loop asks for a batch past
+        the last one, and marks its snapshot finished as it yields the last batch. A save made
+        in that last batch's step (the loop has not asked yet, or breaks there) restores a
+        finished snapshot, whose next ``iter()`` starts the next epoch: it is seeded with the
+        count the uninterrupted run reaches when it asks, one more. The loader is among its
+        gradient state's active loaders until then.
+        """
+        iteration = int(getattr(self.loader, "iteration", 0))
+        references = getattr(
+            getattr(self.loader, "gradient_state", None), "dataloader_references", ()
+        )
+        in_its_epoch = any(reference is self.loader for reference in references)
+        return iteration + 1 if finished and in_its_epoch else iteration
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Hand the state to the prepared loader (which passes the record to the wrapped one)."""

@@ -49,6 +49,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int]
         ("torch-sampler", 12),
         ("augment", 3),
         ("augment", 9),
+        ("augment", 12),
     ],
     ids=lambda value: str(value),
 )

@@ -38,6 +38,7 @@ import functools
 import io
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -163,7 +164,7 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Restore the latest committed checkpoint into the trainer, if there is one."""
         manager = self._manager()
-        _record_loader_randomness(trainer)
+        loaders = _TrainingLoaders(trainer)
         self._state = LightningTrainState(trainer)
         self._state.checkpoint.restoring = True
         try:
@@ -176,7 +177,7 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
             log.info("no committed checkpoint under %s: training from the start", self.uri)
             return
         self._state.checkpoint.loaded = None
-        _restore_trainer(trainer, loaded)
+        loaders.epoch_ended_at_restore = _restore_trainer(trainer, loaded)
         self._step = trainer.global_step
         log.info("resumed from step %d (%s)", step, self.uri)
 
@@ -264,38 +265,78 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
             manager.close()
 
 
-def _record_loader_randomness(trainer: pl.Trainer) -> None:
-    """Have the fit loop's training loaders record and replay their randomness on resume.
+_ORIGINAL = "spotckpt_original"
+"""The attribute of spotckpt's wrapper of a Lightning method that holds Lightning's own."""
+
+
+class _TrainingLoaders:
+    """What spotckpt does to the fit loop's training loaders when Lightning loads their states.
 
     Lightning builds the training loaders (re-creating them for a distributed sampler), loads
     their saved states and creates the first iterator in one step, with no hook in between but
     its fit loop's ``_load_combined_loader_states``, which runs right before that iterator. So
-    `spotckpt.loader_rng` is installed on the loaders there (and, through the wrapped
-    ``load_state_dict``, takes the saved record back), once per fit.
+    there, once per fit, `spotckpt.loader_rng` is installed on the loaders (through the wrapped
+    ``load_state_dict`` it takes the saved record back) and their workers are shielded; and when
+    the restored step was an epoch's last batch, the restored iterators are ended without
+    drawing (`_end_without_drawing`).
     """
-    loop = trainer.fit_loop
-    load_states = getattr(loop, "_load_combined_loader_states", None)
-    if not callable(load_states) or isinstance(load_states, functools.partial):
-        if load_states is None:
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.loop = trainer.fit_loop
+        self.epoch_ended_at_restore = False
+        load_states = getattr(self.loop, "_load_combined_loader_states", None)
+        original = getattr(load_states, _ORIGINAL, load_states)  # a later fit re-wraps Lightning's
+        if not callable(original):
             warnings.warn(
                 "this Lightning version has no fit_loop._load_combined_loader_states: the data "
                 "order of a resumed epoch may differ from the uninterrupted run's",
                 stacklevel=3,
             )
-        return
+            return
+        wrapped = functools.partial(self._install_then_load, original)
+        setattr(wrapped, _ORIGINAL, original)
+        self.loop._load_combined_loader_states = wrapped  # type: ignore[method-assign]
+        _shield_evaluation_workers(self.loop.epoch_loop.val_loop)
 
-    def install_then_load(original: Any) -> None:
-        combined = loop._combined_loader
-        for loader in [] if combined is None else combined.flattened:
+    def _install_then_load(self, original: Any) -> None:
+        combined = self.loop._combined_loader
+        loaders = [] if combined is None else combined.flattened
+        for loader in loaders:
             if hasattr(loader, "_get_iterator"):
                 loader_randomness(loader)
             shield_workers(loader)
         original()
+        if self.epoch_ended_at_restore:
+            self.epoch_ended_at_restore = False
+            for loader in loaders:
+                _end_without_drawing(loader)
 
-    loop._load_combined_loader_states = functools.partial(  # type: ignore[method-assign]
-        install_then_load, load_states
-    )
-    _shield_evaluation_workers(loop.epoch_loop.val_loop)
+
+def _end_without_drawing(loader: Any) -> None:
+    """Have the loader's next iterator (the restored one) end its epoch without drawing.
+
+    After a save at an epoch's last batch, the uninterrupted run never asked that iterator for
+    another batch (Lightning knows the epoch's length), but the resumed run asks it once, to end
+    the epoch it restored into. A sampler draws as it ends (torch's ``RandomSampler`` draws a
+    last, empty permutation from its generator), and that draw, which the uninterrupted run
+    never made, would shift every later epoch's order. So the restored iterator gets an empty
+    index stream: it ends at once and leaves the sampler untouched.
+    """
+    create = getattr(loader, "_get_iterator", None)
+    if not callable(create):
+        return
+    owner = weakref.ref(loader)  # the loader holds this function until it runs: no cycle
+
+    def create_ended() -> Any:
+        held = owner()
+        if held is not None:
+            object.__setattr__(held, "_get_iterator", create)
+        iterator = create()
+        if hasattr(iterator, "_sampler_iter"):
+            iterator._sampler_iter = iter(())
+        return iterator
+
+    object.__setattr__(loader, "_get_iterator", create_ended)
 
 
 def _shield_evaluation_workers(loop: Any) -> None:
@@ -319,8 +360,9 @@ def _shield_evaluation_workers(loop: Any) -> None:
     loop.reset = functools.partial(shield_then_reset, reset)
 
 
-def _count_the_last_batch_once(checkpoint: dict[str, Any]) -> None:
-    """Restore a save made at the end of an epoch's last batch as one made within the epoch.
+def _count_the_last_batch_once(checkpoint: dict[str, Any]) -> bool:
+    """Restore a save made at the end of an epoch's last batch as one made within the epoch;
+    True when the checkpoint was such a save.
 
     Lightning 2.x, restarting from such a save (its own ``ModelCheckpoint(every_n_train_steps)``
     makes them too), counts the epoch as finished in its fit loop's ``reset`` and again when the
@@ -334,16 +376,19 @@ def _count_the_last_batch_once(checkpoint: dict[str, Any]) -> None:
     progress = fit_loop.get("epoch_loop.batch_progress") if isinstance(fit_loop, dict) else None
     if isinstance(progress, dict) and progress.get("is_last_batch"):
         progress["is_last_batch"] = False
+        return True
+    return False
 
 
-def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-    """Hand a checkpoint to Lightning's own restore steps, as ``fit(ckpt_path=...)`` would.
+def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """Hand a checkpoint to Lightning's own restore steps, as ``fit(ckpt_path=...)`` would; True
+    when it was saved at an epoch's last batch.
 
     The module and optimizers already hold the restored tensors: their entries are rebuilt from
     them, with the key types torch itself uses.
     """
     strategy = trainer.strategy
-    _count_the_last_batch_once(checkpoint)
+    epoch_ended = _count_the_last_batch_once(checkpoint)
     checkpoint["state_dict"] = strategy.lightning_module_state_dict()
     checkpoint["optimizer_states"] = [strategy.optimizer_state(o) for o in trainer.optimizers]
     connector = _connector(trainer)
@@ -355,3 +400,4 @@ def _restore_trainer(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         connector.restore_training_state()
     finally:
         connector._loaded_checkpoint = {}
+    return epoch_ended
