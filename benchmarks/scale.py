@@ -66,18 +66,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from spotckpt.catalog import Catalog, manifest_key, rank_object_key, step_folder, step_key
-from spotckpt.dcp import (
-    ObjectStoreReader,
-    ObjectStoreWriter,
-    RankAssignment,
-    WrittenItem,
-    _item_name,
-    wanted_boxes,
-)
+from spotckpt.catalog import Catalog, manifest_key, rank_object_key, step_key
+from spotckpt.engine.manifests import WrittenItem
+from spotckpt.engine.planners import wanted_boxes
+from spotckpt.engine.reader import ObjectStoreReader
+from spotckpt.engine.writer import ObjectStoreWriter, RankAssignment, _item_name
 from spotckpt.errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from spotckpt.format.dtypes import dtype_of
-from spotckpt.format.index import parse_root, partial_manifest
 from spotckpt.format.manifest import ChunkLocation, ObjectRecord
 from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, TensorSpec, encode_header
 from spotckpt.storage.base import (
@@ -208,10 +203,10 @@ def restore_phase(
         size = (store.head(manifest_key(step)) or ObjectInfo("", 0)).size
         return RestoreOutcome(None, size, clock() - started, 0.0, str(error))
     fetched = clock()
-    root = parse_root(data, step)
     boxes, values = wanted_boxes(wanted)
     counted = _BytesRead(store)
-    manifest = partial_manifest(counted, step_folder(step), root, boxes, values)  # type: ignore[arg-type]
+    parts = Catalog(counted)  # type: ignore[arg-type]
+    manifest = parts.read_manifest(step, lambda root: (boxes, values), data=data)
     reader = ObjectStoreReader(store, manifest)
     return RestoreOutcome(reader, len(data) + counted.bytes, fetched - started, clock() - fetched)
 

@@ -12,16 +12,18 @@ from typing import TYPE_CHECKING, Any
 from spotckpt.version import __version__
 
 if TYPE_CHECKING:
-    from spotckpt.config import Config, ConfigError
+    from spotckpt.config import Config
     from spotckpt.dcp import dcp_reader, dcp_writer
     from spotckpt.errors import (
         CheckpointAlreadyCommittedError,
         CheckpointError,
+        ConfigError,
         CorruptCheckpointError,
+        KeyMismatchError,
         NoCheckpointError,
         SaveFailedError,
     )
-    from spotckpt.manager import CheckpointManager, KeyMismatchError
+    from spotckpt.manager import CheckpointManager
     from spotckpt.preemption import PreemptionWatcher
     from spotckpt.seeding import SampleKey, SeededDataset, sample_seed
     from spotckpt.state import ResumableSampler, TrainState, track_batches
@@ -36,9 +38,9 @@ _LAZY = {
     "CheckpointError": "spotckpt.errors",
     "CheckpointManager": "spotckpt.manager",
     "Config": "spotckpt.config",
-    "ConfigError": "spotckpt.config",
+    "ConfigError": "spotckpt.errors",
     "CorruptCheckpointError": "spotckpt.errors",
-    "KeyMismatchError": "spotckpt.manager",
+    "KeyMismatchError": "spotckpt.errors",
     "NoCheckpointError": "spotckpt.errors",
     "PreemptionWatcher": "spotckpt.preemption",
     "ResumableSampler": "spotckpt.state",

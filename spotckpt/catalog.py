@@ -32,6 +32,8 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -46,8 +48,21 @@ from spotckpt.errors import (
     ObjectNotFoundError,
     StorageError,
 )
-from spotckpt.format.index import INDEXED_FORMAT, full_manifest, manifest_format, parse_root
-from spotckpt.format.manifest import MAX_INT, Manifest, read_manifest_bytes
+from spotckpt.format.index import (
+    INDEXED_FORMAT,
+    Box,
+    Part,
+    Root,
+    check_part_size,
+    every_chunk,
+    manifest_format,
+    manifest_from_parts,
+    overlapping_chunks,
+    parse_part,
+    parse_root,
+    part_ranks,
+)
+from spotckpt.format.manifest import MAX_INT, Manifest, check_manifest_size
 from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo
 
 log = logging.getLogger("spotckpt")
@@ -64,6 +79,8 @@ EVENTS_PREFIX = "events/"
 EVENT_SUMMARY_KEY = f"{EVENTS_PREFIX}summary.json"
 STEP_LISTING_DELIMITER = f"/{ATTEMPT_PREFIX}"
 """Lists step folders without their attempt objects: ``step-N/a-...`` rolls up as ``step-N/a-``."""
+PART_READS = 16
+"""Index parts of an indexed manifest are read this many at a time."""
 RETIRE_FOLDER_LISTINGS = 16
 """Up to this many retired folders, `Catalog.retire` lists each on its own."""
 _STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
@@ -71,6 +88,9 @@ _EVENT_NAME = re.compile(
     r"events/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z)-([a-z]{1,32})-[0-9a-f]{1,32}-[0-9]{1,12}\.json"
 )
 _LOOKS_LIKE_STEP = re.compile(r"step-\w", re.UNICODE)
+
+WantedFromRoot = Callable[[Root], tuple[Mapping[str, list[Box]], Iterable[str]]]
+"""What a reader needs of an indexed checkpoint, given its root: boxes by tensor, value names."""
 
 
 def step_folder(step: int) -> str:
@@ -287,23 +307,66 @@ class Catalog:
 
     def manifest_bytes(self, step: int) -> bytes:
         """The raw manifest of a committed step, size-checked before the read."""
-        return read_manifest_bytes(self.store, manifest_key(step), step)
+        key = manifest_key(step)
+        info = self.store.head(key)
+        if info is None:
+            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
+        check_manifest_size(info.size, step)
+        try:
+            return self.store.get_range(key, 0, info.size)
+        except ObjectNotFoundError:
+            raise NoCheckpointError(
+                f"step {step} has no committed checkpoint at {self.uri}"
+            ) from None
 
-    def read_manifest(self, step: int) -> Manifest:
-        """The validated manifest of a committed step, whole (ManifestError, NoCheckpointError);
-        an indexed one with all its index parts read and checked."""
-        data = self.manifest_bytes(step)
+    def read_manifest(
+        self, step: int, wanted: WantedFromRoot | None = None, *, data: bytes | None = None
+    ) -> Manifest:
+        """The validated manifest of a committed step (ManifestError, NoCheckpointError): the
+        only place that knows the manifest formats.
+
+        A ``spotckpt/1`` manifest is one document. An indexed one (``spotckpt/2``) is a root plus
+        index parts: with `wanted` (from the root: the boxes of each tensor and the values a
+        reader needs) only the parts that locate those chunks are read, and the manifest lists
+        just those chunks; without it, every part, checked. `data` is the manifest's bytes when
+        already fetched (the coordinator reads them once for every rank).
+        """
+        if data is None:
+            data = self.manifest_bytes(step)
+        header = self._parse(data, step)
+        if isinstance(header, Manifest):
+            return header
+        if wanted is None:
+            return self._from_parts(header, every_chunk(header), header.values)
+        boxes, values = wanted(header)
+        return self._from_parts(header, overlapping_chunks(header, boxes), values)
+
+    def _parse(self, data: bytes, step: int) -> Manifest | Root:
+        """A flat manifest whole, or an indexed one's root."""
         if manifest_format(data) == INDEXED_FORMAT:
-            return full_manifest(self.store, step_folder(step), parse_root(data, step))
+            return parse_root(data, step)
         return Manifest.from_json(data, expected_step=step)
+
+    def _from_parts(
+        self, root: Root, wanted: dict[str, list[int]], values: Iterable[str]
+    ) -> Manifest:
+        ranks = sorted(part_ranks(root, wanted))
+        with ThreadPoolExecutor(max(1, min(PART_READS, len(ranks)))) as pool:
+            parts = dict(
+                zip(ranks, pool.map(lambda r: self._read_part(root, r), ranks), strict=True)
+            )
+        return manifest_from_parts(root, wanted, values, parts)
+
+    def _read_part(self, root: Root, rank: int) -> Part:
+        record = check_part_size(root, rank)
+        folder = step_folder(root.step)
+        data = self.store.get_range(f"{folder}/{record.key}", 0, record.size)
+        return parse_part(data, root, rank, folder)
 
     def committed_attempt(self, step: int) -> str | None:
         """The attempt id a step's manifest names; None if it has none or it does not parse."""
         try:
-            data = self.manifest_bytes(step)
-            if manifest_format(data) == INDEXED_FORMAT:
-                return parse_root(data, step).attempt
-            return Manifest.from_json(data, expected_step=step).attempt
+            return self._parse(self.manifest_bytes(step), step).attempt
         except (NoCheckpointError, ManifestError):
             return None
 

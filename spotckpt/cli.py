@@ -34,12 +34,14 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from spotckpt.catalog import ATTEMPT_PREFIX, Catalog, Scan, attempt_folders, parse_step_folder
-from spotckpt.config import Config, ConfigError, MissingURIError
+from spotckpt.config import Config
 from spotckpt.errors import (
     CheckpointError,
+    ConfigError,
     CorruptCheckpointError,
     InvalidArgumentError,
     ManifestError,
+    MissingURIError,
     NoCheckpointError,
 )
 from spotckpt.format.dtypes import BY_NAME

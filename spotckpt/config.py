@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from spotckpt.errors import CheckpointError, InvalidArgumentError
+from spotckpt.errors import ConfigError, InvalidArgumentError, MissingURIError
 from spotckpt.redact import redact, secret_values
 from spotckpt.tiers.node import NODE_VARIABLE, ZONE_VARIABLE
 from spotckpt.tiers.redundancy import parse_redundancy
@@ -32,14 +32,6 @@ ENV_PREFIX = "SPOTCKPT_"
 _CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
 _NOT_SETTINGS = frozenset({_CONFIG_VARIABLE, NODE_VARIABLE, ZONE_VARIABLE})
 _MAX_SHOWN = 60
-
-
-class ConfigError(CheckpointError, ValueError):
-    """A configuration value is unknown, of the wrong type, or missing."""
-
-
-class MissingURIError(ConfigError):
-    """No source gives the checkpoint URI."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,18 @@ class InvalidTypeError(CheckpointError, TypeError):
     """A spotckpt function was given an object of a type it cannot work with."""
 
 
+class ConfigError(CheckpointError, ValueError):
+    """A configuration value is unknown, of the wrong type, or missing."""
+
+
+class MissingURIError(ConfigError):
+    """No source gives the checkpoint URI."""
+
+
+class LaunchUsageError(InvalidArgumentError):
+    """A setting the launcher reads (not a torchrun option) has a value it cannot use."""
+
+
 class StorageError(CheckpointError):
     """A storage operation failed for a reason that retrying will not fix."""
 
@@ -48,8 +60,32 @@ class CorruptCheckpointError(StorageError):
     """Stored bytes disagree with the manifest: a CRC mismatch, a truncated or missing object."""
 
 
+class ObjectMissingError(CorruptCheckpointError):
+    """An object that the manifest lists does not exist."""
+
+
+class ObjectSizeError(CorruptCheckpointError):
+    """An object is shorter than a range asked of it, or its size differs from the manifest's."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A block of a stored chunk does not match its CRC32C in the manifest."""
+
+
+class TiedWeightsMismatchError(CheckpointError):
+    """Two tensors the manifest shows as tied copies (equal CRC32Cs) hold different bytes."""
+
+
 class ManifestError(CheckpointError, ValueError):
     """A manifest is malformed, inconsistent or of an unknown format."""
+
+
+class BoundedJSONError(CheckpointError, ValueError):
+    """JSON that is malformed, or nests or spells numbers beyond the bounds."""
+
+
+class SafetensorsFormatError(CheckpointError, ValueError):
+    """A safetensors header or body is malformed."""
 
 
 class UnknownFormatError(ManifestError):
@@ -66,3 +102,22 @@ class NoCheckpointError(CheckpointError, LookupError):
 
 class SaveFailedError(CheckpointError):
     """A save did not commit; the message names the failed rank(s) and the cause."""
+
+
+class TierSaveError(CheckpointError):
+    """A fast-tier save failed on some rank; nothing was committed in the tier."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be stored so that it restores; the save is refused."""
+
+
+class ValueLoadError(CheckpointError):
+    """A stored value does not load (weights_only) or decode; not corruption: no fallback."""
+
+
+class KeyMismatchError(CheckpointError, KeyError):
+    """The state to restore and the checkpoint disagree on which keys exist."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])

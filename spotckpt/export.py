@@ -72,8 +72,12 @@ from typing import Any
 import torch
 
 from spotckpt.catalog import Catalog, step_folder
-from spotckpt.chunks import ChunkReader
-from spotckpt.errors import CheckpointError, InvalidArgumentError, InvalidKeyError
+from spotckpt.engine.chunks import ChunkReader
+from spotckpt.errors import (
+    InvalidArgumentError,
+    InvalidKeyError,
+    TiedWeightsMismatchError,
+)
 from spotckpt.format.dtypes import BY_NAME, DType, dtype_of
 from spotckpt.format.manifest import (
     Manifest,
@@ -121,10 +125,6 @@ _READ_PIECE = 16 << 20
 _COPY_PIECE = 8 << 20
 ProgressFn = Callable[[int, int], None]
 """Called as ``progress(bytes_written, bytes_total)`` after each tensor is written."""
-
-
-class TiedWeightsMismatchError(CheckpointError):
-    """Two tensors the manifest shows as tied copies (equal CRC32Cs) hold different bytes."""
 
 
 @dataclass(frozen=True)

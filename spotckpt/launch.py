@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt.config import Settings
-from spotckpt.errors import InvalidArgumentError
+from spotckpt.errors import LaunchUsageError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -87,10 +87,6 @@ EXIT_MARGIN_S = 5
 
 _PROG = "spotckpt launch"
 log = logging.getLogger(__name__)
-
-
-class LaunchUsageError(InvalidArgumentError):
-    """A setting the launcher reads (not a torchrun option) has a value it cannot use."""
 
 
 def default_shutdown_timeout(environ: Mapping[str, str] | None = None) -> int:

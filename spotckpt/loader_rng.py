@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from spotckpt.values import ValueLoadError
+from spotckpt.errors import ValueLoadError
 
 RECORD_KEY = "_spotckpt_rng"
 """The key under which a loader's (wrapped) ``state_dict`` carries its randomness record."""

@@ -1,4 +1,10 @@
-"""`CheckpointManager`: save, restore, list, retention, preemption handling.
+"""`CheckpointManager`: the policy of checkpointing a training job.
+
+When to save (`maybe_save`: the interval, the ``"auto"`` interval of `spotckpt.goodput`, a
+preemption notice agreed by every rank), where (the fast per-node tier, `spotckpt.tiers`, or the
+bucket), the one save in flight (`PendingSave`), retention, and which step a restore loads
+(`CheckpointManager._restore_in_order`, the one statement of that rule). How bytes move is the
+engine's (`spotckpt.engine`); the bucket layout is the catalog's (`spotckpt.catalog`).
 
 One manager per process (per rank). All ranks call `save`, `maybe_save` and `restore` at the
 same points; the coordinator (rank 0) alone lists the bucket, reads and validates manifests,
@@ -9,161 +15,76 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    create_default_local_load_plan,
-)
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.stateful import Stateful
 
-from spotckpt.catalog import Catalog, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.collector import collector_paused
-from spotckpt.config import Config, ConfigError, Settings
-from spotckpt.dcp import ObjectStoreReader, ObjectStoreWriter, ReadStats, wanted_boxes
+from spotckpt.config import Config, Settings
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
+from spotckpt.engine.checkpointer import Checkpointer, is_save_failure
+from spotckpt.engine.packing import Run
+from spotckpt.engine.planners import CheckedLoadPlanner, local_plan, plain_state, wanted_boxes
+from spotckpt.engine.reader import ObjectStoreReader, ReadStats
+from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
-    CheckpointAlreadyCommittedError,
     CheckpointError,
+    ConfigError,
     CorruptCheckpointError,
-    InvalidArgumentError,
+    KeyMismatchError,
     ManifestError,
     NoCheckpointError,
-    SaveFailedError,
+    StorageError,
     UnknownFormatError,
 )
-from spotckpt.format.index import (
-    INDEXED_FORMAT,
-    Root,
-    manifest_format,
-    parse_root,
-    partial_manifest,
-)
+from spotckpt.format.index import Box, Root
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
-from spotckpt.packing import RUN_PREFIX, Run, Unpack, adopt_runs
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.state import (
-    ADDED_LOADER_KEYS,
     TrainState,
     as_dcp_state,
+    is_added_loader_key,
     is_per_rank_key,
     release_worker_shields,
     write_back,
 )
-from spotckpt.storage.base import ObjectStore, StorageError, check_portable, open_store
+from spotckpt.storage import ObjectStore, open_store
+from spotckpt.storage.base import check_portable
 from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
 from spotckpt.tiers.redundancy import parse_redundancy
-from spotckpt.values import ValueLoadError
 from spotckpt.verify import VerifyReport, verify_checkpoint
 from spotckpt.version import __version__
 
+__all__ = ["CheckpointManager", "KeyMismatchError", "PendingSave"]
+
 log = logging.getLogger("spotckpt")
 
-
-class KeyMismatchError(CheckpointError, KeyError):
-    """The state to restore and the checkpoint disagree on which keys exist."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+State = TrainState | Mapping[str, Any]
 
 
-class CheckedLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, plus clear errors naming missing and unexpected keys.
+@dataclasses.dataclass
+class PendingSave:
+    """The one save in flight: its upload (and commit) running in the background.
 
-    Missing keys are checked on each rank; unexpected ones on the coordinator against the union
-    of what all ranks asked for (ranks may legitimately own different keys). Per-rank RNG keys
-    are never unexpected: a restore on fewer ranks leaves some unread.
-
-    With the reader's `runs` (`spotckpt.packing`), small tensors stored back to back are loaded
-    as one item each run, where every member's destination fits, and unpacked when committed.
+    `durable` is False for a save to the fast tier only, whose failure costs the cached copy,
+    never the training run. `stall_s` is how long the save held the training loop (staging).
     """
 
-    def __init__(
-        self, allow_missing: bool, allow_unexpected: bool, runs: Mapping[str, Run] | None = None
-    ) -> None:
-        super().__init__(allow_partial_load=allow_missing)
-        self.allow_unexpected = allow_unexpected
-        self.runs = dict(runs or {})
-        self.wanted: list[str] = []
-        self.unpacks: dict[str, Unpack] = {}
-
-    def set_up_planner(
-        self,
-        state_dict: dict[str, Any],
-        metadata: Metadata | None = None,
-        is_coordinator: bool = False,
-    ) -> None:
-        """DCP's set-up, then runs of small tensors (`spotckpt.packing`) adopted where the
-        destination can take them whole."""
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        # What spotckpt adds to a data loader's state (its randomness record, Accelerate's epoch
-        # count) is absent from checkpoints of earlier releases: then there is nothing to load
-        # (the loader keeps what it offered, its own).
-        stored = metadata.state_dict_metadata if metadata else {}
-        added = tuple(f".{key}" for key in ADDED_LOADER_KEYS)
-        for fqn in [k for k in self.state_dict if k.endswith(added)]:
-            if fqn not in stored:
-                del self.state_dict[fqn]
-        self.wanted = sorted(self.state_dict)
-        self.state_dict, self.unpacks = adopt_runs(self.state_dict, self.runs)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """A loaded run goes to its members' destinations."""
-        unpack = self.unpacks.get(read_item.dest_index.fqn)
-        if unpack is not None:
-            unpack(tensor)
-
-    def create_local_plan(self) -> LoadPlan:
-        stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
-        missing = sorted(set(self.wanted) - stored)
-        if missing and not self.allow_partial_load:
-            raise KeyMismatchError(
-                f"missing from the checkpoint: {_some(missing)} (pass strict=False to restore() "
-                "to allow this)"
-            )
-        # DCP's own create_local_plan re-flattens the whole state when checkpoint keys are not
-        # in the state (for checkpoints of torch < 2.4, which spotckpt never wrote): that would
-        # undo the adopted runs, whose members are such keys.
-        if self.metadata is None:
-            raise InvalidArgumentError("the load planner was not set up with metadata")
-        plan = create_default_local_load_plan(
-            self.state_dict, self.metadata, not self.allow_partial_load
-        )
-        return dataclasses.replace(plan, planner_data=self.wanted)
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        wanted = {key for plan in global_plan for key in (plan.planner_data or ())}
-        stored = set(self.metadata.state_dict_metadata) if self.metadata else set()
-        unexpected = sorted(
-            k for k in stored - wanted if not (is_per_rank_key(k) or k.startswith(RUN_PREFIX))
-        )
-        if unexpected and not self.allow_unexpected:
-            raise KeyMismatchError(
-                f"in the checkpoint but not in the state: {_some(unexpected)} (pass "
-                "strict=False to restore() to allow this)"
-            )
-        return super().create_global_plan(global_plan)
-
-
-def _some(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+    step: int
+    upload: Future[Any]
+    writer: ObjectStoreWriter
+    durable: bool
+    started: float
+    stall_s: float
 
 
 class CheckpointManager:
@@ -193,22 +114,19 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         self.watcher = self._make_watcher(self.settings.preemption, self.settings.save_budget_s)
         self.goodput = GoodputTracker(self.store, self.settings, is_coordinator=self.rank == 0)
-        self._pending: Future[Any] | None = None
-        self._pending_step: int | None = None
-        self._pending_writer: ObjectStoreWriter | None = None
-        self._pending_started = 0.0
-        self._pending_stall = 0.0
+        self.checkpointer = Checkpointer(
+            self.collective, process_mode=self.settings.async_mode == "process"
+        )
+        self.tier = self._open_tier()
+        self._check_async_mode()
+        self._pending: PendingSave | None = None
         self._progress = RankProgress("spotckpt/none", self.world_size)
-        self._stager: DefaultStager | None = None
         self._stop = False
         self._closed = False
         self._saves = 0
         self.last_save_seconds: float | None = None
         self.last_read_stats: ReadStats | None = None
         self.last_restore_sources: dict[str, int] = {}
-        self.tier = self._open_tier()
-        self._check_async_mode()
-        self._pending_durable = True
         self._fast_save_seconds: float | None = None
         self._drain_seconds: float | None = None
         self._deadline: float | None = None
@@ -227,12 +145,6 @@ class CheckpointManager:
             collective=self.collective,
             prefix_spread=self.prefix_spread,
         )
-
-    def _marks_progress(self, blocking: bool) -> bool:
-        """Rank markers name dead ranks; a process-mode upload's child cannot set them."""
-        if self.group is None:
-            return False
-        return blocking or self.settings.async_mode != "process"
 
     def _check_async_mode(self) -> None:
         """``async_mode="process"`` needs a process group and a store that can leave."""
@@ -253,8 +165,9 @@ class CheckpointManager:
         config = config if config is not None else Config.load(**overrides)
         return cls(config.uri, **config.manager_kwargs())
 
+    @staticmethod
     def _make_watcher(
-        self, preemption: bool | PreemptionWatcher, save_budget_s: float
+        preemption: bool | PreemptionWatcher, save_budget_s: float
     ) -> PreemptionWatcher | None:
         if isinstance(preemption, PreemptionWatcher):
             return preemption
@@ -272,351 +185,12 @@ class CheckpointManager:
         """Whether this rank commits, lists and applies retention."""
         return self.rank == 0
 
-    # Saving -------------------------------------------------------------------------------
-
-    def save(
-        self,
-        step: int,
-        state: TrainState | Mapping[str, Any],
-        *,
-        blocking: bool | None = None,
-        user_metadata: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Checkpoint `state` as `step` on every rank; commits once all ranks wrote.
-
-        Blocking by default unless the manager was built with ``async_save=True``. A new save
-        first waits for the previous one and raises its error, if any.
-        """
-        self._save(step, state, blocking, user_metadata, emergency=False)
-
-    def _save(
-        self,
-        step: int,
-        state: TrainState | Mapping[str, Any],
-        blocking: bool | None,
-        user_metadata: Mapping[str, Any] | None,
-        *,
-        emergency: bool,
-        durable: bool = True,
-    ) -> None:
-        self._check_open()
-        blocking = not self.async_save if blocking is None else blocking
-        self.wait()
-        with collector_paused():
-            self._start_save(step, state, blocking, user_metadata, emergency, durable)
-
-    def _start_save(
-        self,
-        step: int,
-        state: TrainState | Mapping[str, Any],
-        blocking: bool,
-        user_metadata: Mapping[str, Any] | None,
-        emergency: bool,
-        durable: bool,
-    ) -> None:
-        """A save from its start to its commit (blocking) or to its hand-over to the
-        background (async), with the garbage collector paused (`spotckpt.collector`)."""
-        self._saves += 1
-        progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
-        self._progress = progress
-        options: dict[str, Any] = {
-            "user_metadata": dict(user_metadata or {}),
-            "versions": {"spotckpt": __version__, "torch": torch.__version__},
-            "on_written": progress.mark_written if self._marks_progress(blocking) else None,
-        }
-        state_dict = as_dcp_state(state, step)
-        if self.tier is not None and self._tier_has_room(step, state_dict):
-            self._tier_save(step, state_dict, options, blocking, durable, emergency)
-            return
-        if not durable:
-            return
-        writer = ObjectStoreWriter(self.store, step, prefix_spread=self.prefix_spread, **options)
-        started = time.monotonic()
-        if blocking:
-            self._run_save(step, writer, lambda: self._dcp_save(state_dict, writer))
-            self._blocking_commit(step, writer, started, emergency)
-            return
-        response = dcp.async_save(
-            state_dict,
-            storage_writer=writer,
-            planner=writer.save_planner(self.collective.world_size),
-            process_group=self.collective.save_group,
-            async_stager=self._async_stager(),
-            no_dist=self.group is None,
-            **self._checkpointer_type(),
-        )
-        upload = response.upload_completion if hasattr(response, "upload_completion") else response
-        self._pending, self._pending_step = upload, step
-        self._pending_writer, self._pending_durable = writer, True
-        self._pending_started = started
-        self._pending_stall = time.monotonic() - started
-        log.info("checkpoint step %d staged in %.3f s; uploading", step, self._pending_stall)
-        self.goodput.stalled(step, self._pending_stall, emergency=emergency)
-        self._agree_interval()  # safe during the upload: saves use a group of their own
-
-    # The fast tier ---------------------------------------------------------------------------
-
-    def _tier_has_room(self, step: int, state_dict: dict[str, Any]) -> bool:
-        """Whether every node's tier has room for this save (agreed); warns when not."""
-        tier = self.tier
-        if tier is None:
-            return False
-        room = self.collective.all(tier.has_room(state_bytes(state_dict)))
-        if not room:
-            log.warning(
-                "fast tier: not enough free space under %s on some node for step %d; skipping "
-                "the fast save (durable saves go straight to the store)",
-                tier.root,
-                step,
-            )
-        return room
-
-    def _tier_save(
-        self,
-        step: int,
-        state_dict: dict[str, Any],
-        options: dict[str, Any],
-        blocking: bool,
-        durable: bool,
-        emergency: bool,
-    ) -> None:
-        """A save through the fast tier: stage once, copy to peers, then (`durable`) drain."""
-        tier = cast(FastTier, self.tier)
-        writer = tier.writer(step, **options)
-        started = time.monotonic()
-        finish = functools.partial(
-            self._finish_tier_save, step, writer, durable, emergency, started
-        )
-        if blocking:
-
-            def run() -> None:
-                self._dcp_save(state_dict, writer)
-                finish()
-
-        else:
-            response = dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                planner=writer.save_planner(self.collective.world_size),
-                process_group=self.collective.save_group,
-                async_stager=self._async_stager(),
-                no_dist=self.group is None,
-            )
-            upload = cast(Future[Any], getattr(response, "upload_completion", response))
-            self._pending = self._continuations().submit(lambda: (upload.result(), finish())[1])
-            self._pending_step, self._pending_writer = step, writer
-            self._pending_durable = durable
-            self._pending_started = started
-            self._pending_stall = time.monotonic() - started
-            self.goodput.stalled(step, self._pending_stall, emergency=emergency)
-            log.info("checkpoint step %d staged in %.3f s (fast tier)", step, self._pending_stall)
-            return
-        if durable:
-            self._run_save(step, writer, run)
-            self._blocking_commit(step, writer, started, emergency)
-        else:
-            self._run_fast(step, run)
-
-    def _finish_tier_save(
-        self, step: int, writer: TierWriter, durable: bool, emergency: bool, started: float
-    ) -> None:
-        """After DCP wrote the tier: copies and commit on every node, then the drain."""
-        tier = cast(FastTier, self.tier)
-        saves = self.collective.for_saves()
-        manifest, data = tier.complete(step, writer, saves)
-        self._fast_save_seconds = time.monotonic() - started
-        log.info(
-            "fast tier: step %d committed on every node in %.2f s", step, self._fast_save_seconds
-        )
-        if not durable:
-            return
-        if emergency and not saves.all(self._time_for(self._drain_seconds)):
-            log.warning(
-                "no time left to upload step %d to the store; resuming will use the fast-tier "
-                "copies on the surviving nodes",
-                step,
-            )
-            return
-        drain_started = time.monotonic()
-        tier.drain(manifest, self.catalog, saves, data)
-        writer.manifest = manifest
-        self._drain_seconds = time.monotonic() - drain_started
-
-    def _run_fast(self, step: int, run: Any) -> None:
-        """A fast-only save: its failure costs the cached copy, never the training run."""
-        try:
-            run()
-        except (CheckpointError, CheckpointException, StorageError, OSError) as error:
-            log.warning(
-                "fast-tier save of step %d failed; training goes on, the tier keeps its older "
-                "steps: %s",
-                step,
-                error,
-            )
-
-    def _continuations(self) -> ThreadPoolExecutor:
-        if self._continuation_pool is None:
-            self._continuation_pool = ThreadPoolExecutor(1, thread_name_prefix="spotckpt-tier")
-        return self._continuation_pool
-
-    def _blocking_commit(
-        self, step: int, writer: ObjectStoreWriter, started: float, emergency: bool
-    ) -> None:
-        """After a blocking save: its time, goodput events, and (not in an emergency) the
-        ``"auto"`` interval. A fast-tier emergency save with no time to upload has no commit."""
-        self.last_save_seconds = time.monotonic() - started
-        self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
-        if not emergency:
-            self._agree_interval()
-        if writer.manifest is None:
-            return
-        log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
-        self.goodput.committed(
-            step,
-            stall_s=self.last_save_seconds,
-            upload_s=self.last_save_seconds,
-            size=_size(writer),
-            asynchronous=False,
-            emergency=emergency,
-        )
-
-    def _agree_interval(self) -> None:
-        """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""
-        if not self.goodput.auto:
-            return
-        self.goodput.recompute()
-        if self.group is not None:
-            self.goodput.adopt(self.collective.broadcast(self.goodput.interval_steps))
-
-    def _async_stager(self) -> DefaultStager:
-        if self._stager is None:
-            cuda = torch.cuda.is_available()
-            process = self.settings.async_mode == "process"  # the child maps shared memory
-            self._stager = DefaultStager(StagingOptions(cuda, process, False, cuda))
-        return self._stager
-
-    def _checkpointer_type(self) -> dict[str, Any]:
-        if self.settings.async_mode != "process":
-            return {}
-        return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
-
-    def _dcp_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=writer.save_planner(self.collective.world_size),
-            process_group=self.collective.save_group,
-            no_dist=self.group is None,
-        )
-
-    def _run_save(self, step: int, writer: ObjectStoreWriter, run: Any) -> None:
-        """Run a save to its end; after its commit point nothing can fail it any more.
-
-        A failure is first checked against the bucket: if this attempt's manifest is there (a
-        peer died after the commit, an answer was lost), the save is committed and the failure
-        is only a warning. Otherwise the attempt is discarded and the error raised.
-        """
-        try:
-            run()
-        except CheckpointException as error:
-            self._after_failure(step, writer, _save_error(step, error), error)
-        except (RuntimeError, TimeoutError) as error:
-            self._after_failure(step, writer, self._collective_failure(step, writer, error), error)
-        except BaseException:
-            if not self._committed(step, writer):
-                self._discard_attempt(step, writer)
-            raise
-        if self.is_coordinator:
-            self._apply_retention()
-
-    def _after_failure(
-        self, step: int, writer: ObjectStoreWriter, failure: BaseException, cause: BaseException
-    ) -> None:
-        if self._committed(step, writer):
-            log.warning(
-                "checkpoint step %d is committed; what failed after its commit point does not "
-                "undo it: %s",
-                step,
-                failure,
-            )
-            return
-        self._discard_attempt(step, writer)
-        raise failure from (None if failure is cause else cause)
-
-    def _collective_failure(
-        self, step: int, writer: ObjectStoreWriter, error: BaseException
-    ) -> BaseException:
-        """The error to raise for a failed collective: names the ranks that died or hung."""
-        if self.group is None or self._committed(step, writer):
-            return error
-        silent = self._progress.silent_ranks()
-        log.debug("save of step %d: collective failed: %r", step, error)
-        return SaveFailedError(
-            f"save of step {step} failed: {_who_failed(silent)} did not finish writing "
-            f"(process died or hung); nothing was committed"
-        )
-
-    def _committed(self, step: int, writer: ObjectStoreWriter) -> bool:
-        """Whether this attempt's manifest is in the bucket (read back when unsure)."""
-        if writer.manifest is not None:
-            return True
-        if writer.attempt is None:
-            return False
-        try:
-            return self.catalog.committed_attempt(step) == writer.attempt
-        except StorageError as error:
-            log.warning(
-                "could not read back the manifest of step %d: %s", step, error, extra=THIS_RANK
-            )
-            return False
-
-    def wait(self) -> None:
-        """Block until an asynchronous save has committed; raise its error if it failed."""
-        pending, step, writer = self._pending, self._pending_step, self._pending_writer
-        if pending is None or step is None or writer is None:
-            return
-        self._pending = self._pending_step = self._pending_writer = None
-        if not self._pending_durable:
-            self._run_fast(step, pending.result)
-            return
-        self._run_save(step, writer, pending.result)
-        self.last_save_seconds = time.monotonic() - self._pending_started
-        log.info("checkpoint step %d committed in %.2f s (async)", step, self.last_save_seconds)
-        self.goodput.committed(
-            step,
-            stall_s=self._pending_stall,
-            upload_s=self.last_save_seconds - self._pending_stall,
-            size=_size(writer),
-            asynchronous=True,
-            emergency=False,
-        )
-
-    def _discard_attempt(self, step: int, writer: ObjectStoreWriter) -> None:
-        """After a failed save: abort this attempt's uploads and delete its objects."""
-        if self.is_coordinator and writer.attempt is not None:
-            self.catalog.discard_attempt(step, writer.attempt)
-
-    def _apply_retention(self) -> None:
-        """Retention after a commit; its failures are warnings (the commit stands)."""
-        if self.keep_last is None:
-            return
-        try:
-            for step in self.catalog.retire(self.keep_last):
-                log.info("retention: deleted checkpoint step %d", step)
-        except StorageError as error:
-            log.warning("retention failed (the new checkpoint is committed): %s", error)
-
-    def delete_step(self, step: int) -> None:
-        """Delete a committed checkpoint (manifest first); never the newest one."""
-        self.catalog.delete_step(step)
-        log.info("deleted checkpoint step %d", step)
-
-    # Preemption ---------------------------------------------------------------------------
+    # When to save -----------------------------------------------------------------------------
 
     def maybe_save(
         self,
         step: int,
-        state: TrainState | Mapping[str, Any],
+        state: State,
         *,
         user_metadata: Mapping[str, Any] | None = None,
     ) -> bool:
@@ -629,7 +203,7 @@ class CheckpointManager:
         """
         self._check_open()
         self.goodput.observe_step(step)
-        if self._pending is not None and self._pending.done():
+        if self._pending is not None and self._pending.upload.done():
             self.wait()  # commits it, or raises its upload error here and now
         if self._preemption_agreed(step):
             self._emergency_save(step, state, user_metadata)
@@ -643,6 +217,25 @@ class CheckpointManager:
             return True
         return False
 
+    def save(
+        self,
+        step: int,
+        state: State,
+        *,
+        blocking: bool | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Checkpoint `state` as `step` on every rank; commits once all ranks wrote.
+
+        Blocking by default unless the manager was built with ``async_save=True``. A new save
+        first waits for the previous one and raises its error, if any.
+        """
+        self._save(step, state, blocking, user_metadata, emergency=False)
+
+    def should_stop(self) -> bool:
+        """True on every rank once a preemption save has committed: leave the training loop."""
+        return self._stop
+
     def _preemption_agreed(self, step: int) -> bool:
         local = self.watcher is not None and self.watcher.preempted
         if self.group is None:
@@ -652,11 +245,10 @@ class CheckpointManager:
         return self.collective.any(local)
 
     def _emergency_save(
-        self,
-        step: int,
-        state: TrainState | Mapping[str, Any],
-        user_metadata: Mapping[str, Any] | None,
+        self, step: int, state: State, user_metadata: Mapping[str, Any] | None
     ) -> None:
+        """Within the notice: let an upload in flight commit, then save `step` if the predicted
+        save time fits before the deadline, and tell the loop to stop."""
         watcher = self.watcher
         deadline = watcher.deadline if watcher is not None else None
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -668,7 +260,7 @@ class CheckpointManager:
             "unknown" if self.last_save_seconds is None else f"{self.last_save_seconds:.1f} s",
         )
         started = time.monotonic()
-        pending = self._pending_step
+        pending = self._pending.step if self._pending is not None else None
         self._deadline = deadline
         self.wait()  # an in-flight upload is closest to done: let it commit first
         if pending != step and self.collective.all(self._time_for_another_save(deadline)):
@@ -710,11 +302,292 @@ class CheckpointManager:
             return True
         return time.monotonic() + 1.2 * seconds < self._deadline
 
-    def should_stop(self) -> bool:
-        """True on every rank once a preemption save has committed: leave the training loop."""
-        return self._stop
+    # Where to save ----------------------------------------------------------------------------
 
-    # Restoring ----------------------------------------------------------------------------
+    def _save(
+        self,
+        step: int,
+        state: State,
+        blocking: bool | None,
+        user_metadata: Mapping[str, Any] | None,
+        *,
+        emergency: bool,
+        durable: bool = True,
+    ) -> None:
+        """A save from its start to its commit (blocking) or to its hand-over to the
+        background (async), with the garbage collector paused (`spotckpt.collector`): through
+        the fast tier when there is one with room on every node, else (`durable`) to the bucket.
+        """
+        self._check_open()
+        blocking = not self.async_save if blocking is None else blocking
+        self.wait()
+        with collector_paused():
+            self._saves += 1
+            self._progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
+            state_dict = as_dcp_state(state, step)
+            if self.tier is not None and self._tier_has_room(step, state_dict):
+                self._tier_save(step, state_dict, user_metadata, blocking, durable, emergency)
+            elif durable:
+                writer = ObjectStoreWriter(
+                    self.store,
+                    step,
+                    prefix_spread=self.prefix_spread,
+                    **self._writer_options(user_metadata, blocking),
+                )
+                self._bucket_save(step, state_dict, writer, blocking, emergency)
+
+    def _writer_options(
+        self, user_metadata: Mapping[str, Any] | None, blocking: bool
+    ) -> dict[str, Any]:
+        """What every save's writer records: the caller's metadata, versions, and (where it can
+        be set: not from a process-mode upload's child) this rank's progress marker."""
+        marks = self.group is not None and (blocking or self.settings.async_mode != "process")
+        return {
+            "user_metadata": dict(user_metadata or {}),
+            "versions": {"spotckpt": __version__, "torch": torch.__version__},
+            "on_written": self._progress.mark_written if marks else None,
+        }
+
+    def _bucket_save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        writer: ObjectStoreWriter,
+        blocking: bool,
+        emergency: bool,
+    ) -> None:
+        started = time.monotonic()
+        if blocking:
+            self._run_save(step, writer, lambda: self.checkpointer.save(state_dict, writer))
+            self._blocking_commit(step, writer, started, emergency)
+            return
+        upload = self.checkpointer.async_save(state_dict, writer)
+        self._hand_over(PendingSave(step, upload, writer, True, started, 0.0), emergency, "")
+        self._agree_interval()  # safe during the upload: saves use a group of their own
+
+    def _hand_over(self, pending: PendingSave, emergency: bool, where: str) -> None:
+        """An asynchronous save is staged: it uploads in the background from here."""
+        pending.stall_s = time.monotonic() - pending.started
+        self._pending = pending
+        log.info(
+            "checkpoint step %d staged in %.3f s%s; uploading", pending.step, pending.stall_s, where
+        )
+        self.goodput.stalled(pending.step, pending.stall_s, emergency=emergency)
+
+    def _tier_has_room(self, step: int, state_dict: dict[str, Any]) -> bool:
+        """Whether every node's tier has room for this save (agreed); warns when not."""
+        tier = cast(FastTier, self.tier)
+        room = self.collective.all(tier.has_room(state_bytes(state_dict)))
+        if not room:
+            log.warning(
+                "fast tier: not enough free space under %s on some node for step %d; skipping "
+                "the fast save (durable saves go straight to the store)",
+                tier.root,
+                step,
+            )
+        return room
+
+    def _tier_save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        user_metadata: Mapping[str, Any] | None,
+        blocking: bool,
+        durable: bool,
+        emergency: bool,
+    ) -> None:
+        """A save through the fast tier: stage once, copy to peers, then (`durable`) drain."""
+        tier = cast(FastTier, self.tier)
+        writer = tier.writer(step, **self._writer_options(user_metadata, blocking))
+        started = time.monotonic()
+
+        def finish() -> None:
+            self._finish_tier_save(step, writer, durable, emergency, started)
+
+        if not blocking:
+            upload = self.checkpointer.async_save(state_dict, writer)
+
+            def upload_then_finish() -> None:
+                upload.result()
+                finish()
+
+            continued = self._continuations().submit(upload_then_finish)
+            pending = PendingSave(step, continued, writer, durable, started, 0.0)
+            self._hand_over(pending, emergency, " (fast tier)")
+            return
+
+        def run() -> None:
+            self.checkpointer.save(state_dict, writer)
+            finish()
+
+        if durable:
+            self._run_save(step, writer, run)
+            self._blocking_commit(step, writer, started, emergency)
+        else:
+            self._run_fast(step, run)
+
+    def _finish_tier_save(
+        self, step: int, writer: TierWriter, durable: bool, emergency: bool, started: float
+    ) -> None:
+        """After DCP wrote the tier: copies and commit on every node, then the drain."""
+        tier = cast(FastTier, self.tier)
+        saves = self.collective.for_saves()
+        manifest, data = tier.complete(step, writer, saves)
+        self._fast_save_seconds = time.monotonic() - started
+        log.info(
+            "fast tier: step %d committed on every node in %.2f s", step, self._fast_save_seconds
+        )
+        if not durable:
+            return
+        if emergency and not saves.all(self._time_for(self._drain_seconds)):
+            log.warning(
+                "no time left to upload step %d to the store; resuming will use the fast-tier "
+                "copies on the surviving nodes",
+                step,
+            )
+            return
+        drain_started = time.monotonic()
+        tier.drain(manifest, self.catalog, saves, data)
+        writer.manifest = manifest
+        self._drain_seconds = time.monotonic() - drain_started
+
+    def _run_fast(self, step: int, run: Callable[[], Any]) -> None:
+        """A fast-only save: its failure costs the cached copy, never the training run."""
+        try:
+            run()
+        except BaseException as error:
+            if not (is_save_failure(error) or isinstance(error, (CheckpointError, OSError))):
+                raise
+            log.warning(
+                "fast-tier save of step %d failed; training goes on, the tier keeps its older "
+                "steps: %s",
+                step,
+                error,
+            )
+
+    def _continuations(self) -> ThreadPoolExecutor:
+        if self._continuation_pool is None:
+            self._continuation_pool = ThreadPoolExecutor(1, thread_name_prefix="spotckpt-tier")
+        return self._continuation_pool
+
+    # The commit -------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until an asynchronous save has committed; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not pending.durable:
+            self._run_fast(pending.step, pending.upload.result)
+            return
+        self._run_save(pending.step, pending.writer, pending.upload.result)
+        self.last_save_seconds = time.monotonic() - pending.started
+        log.info(
+            "checkpoint step %d committed in %.2f s (async)", pending.step, self.last_save_seconds
+        )
+        self.goodput.committed(
+            pending.step,
+            stall_s=pending.stall_s,
+            upload_s=self.last_save_seconds - pending.stall_s,
+            size=_size(pending.writer),
+            asynchronous=True,
+            emergency=False,
+        )
+
+    def _run_save(self, step: int, writer: ObjectStoreWriter, run: Callable[[], Any]) -> None:
+        """Run a save to its end; after its commit point nothing can fail it any more.
+
+        A failure is first checked against the bucket: if this attempt's manifest is there (a
+        peer died after the commit, an answer was lost), the save is committed and the failure
+        is only a warning. Otherwise the attempt is discarded and the error raised (as the
+        engine describes it: the ranks that failed and why).
+        """
+        try:
+            run()
+        except BaseException as error:
+            committed = self._committed(step, writer)
+            if not (committed and is_save_failure(error)):
+                if not committed:
+                    self._discard_attempt(step, writer)
+                failure = self.checkpointer.save_failure(step, error, self._progress)
+                if failure is None or failure is error:
+                    raise
+                raise failure from error
+            log.warning(
+                "checkpoint step %d is committed; what failed after its commit point does not "
+                "undo it: %s",
+                step,
+                self.checkpointer.save_failure(step, error, None),
+            )
+        if self.is_coordinator:
+            self._apply_retention()
+
+    def _committed(self, step: int, writer: ObjectStoreWriter) -> bool:
+        """Whether this attempt's manifest is in the bucket (read back when unsure)."""
+        if writer.manifest is not None:
+            return True
+        if writer.attempt is None:
+            return False
+        try:
+            return self.catalog.committed_attempt(step) == writer.attempt
+        except StorageError as error:
+            log.warning(
+                "could not read back the manifest of step %d: %s", step, error, extra=THIS_RANK
+            )
+            return False
+
+    def _discard_attempt(self, step: int, writer: ObjectStoreWriter) -> None:
+        """After a failed save: abort this attempt's uploads and delete its objects."""
+        if self.is_coordinator and writer.attempt is not None:
+            self.catalog.discard_attempt(step, writer.attempt)
+
+    def _blocking_commit(
+        self, step: int, writer: ObjectStoreWriter, started: float, emergency: bool
+    ) -> None:
+        """After a blocking save: its time, goodput events, and (not in an emergency) the
+        ``"auto"`` interval. A fast-tier emergency save with no time to upload has no commit."""
+        self.last_save_seconds = time.monotonic() - started
+        self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
+        if not emergency:
+            self._agree_interval()
+        if writer.manifest is None:
+            return
+        log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
+        self.goodput.committed(
+            step,
+            stall_s=self.last_save_seconds,
+            upload_s=self.last_save_seconds,
+            size=_size(writer),
+            asynchronous=False,
+            emergency=emergency,
+        )
+
+    def _agree_interval(self) -> None:
+        """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""
+        if not self.goodput.auto:
+            return
+        self.goodput.recompute()
+        if self.group is not None:
+            self.goodput.adopt(self.collective.broadcast(self.goodput.interval_steps))
+
+    # Retention --------------------------------------------------------------------------------
+
+    def _apply_retention(self) -> None:
+        """Retention after a commit; its failures are warnings (the commit stands)."""
+        if self.keep_last is None:
+            return
+        try:
+            for step in self.catalog.retire(self.keep_last):
+                log.info("retention: deleted checkpoint step %d", step)
+        except StorageError as error:
+            log.warning("retention failed (the new checkpoint is committed): %s", error)
+
+    def delete_step(self, step: int) -> None:
+        """Delete a committed checkpoint (manifest first); never the newest one."""
+        self.catalog.delete_step(step)
+        log.info("deleted checkpoint step %d", step)
+
+    # Restoring --------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (a step is committed exactly when its manifest exists)."""
@@ -730,7 +603,7 @@ class CheckpointManager:
 
     def restore(
         self,
-        state: TrainState | Mapping[str, Any],
+        state: State,
         step: int | None = None,
         *,
         fallback: bool = True,
@@ -740,30 +613,45 @@ class CheckpointManager:
 
         Returns the restored step, or None when there is no checkpoint. When a checkpoint turns
         out corrupt and `fallback` is set (and no `step` was asked for), falls back to the newest
-        older one that loads, with a warning. `strict=False` allows missing and extra keys.
+        older one that loads, with a warning (the whole rule: `_restore_in_order`).
+        `strict=False` allows missing and extra keys.
         """
         self._check_open()
         self.wait()
         started = time.monotonic()
         with collector_paused():
-            restored = self._restore_any(state, step, fallback, strict)
+            restored = self._restore_in_order(state, step, fallback, strict)
         if self.tier is not None:
             self.tier.discard_newer(restored)
         self.goodput.restored(restored, time.monotonic() - started)
         self._agree_interval()
         return restored
 
-    def _restore_any(
-        self, state: TrainState | Mapping[str, Any], step: int | None, fallback: bool, strict: bool
+    def _restore_in_order(
+        self, state: State, step: int | None, fallback: bool, strict: bool
     ) -> int | None:
-        candidates = self.collective.run_on_coordinator(lambda: self._restore_candidates(step))
+        """Which step a restore loads, and from where, in this order:
+
+        1. An explicit `step` is loaded from the bucket only (never the fast tier); if it does
+           not load, its error is raised: no fallback.
+        2. Otherwise the fast tier comes first, with the newest step its nodes can give whole,
+           used only when it is at least as new as the newest step committed in the bucket (the
+           bucket is the source of truth for "committed"); a tier copy that does not load falls
+           through to the bucket.
+        3. Then the bucket's committed steps, newest first. A step that turns out corrupt (bad
+           bytes or a bad manifest) is quarantined and the next older one tried, with a warning,
+           unless `fallback` is off or none is older; a step deleted meanwhile (retention by
+           another job) means the next older one.
+        4. None when no committed step is left.
+        """
+        candidates = self.collective.run_on_coordinator(lambda: self._bucket_candidates(step))
         if self.tier is not None and step is None:
             restored = self._restore_from_tier(state, candidates[0] if candidates else None, strict)
             if restored is not None:
                 return restored
         for index, candidate in enumerate(candidates):
             try:
-                self._restore_step(state, candidate, strict)
+                self._restore_from_bucket(state, candidate, strict)
                 return candidate
             except NoCheckpointError:
                 if step is not None:
@@ -782,6 +670,12 @@ class CheckpointManager:
                 )
         return None
 
+    def _bucket_candidates(self, step: int | None) -> list[int]:
+        """The committed steps a restore may load, in the order it tries them."""
+        if step is not None:
+            return [self.catalog.resolve(step)]
+        return list(reversed(self.catalog.steps()))
+
     def _set_aside(self, step: int, error: Exception) -> None:
         """Quarantine a step that failed to restore, so that it can be saved again.
 
@@ -794,85 +688,25 @@ class CheckpointManager:
         except StorageError as failure:
             log.warning("could not quarantine step %d: %s", step, failure)
 
-    def _restore_candidates(self, step: int | None) -> list[int]:
-        if step is not None:
-            return [self.catalog.resolve(step)]
-        return list(reversed(self.catalog.steps()))
-
-    def _restore_step(self, state: TrainState | Mapping[str, Any], step: int, strict: bool) -> None:
+    def _restore_from_bucket(self, state: State, step: int, strict: bool) -> None:
         data = self.collective.run_on_coordinator(lambda: self.catalog.manifest_bytes(step))
-        if manifest_format(data) == INDEXED_FORMAT:
-            manifest = self._partial_manifest(state, parse_root(data, step))
-        else:
-            manifest = Manifest.from_json(data, expected_step=step)
+
+        def wanted(root: Root) -> tuple[Mapping[str, list[Box]], Iterable[str]]:
+            # an indexed checkpoint: only the index parts that locate this rank's shards
+            with self._restoring(state, root):
+                return wanted_boxes(plain_state(as_dcp_state(state)))
+
+        manifest = self.catalog.read_manifest(step, wanted, data=data)
         stats = self._load(state, manifest, self.store, strict)
         self.last_restore_sources = {"local": 0, "peer": 0, "store": stats.bytes_read}
 
-    def _partial_manifest(self, state: TrainState | Mapping[str, Any], root: Root) -> Manifest:
-        """What this rank's shards need of an indexed checkpoint: the root plus their parts."""
-        with self._restoring(state, root):
-            plain = _plain(as_dcp_state(state))
-        boxes, values = wanted_boxes(plain)
-        return partial_manifest(self.store, step_folder(root.step), root, boxes, values)
-
-    def _load(
-        self,
-        state: TrainState | Mapping[str, Any],
-        manifest: Manifest,
-        store: ObjectStore,
-        strict: bool,
-    ) -> ReadStats:
-        """Load `manifest`'s checkpoint from `store` into `state`; returns job-wide read stats."""
-        step = manifest.step
-        reader = ObjectStoreReader(store, manifest, group=self.group, offer_runs=True)
-        started = time.monotonic()
-        loaded = as_dcp_state(state)
-        try:
-            with self._restoring(state, manifest):
-                dcp.load(
-                    loaded,
-                    storage_reader=reader,
-                    planner=self._planner(strict, reader.runs),
-                    process_group=self.group,
-                    no_dist=self.group is None,
-                )
-        except CheckpointException as error:
-            raise _load_error(step, error) from None
-        write_back(state, loaded)
-        read, needed, requests = self.collective.sum(
-            [reader.stats.bytes_read, reader.stats.bytes_needed, reader.stats.requests]
-        )
-        self.last_read_stats = ReadStats(read, needed, requests)  # job-wide
-        log.info(
-            "restored step %d in %.2f s (%d bytes read for %d needed, job-wide)",
-            step,
-            time.monotonic() - started,
-            read,
-            needed,
-        )
-        return self.last_read_stats
-
-    def _restoring(
-        self, state: TrainState | Mapping[str, Any], saved: Manifest | Root
-    ) -> contextlib.AbstractContextManager[None]:
-        if not isinstance(state, TrainState):
-            return contextlib.nullcontext()
-        stored = itertools.chain(saved.tensors, saved.values)
-        return state.restoring(saved.step, saved.world_size, self.rank, self.world_size, stored)
-
-    @staticmethod
-    def _planner(strict: bool, runs: Mapping[str, Run] | None = None) -> CheckedLoadPlanner:
-        return CheckedLoadPlanner(allow_missing=not strict, allow_unexpected=not strict, runs=runs)
-
-    def _restore_from_tier(
-        self, state: TrainState | Mapping[str, Any], durable: int | None, strict: bool
-    ) -> int | None:
+    def _restore_from_tier(self, state: State, durable: int | None, strict: bool) -> int | None:
         """Restore the newest step the fast tiers can give whole (not older than `durable`)."""
         tier = cast(FastTier, self.tier)
 
         def needs(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
             with self._restoring(state, manifest):
-                plan = _local_plan(as_dcp_state(state), manifest, self._planner(strict))
+                plan = local_plan(as_dcp_state(state), manifest, self._planner(strict))
             return ObjectStoreReader(tier.store, manifest).byte_ranges(plan)
 
         found = tier.recover(self.collective, durable, needs)
@@ -898,7 +732,50 @@ class CheckpointManager:
         )
         return manifest.step
 
-    # Maintenance --------------------------------------------------------------------------
+    def _load(
+        self, state: State, manifest: Manifest, store: ObjectStore, strict: bool
+    ) -> ReadStats:
+        """Load `manifest`'s checkpoint from `store` into `state`; returns job-wide read stats."""
+        step = manifest.step
+        reader = ObjectStoreReader(store, manifest, group=self.group, offer_runs=True)
+        started = time.monotonic()
+        loaded = as_dcp_state(state)
+        with self._restoring(state, manifest):
+            self.checkpointer.load(loaded, reader, self._planner(strict, reader.runs), step)
+        write_back(state, loaded)
+        read, needed, requests = self.collective.sum(
+            [reader.stats.bytes_read, reader.stats.bytes_needed, reader.stats.requests]
+        )
+        self.last_read_stats = ReadStats(read, needed, requests)  # job-wide
+        log.info(
+            "restored step %d in %.2f s (%d bytes read for %d needed, job-wide)",
+            step,
+            time.monotonic() - started,
+            read,
+            needed,
+        )
+        return self.last_read_stats
+
+    def _restoring(
+        self, state: State, saved: Manifest | Root
+    ) -> contextlib.AbstractContextManager[None]:
+        """Around a load: per-rank state read from the right rank's keys (`TrainState`)."""
+        if not isinstance(state, TrainState):
+            return contextlib.nullcontext()
+        stored = itertools.chain(saved.tensors, saved.values)
+        return state.restoring(saved.step, saved.world_size, self.rank, self.world_size, stored)
+
+    @staticmethod
+    def _planner(strict: bool, runs: Mapping[str, Run] | None = None) -> CheckedLoadPlanner:
+        return CheckedLoadPlanner(
+            allow_missing=not strict,
+            allow_unexpected=not strict,
+            runs=runs,
+            optional=is_added_loader_key,
+            unread_ok=is_per_rank_key,
+        )
+
+    # Maintenance ------------------------------------------------------------------------------
 
     def verify(self, step: int | None = None, *, progress: Any = None) -> VerifyReport:
         """Check every byte of a committed checkpoint (default: the latest) against its manifest."""
@@ -921,7 +798,7 @@ class CheckpointManager:
             self.store, keep_last=keep_last, safety_age_s=safety_age_s, dry_run=dry_run
         )
 
-    # Lifecycle ----------------------------------------------------------------------------
+    # Lifecycle --------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
@@ -937,8 +814,7 @@ class CheckpointManager:
             self._closed = True
             if self.watcher is not None:
                 self.watcher.stop()
-            if self._stager is not None:
-                self._stager.close()
+            self.checkpointer.close()
             if self._continuation_pool is not None:
                 self._continuation_pool.shutdown()
             self.store.close()
@@ -950,59 +826,6 @@ class CheckpointManager:
         self.close()
 
 
-def _local_plan(
-    state_dict: dict[str, Any], manifest: Manifest, planner: CheckedLoadPlanner
-) -> LoadPlan:
-    """This rank's load plan of `manifest`, as DCP's own local planning makes it."""
-    metadata, _ = manifest.to_dcp()
-    planner.set_up_planner(_plain(state_dict), metadata, False)
-    return planner.create_local_plan()
-
-
-def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The dict DCP plans a load of: each Stateful replaced by its state_dict()."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-
-
 def _size(writer: ObjectStoreWriter) -> int | None:
     """Bytes of a committed save (known on the coordinator)."""
     return writer.manifest.total_bytes if writer.manifest is not None else None
-
-
-def _who_failed(silent: list[int] | None) -> str:
-    if silent:
-        return f"rank(s) {silent}"
-    return "a rank (which one could not be told: the rank markers were unreachable)"
-
-
-def _failures(error: CheckpointException) -> dict[int, BaseException]:
-    failures = getattr(error, "failures", {}) or {}
-    # DCP wraps each rank's failure as (exception, traceback summary).
-    return {rank: f[0] if isinstance(f, tuple) else f for rank, f in failures.items()}
-
-
-def _save_error(step: int, error: CheckpointException) -> BaseException:
-    failures = _failures(error)
-    for cause in failures.values():
-        if isinstance(cause, CheckpointAlreadyCommittedError):
-            return cause
-    described = "; ".join(
-        f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(failures.items())
-    )
-    return SaveFailedError(
-        f"save of step {step} failed on rank(s) {sorted(failures)}: {described or error}; "
-        "nothing was committed"
-    )
-
-
-def _load_error(step: int, error: CheckpointException) -> BaseException:
-    failures = _failures(error)
-    for cause in failures.values():
-        if isinstance(
-            cause, (CorruptCheckpointError, KeyMismatchError, ManifestError, ValueLoadError)
-        ):
-            return cause
-    described = "; ".join(
-        f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(failures.items())
-    )
-    return CheckpointError(f"restore of step {step} failed: {described or error}")

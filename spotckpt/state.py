@@ -306,6 +306,13 @@ ADDED_LOADER_KEYS = (RECORD_KEY, ITERATION_KEY)
 """Keys spotckpt adds to a data loader's state; checkpoints of earlier releases lack them."""
 
 
+def is_added_loader_key(fqn: str) -> bool:
+    """Whether a flattened state key is one spotckpt adds to a data loader's state (its
+    randomness record, Accelerate's epoch count): a checkpoint of an earlier release has none,
+    and the loader then keeps what it offered, its own."""
+    return fqn.endswith(tuple(f".{key}" for key in ADDED_LOADER_KEYS))
+
+
 class PreparedLoaderState:
     """Adapter for a loader Accelerate prepared (a wrapper around a StatefulDataLoader).
 

@@ -47,7 +47,12 @@ import numpy as np
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from spotckpt.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
+from spotckpt.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    UnsupportedValueError,
+    ValueLoadError,
+)
 
 TAG = "__spotckpt_value__"
 PLAIN_TYPES: frozenset[type] = frozenset(
@@ -60,14 +65,6 @@ ALLOWED_ENUMS: dict[str, type[enum.Enum]] = {}
 """Enum classes stored by value, by ``module.qualname``; extend with `allow_enum`."""
 
 EnumT = TypeVar("EnumT", bound=type[enum.Enum])
-
-
-class UnsupportedValueError(CheckpointError, TypeError):
-    """A value in the state cannot be stored so that it restores; the save is refused."""
-
-
-class ValueLoadError(CheckpointError):
-    """A stored value does not load (weights_only) or decode; not corruption: no fallback."""
 
 
 def allow_enum(cls: EnumT) -> EnumT:

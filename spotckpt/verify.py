@@ -19,17 +19,17 @@ from typing import Any
 
 from spotckpt.catalog import Catalog, manifest_key, step_folder
 from spotckpt.checksum import crc32c
-from spotckpt.chunks import (
-    BlockCheck,
-    ChunkReader,
+from spotckpt.engine.chunks import BlockCheck, ChunkReader, describe
+from spotckpt.errors import (
+    InvalidArgumentError,
+    ManifestError,
     ObjectMissingError,
     ObjectSizeError,
-    describe,
+    ValueLoadError,
 )
-from spotckpt.errors import InvalidArgumentError, ManifestError
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.storage.base import ObjectInfo, ObjectStore
-from spotckpt.values import ValueLoadError, load_plain
+from spotckpt.values import load_plain
 
 DEFAULT_PIECE_SIZE = 16 << 20
 VALUE_LABEL = "value "

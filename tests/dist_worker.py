@@ -99,9 +99,9 @@ def main() -> None:
     )
     args = json.loads(raw)
     if args.get("indexed"):  # the indexed manifest without a thousand ranks
-        import spotckpt.dcp
+        import spotckpt.engine.writer
 
-        spotckpt.dcp.INDEX_MIN_RANKS = 1
+        spotckpt.engine.writer.INDEX_MIN_RANKS = 1
     SCENARIOS[scenario](int(rank), int(world), args)
     dist.destroy_process_group()
 

@@ -18,7 +18,8 @@ import torch
 
 from spotckpt import CheckpointManager, CorruptCheckpointError
 from spotckpt.catalog import manifest_key, step_folder
-from spotckpt.chunks import BlockCheck, ChecksumMismatchError, ChunkReader, ObjectSizeError
+from spotckpt.engine.chunks import BlockCheck, ChunkReader
+from spotckpt.errors import ChecksumMismatchError, ObjectSizeError
 from spotckpt.export import export_hf
 from spotckpt.format.manifest import ChunkLocation, Manifest
 from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, block_crcs

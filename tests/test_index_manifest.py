@@ -21,10 +21,8 @@ from spotckpt.format.index import (
     IndexedTensor,
     PartRecord,
     Runs,
-    full_manifest,
     parse_root,
     part_json,
-    partial_manifest,
     root_json,
     tiling_of,
 )
@@ -137,9 +135,9 @@ def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
 
 def test_a_restoring_rank_reads_the_root_and_only_the_parts_it_needs() -> None:
     store, data = _fsdp_checkpoint(ranks=64, tensors=50)
-    root = parse_root(data, 5)
     boxes = {f"t{t}": [((5 * 8, 0), (8, 16))] for t in range(50)}  # rank 5's shards
-    manifest = partial_manifest(store, step_folder(5), root, boxes, {"v"})
+    catalog = Catalog(store)
+    manifest = catalog.read_manifest(5, lambda root: (boxes, {"v"}), data=data)
     # its own part only: the value's location is in the root
     assert set(store.reads) == {f"step-000000005/{index_part_key('feed', 5)}"}
     assert manifest.values["v"].length == 4
@@ -147,7 +145,7 @@ def test_a_restoring_rank_reads_the_root_and_only_the_parts_it_needs() -> None:
     assert manifest.tensors["t3"].chunks[0].offsets == (40, 0)
     # a shard straddling two ranks' rows (resharding) reads both of their parts
     store.reads.clear()
-    partial_manifest(store, step_folder(5), root, {"t0": [((4, 0), (8, 16))]}, set())
+    catalog.read_manifest(5, lambda root: ({"t0": [((4, 0), (8, 16))]}, set()), data=data)
     assert sorted(set(store.reads)) == [
         f"step-000000005/{index_part_key('feed', r)}" for r in (0, 1)
     ]
@@ -156,13 +154,12 @@ def test_a_restoring_rank_reads_the_root_and_only_the_parts_it_needs() -> None:
 
 def test_a_part_that_does_not_match_the_root_is_refused() -> None:
     store, data = _fsdp_checkpoint(ranks=4, tensors=3)
-    root = parse_root(data, 5)
     key = f"step-000000005/{index_part_key('feed', 2)}"
     part = bytearray(store.get(key))
     part[-3] ^= 1
     store.put(key, bytes(part))
     with pytest.raises(CorruptCheckpointError, match="does not match the manifest"):
-        full_manifest(store, step_folder(5), root)
+        Catalog(store).read_manifest(5, data=data)
 
 
 def test_a_forged_part_with_a_matching_checksum_is_still_checked() -> None:
@@ -181,9 +178,8 @@ def test_a_forged_part_with_a_matching_checksum_is_still_checked() -> None:
         forged = json.dumps(part).encode()
         store.put(key, forged)
         document["parts"][1].update(size=len(forged), crc32c=crc32c(forged))
-        root = parse_root(json.dumps(document).encode(), 5)
         with pytest.raises(ManifestError):
-            full_manifest(store, step_folder(5), root)
+            Catalog(store).read_manifest(5, data=json.dumps(document).encode())
 
 
 @pytest.mark.parametrize(

@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import spotckpt.packing as packing
+import spotckpt.engine.packing as packing
 from spotckpt import CheckpointManager, CorruptCheckpointError
 from spotckpt.catalog import manifest_key, step_folder
+from spotckpt.engine.packing import PACK_PREFIX, PackingSavePlanner, pack_small_tensors
 from spotckpt.export import export_hf
 from spotckpt.format.manifest import Manifest
-from spotckpt.packing import PACK_PREFIX, PackingSavePlanner, pack_small_tensors
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 

@@ -31,7 +31,7 @@ import spotckpt
 from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog
 from spotckpt.config import ConfigError
-from spotckpt.dcp import ObjectStoreReader
+from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.storage.base import check_portable

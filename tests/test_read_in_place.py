@@ -20,7 +20,7 @@ import torch
 import spotckpt.manager
 from spotckpt import CheckpointManager, CorruptCheckpointError
 from spotckpt.catalog import step_folder
-from spotckpt.dcp import IN_PLACE_SHARE
+from spotckpt.engine.reader import IN_PLACE_SHARE
 from spotckpt.format.manifest import Manifest
 from spotckpt.storage import ObjectStore, open_store
 

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from spotckpt.errors import CheckpointError
+from spotckpt.errors import BoundedJSONError
 
 MAX_DEPTH = 64
 MAX_NUMBER_DIGITS = 20  # 2**64 - 1 has 20 digits
@@ -25,10 +25,6 @@ _DIGITS_TO_ZERO = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
 _TOO_MANY_DIGITS = b"0" * (MAX_NUMBER_DIGITS + 1)
 _OPENERS_TO_BRACKET = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
-
-
-class BoundedJSONError(CheckpointError, ValueError):
-    """JSON that is malformed, or nests or spells numbers beyond the bounds."""
 
 
 def loads(data: bytes, what: str) -> Any:

@@ -15,11 +15,13 @@ splits it:
   chunks in row-major grid order: FSDP's "chunk i by rank i" is one run. Non-tensor values
   (few, small, loaded by every rank) keep their whole location in the root.
 
-A restoring rank reads the root, works out from its own shards' boxes which chunks it needs and
-so which parts (`partial_manifest`), and reads only those; tools that need everything
-(verify, gc, export) read every part (`full_manifest`). Both give a `Manifest`, the same
-structure as a ``spotckpt/1`` manifest (which stays readable as before). Every part is checked
-against the root's size and CRC32C before it is parsed, and then like a manifest.
+A restoring rank reads the root, works out from its own shards' boxes which chunks it needs
+(`overlapping_chunks`) and so which parts (`part_ranks`), and reads only those; tools that need
+everything (verify, gc, export) read every part (`every_chunk`). Either way
+`manifest_from_parts` gives a `Manifest`, the same structure as a ``spotckpt/1`` manifest (which
+stays readable as before). Every part is checked against the root's size and CRC32C before it is
+parsed (`parse_part`), and then like a manifest. This module reads nothing from a store:
+`spotckpt.catalog.Catalog.read_manifest` does.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import itertools
 import json
 import math
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ from spotckpt.format.manifest import (
     manifest_document,
     parse_location,
 )
-from spotckpt.storage.base import InvalidKeyError, ObjectStore, check_key
+from spotckpt.storage.base import InvalidKeyError, check_key
 
 INDEXED_FORMAT = "spotckpt/2"
 PART_FORMAT = "spotckpt-index/1"
@@ -564,26 +565,26 @@ def _box(entry: list[Any], shape: tuple[int, ...], where: str) -> Box:
 
 
 @dataclass
-class _Part:
+class Part:
+    """One rank's index part, parsed: its object, and each chunk's location by tensor name and
+    chunk offsets."""
+
     record: ObjectRecord
     chunks: dict[str, dict[tuple[int, ...], ChunkLocation]]
 
 
-def read_parts(
-    store: ObjectStore, folder: str, root: Root, ranks: Iterable[int], parallel: int = 16
-) -> dict[int, _Part]:
-    """Fetch, check (size, CRC32C, content) and parse the index parts of `ranks`."""
-    wanted = sorted(set(ranks))
-    with ThreadPoolExecutor(max(1, min(parallel, len(wanted)))) as pool:
-        parsed = pool.map(lambda r: _read_part(store, folder, root, r), wanted)
-        return dict(zip(wanted, parsed, strict=True))
-
-
-def _read_part(store: ObjectStore, folder: str, root: Root, rank: int) -> _Part:
+def check_part_size(root: Root, rank: int) -> PartRecord:
+    """The record of `rank`'s index part, refused (ManifestError) if it is larger than allowed:
+    checked before a byte of it is read."""
     record = root.parts[rank]
     if record.size > MAX_PART_BYTES:
         raise _fail(f"index part {record.key} is {record.size} bytes, more than allowed")
-    data = store.get_range(f"{folder}/{record.key}", 0, record.size)
+    return record
+
+
+def parse_part(data: bytes, root: Root, rank: int, folder: str) -> Part:
+    """Check `rank`'s index part against the root's size and CRC32C, then parse it."""
+    record = root.parts[rank]
     if len(data) != record.size or crc32c(data) != record.crc32c:
         raise CorruptCheckpointError(
             f"index part {folder}/{record.key} does not match the manifest's size and CRC32C"
@@ -598,7 +599,7 @@ def _read_part(store: ObjectStore, folder: str, root: Root, rank: int) -> _Part:
         ) from None
 
 
-def _parse_part(data: bytes, root: Root, rank: int) -> _Part:
+def _parse_part(data: bytes, root: Root, rank: int) -> Part:
     document = bounded_json.loads(data, f"index part of rank {rank}")
     if (
         document.get("format") != PART_FORMAT
@@ -626,44 +627,40 @@ def _parse_part(data: bytes, root: Root, rank: int) -> _Part:
         }
         for fqn, entries in document["chunks"].items()
     }
-    return _Part(record, chunks)
+    return Part(record, chunks)
 
 
 # Manifests from a root ------------------------------------------------------------------------
 
 
-def full_manifest(store: ObjectStore, folder: str, root: Root) -> Manifest:
-    """Every chunk and value of the checkpoint, from every index part."""
-    everything = {fqn: list(range(t.chunk_count)) for fqn, t in root.tensors.items()}
-    return _manifest(store, folder, root, everything, set(root.values))
+Wanted = dict[str, list[int]]
+"""Chunk numbers by tensor name: the chunks of a root a reader needs."""
 
 
-def partial_manifest(
-    store: ObjectStore,
-    folder: str,
-    root: Root,
-    boxes: Mapping[str, list[Box]],
-    values: Iterable[str],
-) -> Manifest:
-    """The chunks overlapping `boxes` (by tensor name) and the named `values`; every tensor
-    and value of the root is listed (what is not wanted, with no chunks), so that key checks
-    see the whole checkpoint."""
-    wanted = {
+def every_chunk(root: Root) -> Wanted:
+    """Every chunk of every tensor (verify, gc and export read the whole checkpoint)."""
+    return {fqn: list(range(t.chunk_count)) for fqn, t in root.tensors.items()}
+
+
+def overlapping_chunks(root: Root, boxes: Mapping[str, list[Box]]) -> Wanted:
+    """The chunks overlapping `boxes` (by tensor name); every tensor of the root is listed
+    (what is not wanted, with no chunks), so that key checks see the whole checkpoint."""
+    return {
         fqn: sorted({n for box in boxes.get(fqn, ()) for n in tensor.overlapping(box)})
         for fqn, tensor in root.tensors.items()
     }
-    return _manifest(store, folder, root, wanted, set(values) & set(root.values))
 
 
-def _manifest(
-    store: ObjectStore,
-    folder: str,
-    root: Root,
-    wanted: dict[str, list[int]],
-    values: set[str],
+def part_ranks(root: Root, wanted: Wanted) -> set[int]:
+    """The ranks whose index parts locate the `wanted` chunks."""
+    return {root.tensors[fqn].writers.rank(n) for fqn, numbers in wanted.items() for n in numbers}
+
+
+def manifest_from_parts(
+    root: Root, wanted: Wanted, values: Iterable[str], parts: Mapping[int, Part]
 ) -> Manifest:
-    ranks = {root.tensors[fqn].writers.rank(n) for fqn, numbers in wanted.items() for n in numbers}
-    parts = read_parts(store, folder, root, ranks)
+    """A `Manifest` of the `wanted` chunks and the named `values` of `root`, located by `parts`
+    (at least those of `part_ranks`)."""
     tensors = {}
     for fqn, numbers in wanted.items():
         tensor = root.tensors[fqn]
@@ -677,9 +674,10 @@ def _manifest(
                 raise _fail(f"tensor {fqn!r}: chunk at {list(offsets)} has the wrong length")
             chunks.append(TensorChunk(offsets=offsets, sizes=sizes, location=location))
         tensors[fqn] = TensorRecord(dtype=tensor.dtype, shape=tensor.shape, chunks=tuple(chunks))
-    found = {fqn: root.values[fqn][1] for fqn in values}
+    names = set(values) & set(root.values)
+    found = {fqn: root.values[fqn][1] for fqn in names}
     objects = {p.record.key: p.record for p in parts.values()}
-    objects.update({root.values[fqn][0].key: root.values[fqn][0] for fqn in values})
+    objects.update({root.values[fqn][0].key: root.values[fqn][0] for fqn in names})
     return Manifest(
         step=root.step,
         attempt=root.attempt,

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from spotckpt.errors import ManifestError, NoCheckpointError, UnknownFormatError
+from spotckpt.errors import ManifestError, UnknownFormatError
 from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_NAME
-from spotckpt.storage.base import InvalidKeyError, ObjectNotFoundError, ObjectStore, check_key
+from spotckpt.storage.base import InvalidKeyError, check_key
 
 if TYPE_CHECKING:  # torch loads only for DCP metadata (`Manifest.to_dcp`)
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -34,20 +34,12 @@ MAX_DIMS = 64
 MAX_TILING_CORNERS = 1 << 24  # work bound of the tiling check, summed over all chunks
 
 
-def read_manifest_bytes(store: ObjectStore, key: str, step: int) -> bytes:
-    """The raw manifest at `key`, refused (ManifestError) by its size before any byte is read."""
-    info = store.head(key)
-    if info is None:
-        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}")
-    if info.size > MAX_MANIFEST_BYTES:
+def check_manifest_size(size: int, step: int) -> None:
+    """Refuse (ManifestError) a manifest of `size` bytes beyond the bound, before it is read."""
+    if size > MAX_MANIFEST_BYTES:
         raise ManifestError(
-            f"manifest of step {step} is {info.size} bytes, more than the {MAX_MANIFEST_BYTES} "
-            "allowed"
+            f"manifest of step {step} is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
         )
-    try:
-        return store.get_range(key, 0, info.size)
-    except ObjectNotFoundError:
-        raise NoCheckpointError(f"step {step} has no committed checkpoint at {store.uri}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from spotckpt.checksum import crc32c
-from spotckpt.errors import CheckpointError, InvalidArgumentError
+from spotckpt.errors import InvalidArgumentError, SafetensorsFormatError
 from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_CODE, DType
 from spotckpt.format.manifest import MAX_DIMS
@@ -33,10 +33,6 @@ if TYPE_CHECKING:  # torch loads only where tensors are made or read
 MAX_HEADER_BYTES = 100 << 20
 DEFAULT_BLOCK_SIZE = 64 << 10
 _WRITE_SLICE = 8 << 20
-
-
-class SafetensorsFormatError(CheckpointError, ValueError):
-    """A safetensors header or body is malformed."""
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,8 @@ from torchtitan.train import main as torchtitan_main
 
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt import CheckpointManager as SpotckptManager
-from spotckpt.config import Config, ConfigError
+from spotckpt.config import Config
+from spotckpt.errors import ConfigError
 from spotckpt.state import RNG_KEY, RNGState, shield_workers
 from spotckpt.values import decode, encode, load_plain
 

@@ -44,14 +44,15 @@ from spotckpt.catalog import (
     tier_record_key,
 )
 from spotckpt.checksum import crc32c
-from spotckpt.dcp import ObjectStoreWriter
 from spotckpt.distributed import Collective
+from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidArgumentError,
     ManifestError,
     StorageError,
+    TierSaveError,
 )
 from spotckpt.format.manifest import Manifest
 from spotckpt.storage.base import ObjectStore
@@ -76,10 +77,6 @@ log = logging.getLogger("spotckpt")
 NODE_FIELD = "{node}"
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 SPACE_MARGIN = 1.10  # free space wanted beyond the estimate of what a fast save writes
-
-
-class TierSaveError(CheckpointError):
-    """A fast-tier save failed on some rank; nothing was committed in the tier."""
 
 
 def resolve_local_dir(template: str, node: str) -> Path:

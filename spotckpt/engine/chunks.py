@@ -28,23 +28,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from spotckpt.checksum import Buffer, crc32c
-from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError
+from spotckpt.errors import (
+    ChecksumMismatchError,
+    InvalidArgumentError,
+    ObjectMissingError,
+    ObjectSizeError,
+)
 from spotckpt.format.manifest import ChunkLocation
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore
 
 _NAMES_SHOWN = 3
-
-
-class ObjectMissingError(CorruptCheckpointError):
-    """An object that the manifest lists does not exist."""
-
-
-class ObjectSizeError(CorruptCheckpointError):
-    """An object is shorter than a range asked of it, or its size differs from the manifest's."""
-
-
-class ChecksumMismatchError(CorruptCheckpointError):
-    """A block of a stored chunk does not match its CRC32C in the manifest."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""`Checkpointer`: the one caller of DCP's ``save``, ``async_save`` and ``load``.
+
+Every DCP call of a manager goes through here with the same arguments: the planner its writer
+asks for, the saves' own process group (never the training thread's, see
+`spotckpt.distributed.Collective.save_group`), ``no_dist`` without a group, the stager of
+asynchronous saves (CPU staging; shared memory when the upload runs in a child process) and the
+checkpointer type of ``async_mode="process"``. DCP reports a failure on any rank as one
+`CheckpointException` (a `BaseException`) holding each rank's error; `save_failure` and the
+restore path turn it into the spotckpt error that says what happened (`SaveFailedError` naming the
+ranks and causes, or the rank's own `CheckpointAlreadyCommittedError`; on a restore the rank's own
+corruption, key or value error), so that callers never see DCP's wrapper.
+
+Call order of a manager's save: `save` (blocking) or `async_save` (returns when staged; the
+upload's future completes later); when either fails, `save_failure` gives the error to raise.
+Of a restore: `load`, with a `spotckpt.engine.reader.ObjectStoreReader` and a
+`spotckpt.engine.planners.CheckedLoadPlanner`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, cast
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.storage import StorageReader
+
+from spotckpt.distributed import Collective, RankProgress
+from spotckpt.engine.writer import ObjectStoreWriter
+from spotckpt.errors import (
+    CheckpointAlreadyCommittedError,
+    CheckpointError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    ManifestError,
+    SaveFailedError,
+    ValueLoadError,
+)
+
+_RESTORE_ERRORS = (CorruptCheckpointError, KeyMismatchError, ManifestError, ValueLoadError)
+"""A rank's own errors that a failed load reports as they are (restore's fallback acts on them)."""
+
+
+class Checkpointer:
+    """DCP's save, asynchronous save and load for one manager (one process, one rank).
+
+    `process_mode` uploads asynchronous saves from a child process that DCP starts once and keeps
+    (``AsyncCheckpointerType.PROCESS``); it needs a process group.
+    """
+
+    def __init__(self, collective: Collective, *, process_mode: bool = False) -> None:
+        self.collective = collective
+        self.process_mode = process_mode
+        self._stager: DefaultStager | None = None
+
+    @property
+    def _no_dist(self) -> bool:
+        return self.collective.group is None
+
+    def save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
+        """Write and commit `state_dict` through `writer` on every rank; returns when committed."""
+        dcp.save(
+            state_dict,
+            storage_writer=writer,
+            planner=writer.save_planner(self.collective.world_size),
+            process_group=self.collective.save_group,
+            no_dist=self._no_dist,
+        )
+
+    def async_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> Future[Any]:
+        """Stage `state_dict` to CPU memory and return the future of its upload and commit."""
+        kind = AsyncCheckpointerType.PROCESS if self.process_mode else AsyncCheckpointerType.THREAD
+        response = dcp.async_save(
+            state_dict,
+            storage_writer=writer,
+            planner=writer.save_planner(self.collective.world_size),
+            process_group=self.collective.save_group,
+            async_checkpointer_type=kind,
+            async_stager=self._async_stager(),
+            no_dist=self._no_dist,
+        )
+        return cast(Future[Any], getattr(response, "upload_completion", response))
+
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        reader: StorageReader,
+        planner: LoadPlanner,
+        step: int,
+    ) -> None:
+        """Load `step` through `reader` into `state_dict` in place, on every rank.
+
+        A rank's corruption, key mismatch or unloadable value is raised as it is (the restore's
+        fallback acts on it); anything else as a `CheckpointError` naming each rank's cause.
+        """
+        try:
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=planner,
+                process_group=self.collective.group,
+                no_dist=self._no_dist,
+            )
+        except CheckpointException as error:
+            raise _load_error(step, error) from None
+
+    def save_failure(
+        self, step: int, error: BaseException, progress: RankProgress | None
+    ) -> BaseException | None:
+        """The error to raise for a save that failed with `error` and did not commit; None when
+        `error` is not a failure of the save itself (an interrupt, a bug: raise it as it is).
+
+        A failed collective (a rank died or hung, so gloo timed out or lost its peer) names the
+        ranks that never finished writing, from their `progress` markers.
+        """
+        if isinstance(error, CheckpointException):
+            return _save_error(step, error)
+        if not isinstance(error, (RuntimeError, TimeoutError)):
+            return None
+        if self._no_dist or progress is None:
+            return error
+        silent = progress.silent_ranks()
+        return SaveFailedError(
+            f"save of step {step} failed: {_who_failed(silent)} did not finish writing "
+            f"(process died or hung); nothing was committed"
+        )
+
+    def _async_stager(self) -> DefaultStager:
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            # the child process of process mode maps the staged tensors from shared memory
+            self._stager = DefaultStager(StagingOptions(cuda, self.process_mode, False, cuda))
+        return self._stager
+
+    def close(self) -> None:
+        """Free the stager's buffers."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def is_save_failure(error: BaseException) -> bool:
+    """Whether `error` is how a save fails (DCP's wrapper or a failed collective), as opposed
+    to an interrupt or a bug."""
+    return isinstance(error, (CheckpointException, RuntimeError, TimeoutError))
+
+
+def _who_failed(silent: list[int] | None) -> str:
+    if silent:
+        return f"rank(s) {silent}"
+    return "a rank (which one could not be told: the rank markers were unreachable)"
+
+
+def _failures(error: CheckpointException) -> dict[int, BaseException]:
+    failures = getattr(error, "failures", {}) or {}
+    # DCP wraps each rank's failure as (exception, traceback summary).
+    return {rank: f[0] if isinstance(f, tuple) else f for rank, f in failures.items()}
+
+
+def _described(failures: dict[int, BaseException]) -> str:
+    return "; ".join(
+        f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(failures.items())
+    )
+
+
+def _save_error(step: int, error: CheckpointException) -> BaseException:
+    failures = _failures(error)
+    for cause in failures.values():
+        if isinstance(cause, CheckpointAlreadyCommittedError):
+            return cause
+    return SaveFailedError(
+        f"save of step {step} failed on rank(s) {sorted(failures)}: "
+        f"{_described(failures) or error}; nothing was committed"
+    )
+
+
+def _load_error(step: int, error: CheckpointException) -> BaseException:
+    failures = _failures(error)
+    for cause in failures.values():
+        if isinstance(cause, _RESTORE_ERRORS):
+            return cause
+    return CheckpointError(f"restore of step {step} failed: {_described(failures) or error}")

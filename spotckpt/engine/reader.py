@@ -1,0 +1,506 @@
+"""`ObjectStoreReader`: DCP's storage reader for one committed checkpoint in any `ObjectStore`.
+
+DCP's call order: ``reset`` -> ``read_metadata`` (from the validated `Manifest`: nothing is read)
+-> ``set_up_storage_reader`` -> ``prepare_local_plan`` -> ``prepare_global_plan`` (coordinator:
+pieces wanted by several ranks go to one reader, `spotckpt.engine.shared_reads`) -> ``read_data``
+(every rank).
+
+``read_data`` first checks that every object it reads from exists with the manifest's size, then
+fetches with parallel ranged reads. A tensor piece of half a read (8 MiB) or more that can take
+the stored bytes as they are (a contiguous CPU destination of the stored dtype and shape) is read
+straight into its memory, in pieces of at most ``max_read_bytes``, and its CRC32C blocks are
+checked there, in the reading thread: no intermediate buffer, no copy. Smaller pieces (and those
+needing a strided copy or another device) are widened to CRC block boundaries, coalesced with
+their neighbours into one ranged read each, verified (`spotckpt.engine.chunks`), and copied out.
+Non-tensor values are unpickled only with ``torch.load(weights_only=True)``, whatever planner is
+in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import itertools
+import math
+import threading
+from concurrent.futures import Future as PoolFuture
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from spotckpt.catalog import step_folder
+from spotckpt.engine.chunks import ChunkReader
+from spotckpt.engine.packing import Run, small_runs
+from spotckpt.engine.shared_reads import SharedReads, exchange, plan_shared_reads
+from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError
+from spotckpt.format.dtypes import BY_NAME
+from spotckpt.format.manifest import ChunkLocation, Manifest
+from spotckpt.storage.base import ObjectStore
+from spotckpt.values import load_plain
+
+IN_PLACE_SHARE = 2
+"""A tensor piece of at least ``max_read_bytes / IN_PLACE_SHARE`` (8 MiB by default) is read
+straight into its destination, in pieces of at most ``max_read_bytes`` read in parallel; smaller
+ones are coalesced with their neighbours into ranged reads of up to ``max_read_bytes`` and
+copied out: a request of its own per mid-sized tensor would cost more than the copy."""
+
+
+@dataclass
+class _Need:
+    """One read item's byte range within one object, widened to CRC block boundaries."""
+
+    request: ReadItem
+    location: ChunkLocation
+    start: int
+    end: int
+    first_block: int
+    wanted_start: int
+    wanted_end: int
+    target: torch.Tensor | None = None
+    """The destination, once resolved (tensor items only)."""
+    contiguous: bool = False
+    """Whether the wanted bytes are exactly the destination's memory (then copied as bytes)."""
+
+
+@dataclass
+class _Fetch:
+    """One ranged read that serves one or more needs.
+
+    `into` is the destination tensor's own memory when the fetch lands in place (one need, a
+    piece of one tensor); otherwise the fetch is read into a buffer of its own and copied out.
+    """
+
+    key: str
+    start: int
+    end: int
+    needs: list[_Need]
+    into: memoryview | None = None
+
+
+@dataclass
+class _Landing:
+    """A tensor read in place: its destination and how many of its pieces are in flight."""
+
+    target: torch.Tensor
+    pieces_left: int
+
+
+@dataclass
+class ReadStats:
+    """Bytes a restore fetched against bytes its read items needed."""
+
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    requests: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Read over needed (1.0 is perfect)."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+class ObjectStoreReader(StorageReader):
+    """Reads one committed checkpoint described by `manifest`; see the module docstring.
+
+    With a process `group`, a tensor piece that several ranks load (DDP replicas, the replicated
+    dimension of HSDP) is read from the bucket once, by one of them (spread for balance), and
+    broadcast to the others inside `read_data`, so a restart reads the checkpoint about once
+    whatever the number of replicas.
+
+    With `offer_runs`, the metadata also offers each run of small tensors (`spotckpt.packing`)
+    as one uint8 item, for a load planner that adopts runs (the manager's); plain DCP planners
+    would load such an item as a tensor of its own, so it is off by default.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        manifest: Manifest,
+        *,
+        max_parallel_reads: int = 8,
+        max_read_bytes: int = 16 << 20,
+        coalesce_gap: int = 64 << 10,
+        group: Any = None,
+        offer_runs: bool = False,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.store = store
+        self.manifest = manifest
+        self.folder = step_folder(manifest.step)
+        self.max_parallel_reads = max_parallel_reads
+        self.max_read_bytes = max_read_bytes
+        self.coalesce_gap = coalesce_gap
+        self.chunks = ChunkReader(
+            store,
+            self.folder,
+            manifest.block_size,
+            {key: record.size for key, record in manifest.objects.items()},
+        )
+        self.metadata, self.locations = manifest.to_dcp()
+        self.chunk_sizes = {
+            MetadataIndex(fqn, torch.Size(chunk.offsets)): (tensor.dtype, chunk.sizes)
+            for fqn, tensor in manifest.tensors.items()
+            for chunk in tensor.chunks
+        }
+        self.offer_runs = offer_runs
+        self.runs = small_runs(manifest) if offer_runs else {}
+        for name, run in self.runs.items():
+            self._offer_run(name, run)
+        self.stats = ReadStats()
+        self._stats_lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as the store, the manifest and the read settings (the stats start afresh)."""
+        if self.group is not None:
+            raise InvalidArgumentError(
+                "an ObjectStoreReader with a process group cannot be pickled (a group does not "
+                "cross processes); build the reader with group=None in the other process"
+            )
+        rebuild = functools.partial(
+            ObjectStoreReader,
+            max_parallel_reads=self.max_parallel_reads,
+            max_read_bytes=self.max_read_bytes,
+            coalesce_gap=self.coalesce_gap,
+            offer_runs=self.offer_runs,
+        )
+        return rebuild, (self.store, self.manifest)
+
+    def _offer_run(self, name: str, run: Run) -> None:
+        """Offer DCP a run of small tensors (`spotckpt.packing`) as one more uint8 item, which a
+        load planner may load instead of its members; its bytes are checked member by member."""
+        size = torch.Size([run.length])
+        chunk = ChunkStorageMetadata(torch.Size([0]), size)
+        properties = TensorProperties(dtype=torch.uint8)
+        self.metadata.state_dict_metadata[name] = TensorStorageMetadata(properties, size, [chunk])
+        index = MetadataIndex(name, torch.Size([0]))
+        self.locations[index] = ChunkLocation(
+            key=run.key, offset=run.offset, length=run.length, block_crc32c=()
+        )
+        self.chunk_sizes[index] = ("uint8", (run.length,))
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.stats = ReadStats()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
+    ) -> None:
+        return None
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: give each tensor piece wanted by several ranks to one reader
+        (`spotckpt.engine.shared_reads`)."""
+        if self.group is None or len(plans) < 2:
+            return plans
+        return plan_shared_reads(plans, self.chunk_sizes)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+    def byte_ranges(self, plan: LoadPlan) -> dict[str, list[tuple[int, int]]]:
+        """The byte ranges ``[start, end)`` of each object that reading `plan` fetches."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for fetch in self._plan_fetches([self._need(item) for item in plan.items]):
+            ranges.setdefault(fetch.key, []).append((fetch.start, fetch.end))
+        return ranges
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._read_own(plan, planner)
+        if isinstance(plan.storage_data, SharedReads):
+            exchange(plan, plan.storage_data, planner, self.group)
+        done_future: Future[None] = Future()
+        done_future.set_result(None)
+        return done_future
+
+    def _read_own(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Fetch the plan's items with parallel ranged reads; each fetch's CRCs are checked in
+        the thread that read it, and tensors are committed here, in the calling thread."""
+        fetches, buffered = [], []
+        landing: dict[int, _Landing] = {}  # by id() of the read item
+        for need in (self._need(item) for item in plan.items):
+            target = self._in_place_target(need, planner)
+            if target is None:
+                buffered.append(need)
+                continue
+            pieces = self._pieces(need, target)
+            landing[id(need.request)] = _Landing(target, len(pieces))
+            fetches += pieces
+        fetches += self._plan_fetches(buffered)
+        fetches.sort(key=lambda fetch: (fetch.key, fetch.start))
+        with ThreadPoolExecutor(
+            self.max_parallel_reads, thread_name_prefix="spotckpt-read"
+        ) as pool:
+            self._check_objects(fetches, pool)
+            pending = {pool.submit(self._fetch, fetch): fetch for fetch in fetches}
+            try:
+                for done in as_completed(pending):
+                    fetch = pending[done]
+                    buffer = done.result()
+                    for need in fetch.needs:
+                        if fetch.into is None:
+                            self._deliver(need, buffer, fetch.start, planner)
+                            continue
+                        landed = landing[id(need.request)]
+                        landed.pieces_left -= 1
+                        if not landed.pieces_left:
+                            planner.commit_tensor(need.request, landed.target)
+            except Exception as error:
+                raise _first_failure(pending, error) from None
+
+    def _check_objects(self, fetches: list[_Fetch], pool: ThreadPoolExecutor) -> None:
+        """Before any byte is read: every object exists with the size the manifest says, and
+        holds what is asked of it (one ``head`` each, in parallel); an error names everything
+        that this rank reads from the object."""
+        spans: dict[str, tuple[int, int, list[str]]] = {}
+        for fetch in fetches:
+            start, end, names = spans.get(fetch.key, (fetch.start, fetch.end, []))
+            names += [need.request.storage_index.fqn for need in fetch.needs]
+            spans[fetch.key] = (min(start, fetch.start), max(end, fetch.end), names)
+        checks = pool.map(lambda entry: self.chunks.check_range(entry[0], *entry[1]), spans.items())
+        list(checks)  # raises the first failure, in object order
+
+    def _in_place_target(self, need: _Need, planner: LoadPlanner) -> torch.Tensor | None:
+        """Resolve a tensor need's destination (kept in `need.target`); return it when the
+        stored bytes can be read straight into its memory: a CPU tensor, contiguous, of the
+        stored dtype and shape, whose piece is contiguous in the chunk, block-aligned and at
+        least half a read (`IN_PLACE_SHARE`)."""
+        item = need.request
+        if item.type == LoadItemType.BYTE_IO:
+            return None
+        target = need.target = planner.resolve_tensor(item).detach()
+        dtype, _sizes = self.chunk_sizes[item.storage_index]
+        stored = BY_NAME[dtype]
+        nbytes = math.prod(item.lengths) * stored.itemsize
+        need.contiguous = (
+            need.wanted_end - need.wanted_start == nbytes
+            and target.device.type == "cpu"
+            and target.dtype == stored.torch_dtype
+            and target.is_contiguous()
+            and tuple(target.shape) == tuple(item.lengths)
+        )
+        aligned = (need.start, need.end) == (need.wanted_start, need.wanted_end)
+        large = nbytes >= self.max_read_bytes // IN_PLACE_SHARE
+        return target if need.contiguous and aligned and large else None
+
+    def _pieces(self, need: _Need, target: torch.Tensor) -> list[_Fetch]:
+        """An in-place need as fetches of at most about `max_read_bytes`, each into its slice of
+        the destination's memory, read in parallel; cut at CRC block boundaries, or, for a run
+        of small tensors, at its members' boundaries (each member is checked whole)."""
+        memory = target.reshape(-1).view(torch.uint8).numpy().data
+        run = self.runs.get(need.request.storage_index.fqn)
+        cuts = self._block_cuts(need) if run is None else _member_cuts(run, self.max_read_bytes)
+        fetches = []
+        offset = need.location.offset
+        for start, end in itertools.pairwise([*cuts, need.end]):
+            first_block = start // self.chunks.block_size
+            piece = dataclasses.replace(need, start=start, end=end, first_block=first_block)
+            into = memory[start - need.start : end - need.start]
+            fetches.append(_Fetch(need.location.key, offset + start, offset + end, [piece], into))
+        return fetches
+
+    def _block_cuts(self, need: _Need) -> list[int]:
+        block = self.chunks.block_size
+        return list(range(need.start, need.end, max(1, self.max_read_bytes // block) * block))
+
+    def _need(self, item: ReadItem) -> _Need:
+        location = self.locations.get(item.storage_index)
+        if location is None:
+            raise CorruptCheckpointError(
+                f"checkpoint step {self.manifest.step} has no stored item "
+                f"{item.storage_index.fqn!r}"
+            )
+        if item.type == LoadItemType.BYTE_IO:
+            wanted_start, wanted_end = 0, location.length
+        else:
+            dtype, sizes = self.chunk_sizes[item.storage_index]
+            wanted_start, wanted_end = _element_span(
+                sizes, item.storage_offsets, item.lengths, BY_NAME[dtype].itemsize
+            )
+        span = self.chunks.span(location, wanted_start, wanted_end)
+        self.stats.bytes_needed += wanted_end - wanted_start
+        return _Need(
+            item, location, span.start, span.end, span.first_block, wanted_start, wanted_end
+        )
+
+    def _plan_fetches(self, needs: list[_Need]) -> list[_Fetch]:
+        fetches: list[_Fetch] = []
+        ordered = sorted(needs, key=lambda n: (n.location.key, n.location.offset + n.start))
+        for need in ordered:
+            start = need.location.offset + need.start
+            end = need.location.offset + need.end
+            last = fetches[-1] if fetches else None
+            if (
+                last is not None
+                and last.key == need.location.key
+                and start <= last.end + self.coalesce_gap
+                and max(end, last.end) - last.start <= self.max_read_bytes
+            ):
+                last.end = max(last.end, end)
+                last.needs.append(need)
+            else:
+                fetches.append(_Fetch(need.location.key, start, end, [need]))
+        return fetches
+
+    def _fetch(self, fetch: _Fetch) -> memoryview:
+        """Read one fetch (into its destination, or a buffer of its own) and check the CRCs of
+        every need it serves; runs in a reader thread."""
+        view = fetch.into
+        if view is None:
+            view = memoryview(bytearray(fetch.end - fetch.start))
+        names = [need.request.storage_index.fqn for need in fetch.needs]
+        self.chunks.read_into(fetch.key, fetch.start, view, names)
+        for need in fetch.needs:
+            base = need.location.offset + need.start - fetch.start
+            piece = view[base : base + need.end - need.start]
+            run = self.runs.get(need.request.storage_index.fqn)
+            if run is None:
+                fqn = need.request.storage_index.fqn
+                self.chunks.verify(piece, need.location, need.first_block, fqn)
+            else:
+                self._verify_run(run, need, piece)
+        with self._stats_lock:
+            self.stats.bytes_read += view.nbytes
+            self.stats.requests += 1
+        return view
+
+    def _verify_run(self, run: Run, need: _Need, piece: memoryview) -> None:
+        """Check each member of a run, in the piece `need.start`..`need.end` of it (cut at
+        member boundaries), on its own bytes."""
+        start, end = run.offset + need.start, run.offset + need.end
+        for member in run.members:
+            at = member.location.offset
+            empty_at_end = member.location.length == 0 and at == end == run.offset + run.length
+            if start <= at < end or empty_at_end:
+                member_bytes = piece[at - start : at - start + member.location.length]
+                self.chunks.verify(member_bytes, member.location, 0, member.fqn)
+
+    def _deliver(
+        self, need: _Need, buffer: memoryview, buffer_start: int, planner: LoadPlanner
+    ) -> None:
+        """Hand a need's verified bytes, read into a fetch buffer, to the planner."""
+        base = need.location.offset + need.start - buffer_start
+        view = buffer[base : base + need.end - need.start]
+        item = need.request
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, _safe_value_stream(view, item.storage_index.fqn))
+            return
+        wanted = view[need.wanted_start - need.start : need.wanted_end - need.start]
+        target = need.target if need.target is not None else planner.resolve_tensor(item).detach()
+        if need.contiguous:
+            target.reshape(-1).view(torch.uint8).numpy().data[:] = wanted
+            planner.commit_tensor(item, target)
+            return
+        dtype, sizes = self.chunk_sizes[item.storage_index]
+        source = _strided_view(
+            wanted, BY_NAME[dtype].torch_dtype, sizes, item.storage_offsets, item.lengths
+        )
+        if target.shape != source.shape:
+            raise CorruptCheckpointError(
+                f"{item.storage_index.fqn}: stored piece {tuple(source.shape)} does not fit the "
+                f"destination {tuple(target.shape)}"
+            )
+        target.copy_(source)
+        planner.commit_tensor(item, target)
+
+
+def _member_cuts(run: Run, step: int) -> list[int]:
+    """Offsets within a run where pieces of about `step` bytes start, at member boundaries."""
+    cuts = [0]
+    for member in run.members:
+        at = member.location.offset - run.offset
+        if at - cuts[-1] >= step:
+            cuts.append(at)
+    return cuts
+
+
+def _first_failure(
+    pending: dict[PoolFuture[memoryview], _Fetch], error: BaseException
+) -> BaseException:
+    """After `error`, the failure to report: cancel the fetches not started, wait for the
+    running ones, and take the failed fetch first in object order (fetches are submitted in
+    that order, so every earlier one has run), so that a damaged object always gets the same
+    message; `error` itself when it did not come from a fetch."""
+    for future in pending:
+        future.cancel()
+    wait(pending)
+    failed = [
+        (pending[f].key, pending[f].start, f.exception())
+        for f in pending
+        if not f.cancelled() and f.exception() is not None
+    ]
+    if not any(failure is error for _key, _start, failure in failed):
+        return error
+    return min(failed, key=lambda entry: (entry[0], entry[1]))[2] or error
+
+
+def _element_span(
+    sizes: tuple[int, ...], offsets: torch.Size, lengths: torch.Size, itemsize: int
+) -> tuple[int, int]:
+    """Byte range, within a row-major chunk, from the first to the last element of a sub-block."""
+    if math.prod(lengths) == 0:
+        return 0, 0
+    if tuple(lengths) == sizes and not any(offsets):  # the whole chunk
+        return 0, math.prod(sizes) * itemsize
+    strides = _row_major_strides(sizes)
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _row_major_strides(sizes: tuple[int, ...]) -> list[int]:
+    strides = [1] * len(sizes)
+    for i in range(len(sizes) - 2, -1, -1):
+        strides[i] = strides[i + 1] * sizes[i + 1]
+    return strides
+
+
+def _strided_view(
+    data: memoryview,
+    dtype: torch.dtype,
+    sizes: tuple[int, ...],
+    offsets: torch.Size,
+    lengths: torch.Size,
+) -> torch.Tensor:
+    """The sub-block `lengths` of a row-major chunk, given the bytes from its first element."""
+    if math.prod(lengths) == 0:
+        return torch.empty(tuple(lengths), dtype=dtype)
+    raw = torch.frombuffer(data, dtype=torch.uint8)  # a fetch buffer: writable, no warning
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw.data_ptr() % itemsize:
+        raw = raw.clone()
+    flat = raw.view(dtype)
+    return flat.as_strided(tuple(lengths), _row_major_strides(sizes), flat.storage_offset())
+
+
+def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
+    """Unpickle a stored value with weights_only=True, then hand DCP a re-serialised copy.
+
+    DCP's default planner unpickles what a reader gives it with the unrestricted loader, so
+    bytes from the bucket never reach it: only objects that survived the restricted unpickler do.
+    Bytes that pass their CRCs but do not load raise ValueLoadError, which is not corruption.
+    """
+    value = load_plain(view, fqn)
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    stream.seek(0)
+    return stream

@@ -1,0 +1,298 @@
+"""`ObjectStoreWriter`: DCP's storage writer for any `ObjectStore`, one streamed object per rank.
+
+DCP's call order: ``reset`` -> ``set_up_storage_writer`` -> ``prepare_local_plan`` ->
+``prepare_global_plan`` (coordinator: refuses a step that is already committed, draws the attempt
+id, assigns each rank its object key) -> ``write_data`` (every rank streams one safetensors object
+of its own items: header first, then each item's bytes, through a multipart upload with
+part-sized buffers; block CRC32Cs as it goes; from `INDEX_MIN_RANKS` ranks on, also an index part
+of its own) -> ``finish`` (coordinator, after every rank succeeded: builds the manifest,
+`spotckpt.engine.manifests`, and writes it create-only: the commit point).
+
+A value (non-tensor state) is refused at save time unless it loads back with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from spotckpt.catalog import (
+    Catalog,
+    index_part_key,
+    new_attempt_id,
+    rank_object_key,
+    step_folder,
+    step_key,
+)
+from spotckpt.engine.manifests import (
+    ManifestHeader,
+    WrittenItem,
+    build_manifest,
+    build_root,
+    index_part,
+    is_indexed,
+)
+from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
+from spotckpt.errors import InvalidTypeError, UnsupportedValueError, ValueLoadError
+from spotckpt.format.dtypes import BY_NAME, dtype_of
+from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
+from spotckpt.format.safetensors_io import (
+    DEFAULT_BLOCK_SIZE,
+    SafetensorsStreamWriter,
+    StoredRange,
+    TensorSpec,
+    block_crcs,
+    tensor_bytes,
+)
+from spotckpt.storage.base import ObjectStore
+from spotckpt.values import load_plain
+
+VALUE_PREFIX = "__value__/"
+"""Stored values (non-tensor state) are named with this prefix in a rank's safetensors header."""
+
+INDEX_MIN_RANKS = 32
+"""From this many ranks on, a save writes an indexed manifest (`spotckpt.format.index`)."""
+
+
+@dataclass(frozen=True)
+class RankAssignment:
+    """What the coordinator tells each rank: the attempt, the key of its object and whether
+    it writes an index part."""
+
+    attempt: str
+    key: str
+    indexed: bool = False
+
+
+def _item_name(item: WriteItem) -> str:
+    if item.type == WriteItemType.BYTE_IO:
+        return VALUE_PREFIX + item.index.fqn
+    offsets = item.tensor_data.chunk.offsets if item.tensor_data else ()
+    if any(offsets):
+        return f"{item.index.fqn}@{','.join(map(str, offsets))}"
+    return item.index.fqn
+
+
+class ObjectStoreWriter(StorageWriter):
+    """Writes one checkpoint step into `store` through DCP; see the module docstring.
+
+    It pickles with its store, which rebuilds itself where it is unpickled (DCP's process-mode
+    async save runs the writer in a child process; the caller's copy then keeps ``attempt`` and
+    ``manifest`` at None: read the outcome back from the store).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        step: int,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_spread: bool = False,
+        user_metadata: dict[str, Any] | None = None,
+        versions: dict[str, str] | None = None,
+        on_written: Callable[[], None] | None = None,
+        index_parts: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.index_parts = index_parts
+        self.store = store
+        self.catalog = Catalog(store)
+        self.step = step
+        self.block_size = block_size
+        self.prefix_spread = prefix_spread
+        self.user_metadata = dict(user_metadata or {})
+        self.versions = dict(versions or {})
+        self.on_written = on_written
+        self.is_coordinator = False
+        self.rank = 0
+        self.attempt: str | None = None
+        self.manifest: Manifest | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.attempt = None
+        self.manifest = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def save_planner(self, world_size: int) -> SavePlanner:
+        """The planner to save through this writer with: small tensors in packs
+        (`spotckpt.packing`), unless the save writes index parts (from `INDEX_MIN_RANKS` ranks),
+        whose summaries describe DCP's items as they are."""
+        indexed = self.index_parts
+        if indexed is None:
+            indexed = world_size >= INDEX_MIN_RANKS
+        return DefaultSavePlanner() if indexed else PackingSavePlanner()
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.check_step_free()
+        attempt = new_attempt_id()
+        indexed = self.index_parts
+        if indexed is None:
+            indexed = len(plans) >= INDEX_MIN_RANKS
+        return [
+            dataclasses.replace(
+                plan,
+                storage_data=RankAssignment(
+                    attempt, rank_object_key(attempt, rank, self.prefix_spread), indexed
+                ),
+            )
+            for rank, plan in enumerate(plans)
+        ]
+
+    def check_step_free(self) -> None:
+        """On the coordinator, before any write: CheckpointAlreadyCommittedError if the step
+        is committed in the store (a committed checkpoint is never overwritten)."""
+        self.catalog.check_not_committed(self.step)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future: Future[list[WriteResult]] = Future()
+        assignment = plan.storage_data
+        if not isinstance(assignment, RankAssignment):
+            raise InvalidTypeError(
+                "ObjectStoreWriter.write_data needs a plan from prepare_global_plan"
+            )
+        self.attempt = assignment.attempt
+        results = self._write_object(plan.items, planner, assignment.key) if plan.items else []
+        if assignment.indexed and results:
+            results = [self._write_index_part(results, plan.items)]
+        if self.on_written is not None:
+            self.on_written()
+        future.set_result(results)
+        return future
+
+    def _write_object(
+        self, items: list[WriteItem], planner: SavePlanner, key: str
+    ) -> list[WriteResult]:
+        values = {
+            item.index: _value_bytes(planner.resolve_data(item), item.index.fqn)
+            for item in items
+            if item.type == WriteItemType.BYTE_IO
+        }
+        ordered = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+        specs = [self._spec(item, values) for item in ordered]
+        metadata = {"format": "pt", "spotckpt.step": str(self.step)}
+        writer = self.store.open_writer(step_key(self.step, key))
+        placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
+        with writer:
+            stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
+            for item, spec in zip(ordered, specs, strict=True):
+                data = values.get(item.index)
+                if data is None:
+                    data = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
+                stored = stream.write_tensor(spec.name, data)
+                # While the object's last parts upload: where each item (or member) lies.
+                members = members_of(planner, item.index.fqn)
+                if members is None:
+                    location = ChunkLocation(
+                        key=key,
+                        offset=stored.offset,
+                        length=stored.length,
+                        block_crc32c=stored.block_crc32c,
+                    )
+                    placed.append((item.index, location, None))
+                else:
+                    placed += self._member_locations(members, stored, data, key)
+            size, crc = stream.finish()
+        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank)
+        return [
+            WriteResult(index, location.length, WrittenItem(location, record, member))
+            for index, location, member in placed
+        ]
+
+    def _member_locations(
+        self, members: tuple[PackedMember, ...], stored: StoredRange, data: memoryview, key: str
+    ) -> list[tuple[MetadataIndex, ChunkLocation, PackedMember]]:
+        """Where each member of a pack lies in object `key`, with its own block CRC32Cs, as if
+        it had been written alone."""
+        located = []
+        for member in members:
+            piece = data[member.offset : member.offset + member.nbytes]
+            location = ChunkLocation(
+                key=key,
+                offset=stored.offset + member.offset,
+                length=member.nbytes,
+                block_crc32c=block_crcs(piece, self.block_size),
+            )
+            index = MetadataIndex(member.fqn, torch.Size([0] * len(member.shape)))
+            located.append((index, location, member))
+        return located
+
+    def _write_index_part(self, results: list[WriteResult], items: list[WriteItem]) -> WriteResult:
+        """Store this rank's index part (indexed saves) and return its `RankSummary` result."""
+        key = index_part_key(self.attempt or "unknown", self.rank)
+        data, summary = index_part(self.header(), self.rank, results, items, key)
+        self.store.put(step_key(self.step, key), data, create_only=True)
+        return summary
+
+    def _spec(self, item: WriteItem, values: dict[MetadataIndex, memoryview]) -> TensorSpec:
+        name = _item_name(item)
+        if item.type == WriteItemType.BYTE_IO:
+            return TensorSpec(name, BY_NAME["uint8"], (values[item.index].nbytes,))
+        if item.tensor_data is None:
+            raise InvalidTypeError(f"write item {item.index.fqn!r} has no tensor data")
+        dtype = dtype_of(item.tensor_data.properties.dtype)
+        return TensorSpec(name, dtype, tuple(item.tensor_data.chunk.sizes))
+
+    def header(self) -> ManifestHeader:
+        """What this save's manifest says of it besides objects and tensors."""
+        return ManifestHeader(
+            self.step, self.attempt or "unknown", self.block_size, self.versions, self.user_metadata
+        )
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator, after every rank wrote: commit the manifest (or indexed root)."""
+        if is_indexed(results):
+            summary, data = build_root(self.header(), metadata, results)
+            self.catalog.commit_bytes(self.step, summary.attempt, data)
+            self.manifest = summary  # committed: nothing after this point may undo it
+            return
+        manifest = self.build_manifest(metadata, results)
+        self.catalog.commit(manifest, manifest.to_json())
+        self.manifest = manifest  # committed: nothing after this point may undo it
+
+    def build_manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> Manifest:
+        """This save's manifest, from DCP's global metadata and every rank's results."""
+        return build_manifest(self.header(), metadata, results)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{self.store.uri}/{step_folder(self.step)}")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def _value_bytes(data: Any, fqn: str) -> memoryview:
+    """The stored bytes of a value, refused unless a restore can load them (weights_only)."""
+    if not isinstance(data, io.BytesIO):
+        raise InvalidTypeError(f"DCP resolved a value to {type(data).__name__}, expected BytesIO")
+    view = data.getbuffer()
+    try:
+        load_plain(view, fqn)
+    except ValueLoadError as error:
+        raise UnsupportedValueError(
+            f"value {fqn!r} would not restore, so the save is refused: {error}"
+        ) from None
+    return view
+
+
+def _cpu_tensor(data: Any) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor):
+        raise InvalidTypeError(f"DCP resolved a tensor item to {type(data).__name__}")
+    return data.detach().cpu() if data.device.type != "cpu" else data.detach()
