@@ -66,8 +66,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from spotckpt.catalog import Catalog, manifest_key, rank_object_key, step_key
-from spotckpt.engine.manifests import WrittenItem
+from spotckpt.catalog import Catalog, index_part_key, manifest_key, rank_object_key, step_key
+from spotckpt.engine.manifests import WrittenItem, build_root, index_part
 from spotckpt.engine.planners import wanted_boxes
 from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.engine.writer import ObjectStoreWriter, RankAssignment, _item_name
@@ -149,9 +149,12 @@ def rank_phase(
     if not results:
         return results
     writer = ObjectStoreWriter(store, step)
-    writer.rank = rank
-    writer.attempt = results[0].storage_data.location.key.partition("/")[0].removeprefix("a-")
-    return writer.write_index_part(results, items)
+    attempt = results[0].storage_data.location.key.partition("/")[0].removeprefix("a-")
+    writer.attempt = attempt
+    key = index_part_key(attempt, rank)
+    data, summary = index_part(writer.header(), rank, results, items, key)
+    store.put(step_key(step, key), data, create_only=True)
+    return [summary]
 
 
 def commit_phase(
@@ -162,7 +165,7 @@ def commit_phase(
     writer = ObjectStoreWriter(store, step)
     writer.attempt = attempt
     started = clock()
-    _summary, data = writer.build_root(metadata, gathered)
+    _summary, data = build_root(writer.header(), metadata, gathered)
     built = clock()
     writer.catalog.commit_bytes(step, attempt, data)
     parts = sum(r[0].storage_data.part.size for r in gathered if r)  # written by the ranks
