@@ -13,13 +13,11 @@ commits and applies retention, and shares its decisions with the other ranks.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
@@ -30,9 +28,7 @@ from spotckpt.collector import collector_paused
 from spotckpt.config import Config, Settings
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.engine.checkpointer import Checkpointer, is_save_failure
-from spotckpt.engine.packing import Run
-from spotckpt.engine.planners import CheckedLoadPlanner, local_plan, plain_state, wanted_boxes
-from spotckpt.engine.reader import ObjectStoreReader, ReadStats
+from spotckpt.engine.reader import ReadStats
 from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
     CheckpointError,
@@ -44,18 +40,14 @@ from spotckpt.errors import (
     StorageError,
     UnknownFormatError,
 )
-from spotckpt.format.index import Box, Root
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
 from spotckpt.preemption import PreemptionWatcher
+from spotckpt.restore import State, StateLoader
 from spotckpt.state import (
-    TrainState,
     as_dcp_state,
-    is_added_loader_key,
-    is_per_rank_key,
     release_worker_shields,
-    write_back,
 )
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.storage.base import check_portable
@@ -67,8 +59,6 @@ from spotckpt.version import __version__
 __all__ = ["CheckpointManager", "KeyMismatchError", "PendingSave"]
 
 log = logging.getLogger("spotckpt")
-
-State = TrainState | Mapping[str, Any]
 
 
 @dataclasses.dataclass
@@ -117,6 +107,7 @@ class CheckpointManager:
         self.checkpointer = Checkpointer(
             self.collective, process_mode=self.settings.async_mode == "process"
         )
+        self.loader = StateLoader(self.catalog, self.collective, self.checkpointer)
         self.tier = self._open_tier()
         self._check_async_mode()
         self._pending: PendingSave | None = None
@@ -689,15 +680,8 @@ class CheckpointManager:
             log.warning("could not quarantine step %d: %s", step, failure)
 
     def _restore_from_bucket(self, state: State, step: int, strict: bool) -> None:
-        data = self.collective.run_on_coordinator(lambda: self.catalog.manifest_bytes(step))
-
-        def wanted(root: Root) -> tuple[Mapping[str, list[Box]], Iterable[str]]:
-            # an indexed checkpoint: only the index parts that locate this rank's shards
-            with self._restoring(state, root):
-                return wanted_boxes(plain_state(as_dcp_state(state)))
-
-        manifest = self.catalog.read_manifest(step, wanted, data=data)
-        stats = self._load(state, manifest, self.store, strict)
+        manifest = self.loader.manifest(state, step)
+        self.last_read_stats = stats = self.loader.load(state, manifest, self.store, strict)
         self.last_restore_sources = {"local": 0, "peer": 0, "store": stats.bytes_read}
 
     def _restore_from_tier(self, state: State, durable: int | None, strict: bool) -> int | None:
@@ -705,16 +689,14 @@ class CheckpointManager:
         tier = cast(FastTier, self.tier)
 
         def needs(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
-            with self._restoring(state, manifest):
-                plan = local_plan(as_dcp_state(state), manifest, self._planner(strict))
-            return ObjectStoreReader(tier.store, manifest).byte_ranges(plan)
+            return self.loader.byte_ranges(state, manifest, tier.store, strict)
 
         found = tier.recover(self.collective, durable, needs)
         if found is None:
             return None
         manifest, moved = found
         try:
-            stats = self._load(state, manifest, tier.store, strict)
+            self.last_read_stats = stats = self.loader.load(state, manifest, tier.store, strict)
         except (CorruptCheckpointError, ManifestError) as error:
             log.warning(
                 "the fast-tier copy of step %d did not load (%s); restoring from the store",
@@ -731,49 +713,6 @@ class CheckpointManager:
             "restored step %d from the fast tier: %s", manifest.step, self.last_restore_sources
         )
         return manifest.step
-
-    def _load(
-        self, state: State, manifest: Manifest, store: ObjectStore, strict: bool
-    ) -> ReadStats:
-        """Load `manifest`'s checkpoint from `store` into `state`; returns job-wide read stats."""
-        step = manifest.step
-        reader = ObjectStoreReader(store, manifest, group=self.group, offer_runs=True)
-        started = time.monotonic()
-        loaded = as_dcp_state(state)
-        with self._restoring(state, manifest):
-            self.checkpointer.load(loaded, reader, self._planner(strict, reader.runs), step)
-        write_back(state, loaded)
-        read, needed, requests = self.collective.sum(
-            [reader.stats.bytes_read, reader.stats.bytes_needed, reader.stats.requests]
-        )
-        self.last_read_stats = ReadStats(read, needed, requests)  # job-wide
-        log.info(
-            "restored step %d in %.2f s (%d bytes read for %d needed, job-wide)",
-            step,
-            time.monotonic() - started,
-            read,
-            needed,
-        )
-        return self.last_read_stats
-
-    def _restoring(
-        self, state: State, saved: Manifest | Root
-    ) -> contextlib.AbstractContextManager[None]:
-        """Around a load: per-rank state read from the right rank's keys (`TrainState`)."""
-        if not isinstance(state, TrainState):
-            return contextlib.nullcontext()
-        stored = itertools.chain(saved.tensors, saved.values)
-        return state.restoring(saved.step, saved.world_size, self.rank, self.world_size, stored)
-
-    @staticmethod
-    def _planner(strict: bool, runs: Mapping[str, Run] | None = None) -> CheckedLoadPlanner:
-        return CheckedLoadPlanner(
-            allow_missing=not strict,
-            allow_unexpected=not strict,
-            runs=runs,
-            optional=is_added_loader_key,
-            unread_ok=is_per_rank_key,
-        )
 
     # Maintenance ------------------------------------------------------------------------------
 
