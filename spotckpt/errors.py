@@ -66,3 +66,13 @@ class NoCheckpointError(CheckpointError, LookupError):
 
 class SaveFailedError(CheckpointError):
     """A save did not commit; the message names the failed rank(s) and the cause."""
+
+
+class MetadataAnswerError(CheckpointError):
+    """A cloud's metadata service answered, but not with anything usable (an HTTP error status,
+    a malformed token or notice). The preemption watcher retries it with back-off, and logs it
+    once per `kind`, the answer's class without its varying detail."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind} {detail}".strip())
+        self.kind = kind

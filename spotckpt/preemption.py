@@ -40,7 +40,7 @@ from types import FrameType
 from typing import Any
 from urllib.parse import quote
 
-from spotckpt.errors import CheckpointError, InvalidArgumentError
+from spotckpt.errors import InvalidArgumentError, MetadataAnswerError
 
 log = logging.getLogger("spotckpt.preemption")
 
@@ -256,7 +256,7 @@ class PreemptionWatcher:
         if status == 401:
             self._aws_token = None
             if fresh:
-                raise _BadAnswer("HTTP 401 with a fresh token")
+                raise MetadataAnswerError("HTTP 401 with a fresh token")
             return 0.0  # the token expired: fetch a new one at once
         if status == 404:
             self._aws_malformed = None
@@ -264,7 +264,7 @@ class PreemptionWatcher:
                 self._aws_rebalance_check(token)
             return self.poll_interval_s
         if status != 200:
-            raise _BadAnswer(f"HTTP {status}", _snippet(body))
+            raise MetadataAnswerError(f"HTTP {status}", _snippet(body))
         self._aws_notice(body)
         return 0.0
 
@@ -276,7 +276,9 @@ class PreemptionWatcher:
         )
         token = body.decode("ascii", errors="replace").strip()
         if status != 200 or not token.isprintable() or " " in token or not token:
-            raise _BadAnswer(f"IMDSv2 token request answered HTTP {status}", _snippet(body))
+            raise MetadataAnswerError(
+                f"IMDSv2 token request answered HTTP {status}", _snippet(body)
+            )
         return token
 
     def _aws_notice(self, body: bytes) -> None:
@@ -287,7 +289,7 @@ class PreemptionWatcher:
             first, count = self._aws_malformed or (now, 0)
             self._aws_malformed = (first, count + 1)
             if count + 1 < AWS_MALFORMED_TRUSTED:
-                raise _BadAnswer("malformed instance-action notice", _snippet(body))
+                raise MetadataAnswerError("malformed instance-action notice", _snippet(body))
             log.warning(
                 "AWS answered %d malformed instance-action notices in a row; taking them "
                 "as a termination notice",
@@ -324,13 +326,13 @@ class PreemptionWatcher:
             timeout=self.request_timeout_s + wait_s,
         )
         if status != 200:
-            raise _BadAnswer(f"HTTP {status}", _snippet(body))
+            raise MetadataAnswerError(f"HTTP {status}", _snippet(body))
         value = body.decode("ascii", errors="replace").strip().upper()
         if value == "TRUE":
             self.trigger("gce:preempted", time.monotonic() + GCE_NOTICE_S)
             return 0.0
         if value != "FALSE":
-            raise _BadAnswer("unexpected instance/preempted value", _snippet(body))
+            raise MetadataAnswerError("unexpected instance/preempted value", _snippet(body))
         self._gce_etag = etag or sent
         if etag and etag != sent:
             return 0.0
@@ -363,14 +365,6 @@ class PreemptionWatcher:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class _BadAnswer(CheckpointError):
-    """A metadata service answered, but not with anything usable."""
-
-    def __init__(self, kind: str, detail: str = "") -> None:
-        super().__init__(f"{kind} {detail}".strip())
-        self.kind = kind
-
-
 class _Poller:
     """One poller's failure bookkeeping: back-off, logging once per kind, start-up state."""
 
@@ -385,12 +379,14 @@ class _Poller:
 
     def failed(self, error: Exception) -> float:
         """Log a failed try (WARNING the first time of its kind) and return the back-off."""
-        if isinstance(error, _BadAnswer):
+        if isinstance(error, MetadataAnswerError):
             self.answered = True
-        kind = error.kind if isinstance(error, _BadAnswer) else type(_reason(error)).__name__
+        kind = (
+            error.kind if isinstance(error, MetadataAnswerError) else type(_reason(error)).__name__
+        )
         first = kind not in self.kinds
         self.kinds.add(kind)
-        expected = isinstance(_reason(error), (OSError, HTTPException, _BadAnswer))
+        expected = isinstance(_reason(error), (OSError, HTTPException, MetadataAnswerError))
         log.log(
             logging.WARNING if first else logging.DEBUG,
             "%s metadata service at %s: %s; retrying with back-off (at most %.3g s) while the "
