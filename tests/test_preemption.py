@@ -353,9 +353,7 @@ def test_off_cloud_pollers_do_not_start(
 ) -> None:
     monkeypatch.delenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", raising=False)
     monkeypatch.delenv("GCE_METADATA_HOST", raising=False)
-    monkeypatch.setattr(
-        "spotckpt.preemption.watcher._DMI", __import__("pathlib").Path("/nonexistent")
-    )
+    monkeypatch.setattr("spotckpt.preemption.dmi._DMI", __import__("pathlib").Path("/nonexistent"))
     watcher = PreemptionWatcher(signals=())
     watchers.append(watcher.start())
     assert watcher._threads == []

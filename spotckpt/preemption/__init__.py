@@ -1,21 +1,23 @@
-"""Preemption notices: `PreemptionWatcher` and the sources it watches."""
+"""Preemption notices: `PreemptionWatcher`, and the sources it watches (one class a cloud)."""
 
 from __future__ import annotations
 
-from spotckpt.preemption.watcher import (
+from spotckpt.preemption.aws import (
     AWS_DEFAULT_ENDPOINT,
     AWS_MALFORMED_TRUSTED,
     AWS_NOTICE_S,
     AWS_TOKEN_TTL_S,
-    DEFAULT_SIGNALS,
+    AwsNoticeSource,
+    aws_metadata_endpoint,
+)
+from spotckpt.preemption.gce import (
     GCE_DEFAULT_HOST,
     GCE_NOTICE_S,
-    MAX_ANSWER_BYTES,
-    PreemptionWatcher,
-    SignalHandler,
-    aws_metadata_endpoint,
+    GceNoticeSource,
     gce_metadata_url,
 )
+from spotckpt.preemption.source import MAX_ANSWER_BYTES, Backoff, Notice, NoticeSource
+from spotckpt.preemption.watcher import DEFAULT_SIGNALS, PreemptionWatcher, SignalHandler
 
 __all__ = [
     "AWS_DEFAULT_ENDPOINT",
@@ -26,6 +28,11 @@ __all__ = [
     "GCE_DEFAULT_HOST",
     "GCE_NOTICE_S",
     "MAX_ANSWER_BYTES",
+    "AwsNoticeSource",
+    "Backoff",
+    "GceNoticeSource",
+    "Notice",
+    "NoticeSource",
     "PreemptionWatcher",
     "SignalHandler",
     "aws_metadata_endpoint",
