@@ -16,8 +16,9 @@ from spotckpt.preemption.gce import (
     GceNoticeSource,
     gce_metadata_url,
 )
+from spotckpt.preemption.signals import DEFAULT_SIGNALS, SignalHandler
 from spotckpt.preemption.source import MAX_ANSWER_BYTES, Backoff, Notice, NoticeSource
-from spotckpt.preemption.watcher import DEFAULT_SIGNALS, PreemptionWatcher, SignalHandler
+from spotckpt.preemption.watcher import PreemptionWatcher
 
 __all__ = [
     "AWS_DEFAULT_ENDPOINT",

@@ -1,8 +1,8 @@
 """`PreemptionWatcher`: notices that this machine is about to go away.
 
 The watcher records the first notice and knows nothing of where notices come from:
-- signals (SIGTERM from Kubernetes, torchrun and GCE's ACPI soft-off; SIGUSR1 from SLURM): the
-  handler only records the notice (and chains a previous Python handler);
+- signals (`SignalHandlers`: SIGTERM from Kubernetes, torchrun and GCE's ACPI soft-off; SIGUSR1
+  from SLURM), installed from the main thread: a handler only records the notice;
 - polled sources (`NoticeSource`): the built-in clouds' (`clouds.cloud_sources`: AWS's spot
   instance-action notice, GCE's ``instance/preempted``) and any passed in, each polled in its own
   daemon thread by a `Poller`, which retries failures with back-off and switches a source off
@@ -12,20 +12,13 @@ The training loop acts on the notice at its next `CheckpointManager.maybe_save`.
 
 from __future__ import annotations
 
-import signal
 import threading
-import time
-from collections.abc import Callable, Iterable
-from types import FrameType
-from typing import Any
+from collections.abc import Iterable
 
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.preemption.clouds import cloud_sources
-from spotckpt.preemption.source import Backoff, Notice, NoticeSource, Poller, log
-
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+from spotckpt.preemption.signals import DEFAULT_SIGNALS, SignalHandlers
+from spotckpt.preemption.source import Backoff, Notice, NoticeSource, Poller
 
 
 class PreemptionWatcher:
@@ -57,8 +50,6 @@ class PreemptionWatcher:
             raise InvalidArgumentError(
                 "PreemptionWatcher needs 0 < backoff_initial_s <= backoff_max_s"
             )
-        self.signals = tuple(signals)
-        self.signal_budget_s = signal_budget_s
         self.request_timeout_s = request_timeout_s
         self.backoff = Backoff(backoff_initial_s, backoff_max_s)
         self.sources: tuple[NoticeSource, ...] = (
@@ -71,10 +62,10 @@ class PreemptionWatcher:
             ),
             *sources,
         )
+        self._signals = SignalHandlers(signals, signal_budget_s, self._record)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._previous: dict[int, SignalHandler] = {}
         self._notice: Notice | None = None
 
     # Public state ---------------------------------------------------------------------------
@@ -114,11 +105,7 @@ class PreemptionWatcher:
 
     def start(self) -> PreemptionWatcher:
         """Install signal handlers (from the main thread only) and start polling the sources."""
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-        elif self.signals:
-            log.warning("PreemptionWatcher started off the main thread: signals are not watched")
+        self._signals.install()
         for source in self.sources:
             thread = threading.Thread(
                 target=self._poll,
@@ -133,20 +120,10 @@ class PreemptionWatcher:
     def stop(self) -> None:
         """Restore the previous signal handlers and stop polling."""
         self._stopping.set()
-        if threading.current_thread() is threading.main_thread():
-            for signum, previous in self._previous.items():
-                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+        self._signals.uninstall()
         for thread in self._threads:
             thread.join(timeout=self.request_timeout_s + 1)
         self._threads.clear()
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # A signal handler must not take locks or log: it may interrupt code holding them.
-        self._record(Notice(signal.Signals(signum).name, time.monotonic() + self.signal_budget_s))
-        previous = self._previous.get(signum)
-        if callable(previous):
-            previous(signum, frame)
 
     def _poll(self, source: NoticeSource) -> None:
         """A source's thread: poll until a notice arrives, the watcher stops or the source is
