@@ -121,3 +121,13 @@ class KeyMismatchError(CheckpointError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class MetadataAnswerError(CheckpointError):
+    """A cloud's metadata service answered, but not with anything usable (an HTTP error status,
+    a malformed token or notice). The preemption watcher retries it with back-off, and logs it
+    once per `kind`, the answer's class without its varying detail."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind} {detail}".strip())
+        self.kind = kind

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from spotckpt import PreemptionWatcher
+from spotckpt.errors import MetadataAnswerError
+from spotckpt.preemption import Notice
 
 Answer = tuple[int, dict[str, str], bytes]
 WAIT_S = 60.0  # bound of every wait: many times what it takes even on a loaded machine
@@ -353,7 +355,7 @@ def test_off_cloud_pollers_do_not_start(
 ) -> None:
     monkeypatch.delenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", raising=False)
     monkeypatch.delenv("GCE_METADATA_HOST", raising=False)
-    monkeypatch.setattr("spotckpt.preemption._DMI", __import__("pathlib").Path("/nonexistent"))
+    monkeypatch.setattr("spotckpt.preemption.dmi._DMI", __import__("pathlib").Path("/nonexistent"))
     watcher = PreemptionWatcher(signals=())
     watchers.append(watcher.start())
     assert watcher._threads == []
@@ -384,3 +386,52 @@ def test_trigger_first_notice_wins() -> None:
     watcher.trigger("scheduler", deadline=123.0)
     watcher.trigger("later", deadline=1.0)
     assert watcher.preempted and watcher.reason == "scheduler" and watcher.deadline == 123.0
+
+
+def test_a_new_source_plugs_in_without_changing_the_watcher(
+    caplog: pytest.LogCaptureFixture, watchers: list[PreemptionWatcher]
+) -> None:
+    """A cloud of one's own is one class: polled in its own thread, failures retried and logged
+    like a built-in cloud's, its notice recorded."""
+    caplog.set_level(logging.DEBUG, logger="spotckpt.preemption")
+
+    class Doorbell:
+        name = "Doorbell"
+        where = "the front door"
+
+        def __init__(self) -> None:
+            self.rung = threading.Event()
+            self.looks = 0
+
+        def poll_once(self) -> Notice | float:
+            self.looks += 1
+            if self.looks == 1:
+                raise MetadataAnswerError("HTTP 503")
+            if self.rung.is_set():
+                return Notice("doorbell", time.monotonic() + 20)
+            return 0.01
+
+    doorbell = Doorbell()
+    watcher = PreemptionWatcher(
+        signals=(),
+        aws=False,
+        gce=False,
+        sources=[doorbell],
+        backoff_initial_s=0.01,
+        backoff_max_s=0.05,
+    )
+    watchers.append(watcher.start())
+    assert [t.name for t in watcher._threads] == ["spotckpt-doorbell"]
+    assert _wait_for(lambda: doorbell.looks >= 3)
+    assert not watcher.preempted
+    doorbell.rung.set()
+    assert _wait_for(lambda: watcher.preempted)
+    assert watcher.reason == "doorbell"
+    assert _wait_for(lambda: not watcher._threads[0].is_alive())  # its poller is done
+    assert watcher.deadline is not None
+    assert 20 - SLACK_S < watcher.deadline - time.monotonic() <= 20
+    assert _warnings(caplog) == [
+        "Doorbell metadata service at the front door: MetadataAnswerError: HTTP 503; retrying "
+        "with back-off (at most 0.05 s) while the watcher runs"
+    ]
+    assert any("answers again after 1 failed tries" in r.getMessage() for r in caplog.records)
