@@ -47,6 +47,7 @@ from typing_extensions import Self
 
 from spotckpt.errors import (  # noqa: F401 (re-exported: the storage layer's errors)
     AlreadyExistsError,
+    DelimiterNotHonouredError,
     InvalidArgumentError,
     InvalidKeyError,
     ObjectNotFoundError,
@@ -244,14 +245,6 @@ class ChunkedWriter(WriterBase):
 
 
 log = logging.getLogger("spotckpt.storage")
-
-
-class DelimiterNotHonouredError(StorageError):
-    """A server refused a delimited listing or answered it against the rules (a prefix that does
-    not end at the first delimiter, pages out of order, a continuation token seen twice).
-
-    Stores catch it and fall back to `roll_up` over a full listing; it never reaches callers.
-    """
 
 
 def check_delimiter(delimiter: str) -> str:
