@@ -1117,7 +1117,7 @@ def dcp_writer(uri: str, step: int, **storage_options: Any) -> ObjectStoreWriter
     """A StorageWriter for ``torch.distributed.checkpoint.save`` / ``async_save`` without a
     manager: it streams each rank's objects to `uri` and commits `step` with its manifest, like
     `CheckpointManager.save` (create-only; a committed step is never overwritten)."""
-    from spotckpt.storage.base import open_store
+    from spotckpt.storage.registry import open_store
     from spotckpt.version import __version__
 
     return ObjectStoreWriter(
@@ -1131,7 +1131,7 @@ def dcp_reader(uri: str, step: int | None = None, **storage_options: Any) -> Obj
     """A StorageReader for ``torch.distributed.checkpoint.load``: `step`, or the latest
     committed one (NoCheckpointError when there is none). Values are only ever unpickled with
     ``weights_only=True``, whatever load planner DCP is given."""
-    from spotckpt.storage.base import open_store
+    from spotckpt.storage.registry import open_store
 
     catalog = Catalog(open_store(uri, **storage_options))
     return ObjectStoreReader(catalog.store, catalog.read_manifest(catalog.resolve(step)))

@@ -66,7 +66,8 @@ from spotckpt.state import (
     release_worker_shields,
     write_back,
 )
-from spotckpt.storage.base import ObjectStore, StorageError, check_portable, open_store
+from spotckpt.storage.base import ObjectStore, StorageError, check_portable
+from spotckpt.storage.registry import open_store
 from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
 from spotckpt.tiers.redundancy import parse_redundancy
 from spotckpt.values import ValueLoadError
