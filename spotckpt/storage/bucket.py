@@ -195,9 +195,8 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         self,
         what: str,
         fn: Callable[[], T],
-        deadline: Deadline | None = None,
-        *,
         transient: Callable[[BaseException], bool] | None = None,
+        deadline: Deadline | None = None,
     ) -> T:
         """Run one request under the retry policy (retrying the errors `transient` accepts,
         `is_transient` by default); errors leave it as the storage layer's."""
@@ -242,10 +241,7 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         what = f"get {self.where(key)}"
         deadline = self.options.retry.deadline(what)
         return self.call(
-            what,
-            lambda: self._download(key, deadline, 0, None),
-            deadline,
-            transient=self.is_transient_read,
+            what, lambda: self._download(key, deadline, 0, None), self.is_transient_read, deadline
         )
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -258,7 +254,9 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         last = start + length - 1
         what = f"get bytes {start}-{last} of {self.where(key)}"
         deadline = self.options.retry.deadline(what)
-        return self.call(what, lambda: self._download(key, deadline, start, last), deadline)
+        return self.call(
+            what, lambda: self._download(key, deadline, start, last), deadline=deadline
+        )
 
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         """Read ``buffer.nbytes`` bytes from `start` into `buffer`; fewer past the object's end."""
@@ -269,7 +267,9 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
             return 0
         what = f"get bytes {start}-{start + buffer.nbytes - 1} of {self.where(key)}"
         deadline = self.options.retry.deadline(what)
-        return self.call(what, lambda: self._download_into(key, deadline, start, buffer), deadline)
+        return self.call(
+            what, lambda: self._download_into(key, deadline, start, buffer), deadline=deadline
+        )
 
     def exists(self, key: str) -> bool:
         """Whether the object exists."""
