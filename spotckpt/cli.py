@@ -49,14 +49,8 @@ from spotckpt.format.manifest import Manifest, TensorRecord
 from spotckpt.gc import collect_garbage
 from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
-from spotckpt.storage.base import (
-    ObjectNotFoundError,
-    ObjectStore,
-    StorageError,
-    UploadInfo,
-    open_store,
-    uri_scheme,
-)
+from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, UploadInfo
+from spotckpt.storage.registry import open_store, uri_scheme
 from spotckpt.version import __version__
 
 EXIT_OK, EXIT_FAILED_VERIFICATION, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -52,6 +52,26 @@ class InvalidKeyError(StorageError, ValueError):
     """A key is not a plain relative path inside the store's root."""
 
 
+class DelimiterNotHonouredError(StorageError):
+    """A server refused a delimited listing or answered it against the rules (a prefix that does
+    not end at the first delimiter, pages out of order, a continuation token seen twice).
+
+    Stores catch it and fall back to `roll_up` over a full listing; it never reaches callers.
+    """
+
+
+class DeadlineExceededError(StorageError):
+    """A storage operation did not finish within its `RetryPolicy.deadline_s`."""
+
+
+class DiskFullError(StorageError):
+    """A local write failed because the disk (or the user's quota) is full."""
+
+
+class SymlinkError(StorageError):
+    """A key is, or lies under, a symbolic link inside the root; links are never followed."""
+
+
 class CheckpointAlreadyCommittedError(AlreadyExistsError):
     """A manifest for this step exists already: the step was committed by an earlier save."""
 

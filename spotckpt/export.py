@@ -91,7 +91,8 @@ from spotckpt.format.safetensors_io import (
     tensor_bytes,
 )
 from spotckpt.redact import printable
-from spotckpt.storage.base import AlreadyExistsError, ObjectStore, check_key, open_store
+from spotckpt.storage.base import AlreadyExistsError, ObjectStore, check_key
+from spotckpt.storage.registry import open_store
 
 log = logging.getLogger("spotckpt")
 

@@ -544,7 +544,7 @@ def test_log_records_print_as_one_line_each(tmp_path: Path) -> None:
     code = """
         import logging, sys
         from spotckpt.cli import main
-        from spotckpt.storage.base import StorageError, register_store
+        from spotckpt.storage import StorageError, register_store
 
         class NoisyStore:
             uri = "noisy://x"

@@ -1,4 +1,5 @@
-"""Object stores behind one small protocol; see `spotckpt.storage.base`."""
+"""Object stores behind one small protocol (`spotckpt.storage.base`), opened by URI through
+`spotckpt.storage.registry`."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from spotckpt.storage.base import (
     UploadInfo,
     check_key,
     join_key,
-    open_store,
 )
+from spotckpt.storage.registry import open_store, register_store, uri_scheme
 from spotckpt.storage.retry import RetryPolicy
 
 __all__ = [
@@ -34,4 +35,6 @@ __all__ = [
     "check_key",
     "join_key",
     "open_store",
+    "register_store",
+    "uri_scheme",
 ]

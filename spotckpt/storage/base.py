@@ -1,4 +1,4 @@
-"""The object-store protocol that every back end implements, and `open_store`.
+"""The object-store protocol that every back end implements, and the pieces they share.
 
 Call order for a streamed object: ``open_writer(key)`` -> ``write(chunk)`` any number of times ->
 exactly one of ``commit()`` (the object becomes visible, atomically) or ``abort()`` (nothing becomes
@@ -25,6 +25,9 @@ Stores pickle as what rebuilds them (URI parts and options), so a storage writer
 another process, such as the child of DCP's process-mode async save; a ``memory://`` store cannot.
 Explicit credentials cross only inside `ProcessSecrets` (see there), never into a file.
 
+Which store opens which URI is `spotckpt.storage.registry`'s business (`open_store`); this module
+does not import it, nor any back end.
+
 This layer knows nothing of torch, DCP or manifests.
 """
 
@@ -41,12 +44,12 @@ from datetime import datetime
 from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
 from typing import Any, NoReturn, Protocol, runtime_checkable
-from urllib.parse import urlsplit
 
 from typing_extensions import Self
 
 from spotckpt.errors import (  # noqa: F401 (re-exported: the storage layer's errors)
     AlreadyExistsError,
+    DelimiterNotHonouredError,
     InvalidArgumentError,
     InvalidKeyError,
     ObjectNotFoundError,
@@ -246,14 +249,6 @@ class ChunkedWriter(WriterBase):
 log = logging.getLogger("spotckpt.storage")
 
 
-class DelimiterNotHonouredError(StorageError):
-    """A server refused a delimited listing or answered it against the rules (a prefix that does
-    not end at the first delimiter, pages out of order, a continuation token seen twice).
-
-    Stores catch it and fall back to `roll_up` over a full listing; it never reaches callers.
-    """
-
-
 def check_delimiter(delimiter: str) -> str:
     """Return `delimiter` if it is a non-empty string without control characters."""
     if not isinstance(delimiter, str) or not delimiter:
@@ -387,35 +382,6 @@ def check_key(key: str) -> str:
     if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
         raise InvalidKeyError(f"object key {key!r} has an empty, '.' or '..' path segment")
     return key
-
-
-StoreFactory = Callable[[str, dict[str, Any]], ObjectStore]
-_FACTORIES: dict[str, StoreFactory] = {}
-
-
-def register_store(scheme: str, factory: StoreFactory) -> None:
-    """Make `open_store` build `factory(uri, options)` for URIs with this scheme."""
-    _FACTORIES[scheme] = factory
-
-
-def uri_scheme(uri: str) -> str:
-    """The scheme of `uri`; plain paths (including Windows drive letters) count as ``file``."""
-    scheme = urlsplit(uri).scheme
-    return scheme if len(scheme) > 1 else "file"
-
-
-def open_store(uri: str, **options: Any) -> ObjectStore:
-    """Open the store for `uri`: ``s3://bucket/prefix``, ``gs://bucket/prefix``,
-    ``file:///path`` or a plain path, ``memory://name``. Options go to the back end
-    (for S3: ``endpoint_url``, ``part_size``, ``max_concurrency``, ``region_name``, ...)."""
-    from spotckpt.storage import builtin_stores  # noqa: F401  (registers the back ends)
-
-    scheme = uri_scheme(uri)
-    factory = _FACTORIES.get(scheme)
-    if factory is None:
-        known = ", ".join(sorted(f"{s}://" for s in _FACTORIES))
-        raise InvalidArgumentError(f"unsupported storage URI scheme {scheme!r}; use one of {known}")
-    return factory(uri, dict(options))
 
 
 def join_key(*parts: str) -> str:

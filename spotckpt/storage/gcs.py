@@ -48,24 +48,26 @@ Design choices:
 - GCS cannot list unfinished resumable sessions, so `list_uploads` is always empty; an abandoned
   session exposes nothing, bills nothing and expires after a week. Aborting a writer still
   cancels its session.
+
+Options, URIs, keys, listings, retries and pickling come from the base class,
+`spotckpt.storage.bucket.BucketStore`; what follows is the JSON API's side of them.
 """
 
 from __future__ import annotations
 
 import base64
 import builtins
-import functools
 import json
 import logging
 import os
 import re
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
 
 import google.auth
@@ -87,9 +89,6 @@ from spotckpt.storage.base import (
     AlreadyExistsError,
     ChunkedWriter,
     DelimiterNotHonouredError,
-    DelimiterSupport,
-    Listing,
-    ListingPages,
     ObjectInfo,
     ObjectNotFoundError,
     PermissionDeniedError,
@@ -97,10 +96,10 @@ from spotckpt.storage.base import (
     UploadInfo,
     check_key,
 )
-from spotckpt.storage.retry import Deadline, RetryPolicy, read_body, read_body_into
+from spotckpt.storage.bucket import BucketOptions, BucketStore, Page
+from spotckpt.storage.retry import Deadline, read_body, read_body_into
 
 log = logging.getLogger("spotckpt.storage")
-T = TypeVar("T")
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -227,29 +226,24 @@ def _parse_time(value: Any) -> datetime | None:
 
 
 @dataclass(kw_only=True)
-class GCSOptions:
+class GCSOptions(BucketOptions):
     """Settings of a GCS store; every field may come from ``storage_options``."""
 
-    endpoint_url: str | None = None
+    KIND: ClassVar[str] = "GCS"
+    CREDENTIALS: ClassVar[str] = "Application Default Credentials"
+
     project: str | None = None
     credentials_file: str | None = field(default=None, repr=False)
     anonymous: bool | None = None
     chunk_size: int = 16 * MIB
-    max_concurrency: int = 8
-    list_page_size: int = 1000
-    connect_timeout_s: float = 10.0
     read_timeout_s: float = 120.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.chunk_size < CHUNK_MULTIPLE or self.chunk_size % CHUNK_MULTIPLE:
             raise InvalidArgumentError(
                 f"chunk_size must be a positive multiple of {CHUNK_MULTIPLE} bytes"
             )
-        if not 1 <= self.max_concurrency <= 256:
-            raise InvalidArgumentError("max_concurrency must be between 1 and 256")
-        if not 1 <= self.list_page_size <= 1000:
-            raise InvalidArgumentError("list_page_size must be between 1 and 1000")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise InvalidArgumentError("connect_timeout_s and read_timeout_s must be positive")
         if self.endpoint_url is not None and urlsplit(self.endpoint_url).scheme not in (
@@ -257,30 +251,6 @@ class GCSOptions:
             "https",
         ):
             raise InvalidArgumentError("endpoint_url must be an http:// or https:// URL")
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> GCSOptions:
-        """Build from a dict, converting strings (from a CLI or env) to each field's type."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise InvalidArgumentError(
-                f"unknown GCS storage options {unknown}; known: {sorted(known)}"
-            )
-        return cls(**{k: _coerce(v, known[k].type) for k, v in options.items()})
-
-
-def _coerce(value: Any, annotation: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    kind = str(annotation).removesuffix(" | None")
-    if kind == "int":
-        return int(value)
-    if kind == "float":
-        return float(value)
-    if kind == "bool":
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return value
 
 
 def _endpoint(options: GCSOptions) -> tuple[str, bool]:
@@ -566,17 +536,18 @@ class GCSWriter(ChunkedWriter):
                 log.warning("could not cancel the upload session of %s: %s", self._key, error)
 
 
-class GCSStore:
+class GCSStore(BucketStore[GCSOptions]):
     """A bucket prefix on Google Cloud Storage or a GCS emulator."""
 
+    SCHEME: ClassVar[str] = "gs"
+    SERVER_ERRORS: ClassVar[tuple[type[BaseException], ...]] = _HTTP_ERRORS
+    TRANSPORT_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (
+        *_TRANSIENT_ERRORS,
+        google.auth.exceptions.GoogleAuthError,
+    )
+
     def __init__(self, bucket: str, prefix: str, options: GCSOptions) -> None:
-        if not _BUCKET_NAME.match(bucket):
-            raise InvalidArgumentError(f"{bucket!r} is not a valid GCS bucket name")
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        if self.prefix:
-            check_key(self.prefix)
-        self.options = options
+        super().__init__(bucket, prefix, options)
         self.endpoint, from_emulator_env = _endpoint(options)
         self.anonymous = options.anonymous if options.anonymous is not None else from_emulator_env
         credentials = _credentials(options, self.anonymous, self.uri)
@@ -598,30 +569,25 @@ class GCSStore:
             min(options.connect_timeout_s, deadline_s),
             min(options.read_timeout_s, deadline_s),
         )
-        self.pool = ThreadPoolExecutor(options.max_concurrency, thread_name_prefix="spotckpt-gcs")
-        self._delimiters = DelimiterSupport()
 
-    @property
-    def uri(self) -> str:
-        """The root as ``gs://bucket/prefix``."""
-        return f"gs://{self.bucket}/{self.prefix}".rstrip("/")
+    def check_root(self) -> None:
+        """GCS's bucket naming rules; the prefix must be a plain key."""
+        if not _BUCKET_NAME.match(self.bucket):
+            raise InvalidArgumentError(f"{self.bucket!r} is not a valid GCS bucket name")
+        if self.prefix:
+            check_key(self.prefix)
 
-    def full_name(self, key: str) -> str:
-        """The object name in the bucket for a key relative to the root."""
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
+    def is_transient(self, error: BaseException) -> bool:
+        """See the module function `is_transient`."""
+        return is_transient(error)
 
-    def where(self, key: str) -> str:
-        """The object's gs:// URL, for messages."""
-        return f"{self.uri}/{key}"
+    def is_transient_read(self, error: BaseException) -> bool:
+        """A whole-object read whose CRC32C does not match was damaged in transit: retried."""
+        return _is_transient_read(error)
 
-    def _full_prefix(self, prefix: str) -> str:
-        if prefix:
-            return self.full_name(prefix)
-        return f"{self.prefix}/" if self.prefix else ""
-
-    def _relative(self, name: str) -> str:
-        return name[len(self.prefix) + 1 :] if self.prefix else name
+    def translate_error(self, error: BaseException, what: str) -> StorageError:
+        """See the module function `translate_error`."""
+        return translate_error(error, what)
 
     def upload_url(self, create_only: bool) -> str:
         """Where resumable sessions start; create-only adds ``ifGenerationMatch=0``."""
@@ -629,22 +595,10 @@ class GCSStore:
         url += "?uploadType=resumable"
         return url + "&ifGenerationMatch=0" if create_only else url
 
-    def call(
-        self,
-        what: str,
-        fn: Callable[[], T],
-        transient: Callable[[BaseException], bool] = is_transient,
-        deadline: Deadline | None = None,
-    ) -> T:
-        """Run one request under the retry policy; errors become the storage layer's."""
-        try:
-            return self.options.retry.call(fn, transient, what, deadline)
-        except StorageError:
-            raise
-        except _HTTP_ERRORS as error:
-            raise translate_error(error, what) from None
-        except (*_TRANSIENT_ERRORS, google.auth.exceptions.GoogleAuthError) as error:
-            raise translate_error(error, what) from error
+    def portable_options(self) -> GCSOptions:
+        """The options with the endpoint and anonymity resolved here (a child process may not
+        see the emulator variable that chose them)."""
+        return replace(self.options, endpoint_url=self.endpoint, anonymous=self.anonymous)
 
     # Writes ---------------------------------------------------------------------------------
 
@@ -778,43 +732,6 @@ class GCSStore:
             response.status_code, message, errors=[{"message": message}] if message else []
         )
 
-    def get(self, key: str) -> bytes:
-        """Read a whole object, checking its CRC32C; raises ObjectNotFoundError."""
-        self.full_name(key)
-        what = f"get {self.where(key)}"
-        deadline = self.options.retry.deadline(what)
-        return self.call(
-            what, lambda: self._download(key, deadline, 0, None), _is_transient_read, deadline
-        )
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        """Read `length` bytes from `start`; short or empty past the end of the object."""
-        if start < 0 or length < 0:
-            raise InvalidArgumentError("range start and length must be non-negative")
-        self.full_name(key)
-        if length == 0:
-            return b""
-        last = start + length - 1
-        what = f"get bytes {start}-{last} of {self.where(key)}"
-        deadline = self.options.retry.deadline(what)
-        return self.call(
-            what, lambda: self._download(key, deadline, start, last), deadline=deadline
-        )
-
-    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
-        """Read ``buffer.nbytes`` bytes from `start` into `buffer`; fewer past the object's end."""
-        if start < 0:
-            raise InvalidArgumentError("range start must be non-negative")
-        self.full_name(key)
-        if buffer.nbytes == 0:
-            return 0
-        last = start + buffer.nbytes - 1
-        what = f"get bytes {start}-{last} of {self.where(key)}"
-        deadline = self.options.retry.deadline(what)
-        return self.call(
-            what, lambda: self._download_into(key, deadline, start, buffer), deadline=deadline
-        )
-
     def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
         """One ranged media GET into `buffer`, deadline-bound."""
         response = self._media_get(key, deadline, start, start + buffer.nbytes - 1)
@@ -834,81 +751,31 @@ class GCSStore:
             return None
         return ObjectInfo(key, int(blob.size or 0), blob.updated)
 
-    def exists(self, key: str) -> bool:
-        """Whether the object exists."""
-        return self.head(key) is not None
-
-    def _list_page(
-        self, full_prefix: str, page_token: str | None
-    ) -> tuple[builtins.list[ObjectInfo], str | None]:
-        blobs = self.client.list_blobs(
-            self._bucket,
-            prefix=full_prefix or None,
-            page_size=self.options.list_page_size,
-            page_token=page_token,
-            fields="items(name,size,updated),nextPageToken",
-            timeout=self.timeout,
-            retry=None,
-        )
-        page = next(blobs.pages)
-        items = [ObjectInfo(self._relative(b.name), int(b.size or 0), b.updated) for b in page]
-        return items, blobs.next_page_token
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object whose key starts with `prefix`, in key order, page after page."""
-        full_prefix = self._full_prefix(prefix)
-        token: str | None = None
-        while True:
-            items, token = self.call(
-                f"list {self.uri}/{prefix}", functools.partial(self._list_page, full_prefix, token)
-            )
-            yield from items
-            if not token:
-                return
-
-    def _delimited_page(
-        self, full_prefix: str, delimiter: str, page_token: str | None
-    ) -> tuple[builtins.list[ObjectInfo], builtins.list[str], str | None]:
+    def _list_page(self, full_prefix: str, delimiter: str | None, token: str | None) -> Page:
+        """One objects.list page; a delimiter the server refuses raises
+        DelimiterNotHonouredError (see the module docstring)."""
+        rolled_up = "prefixes," if delimiter is not None else ""
         blobs = self.client.list_blobs(
             self._bucket,
             prefix=full_prefix or None,
             delimiter=delimiter,
             page_size=self.options.list_page_size,
-            page_token=page_token,
-            fields="items(name,size,updated),prefixes,nextPageToken",
+            page_token=token,
+            fields=f"items(name,size,updated),{rolled_up}nextPageToken",
             timeout=self.timeout,
             retry=None,
         )
         try:
             page = next(blobs.pages)
         except (api_exceptions.BadRequest, api_exceptions.MethodNotImplemented) as error:
+            if delimiter is None:
+                raise
             raise DelimiterNotHonouredError(f"it answered HTTP {error.code}") from None
-        items = [ObjectInfo(self._relative(b.name), int(b.size or 0), b.updated) for b in page]
-        common = [self._relative(name) for name in page.prefixes]
+        items = [ObjectInfo(self.relative(b.name), int(b.size or 0), b.updated) for b in page]
+        common = [self.relative(name) for name in page.prefixes]
         return items, common, blobs.next_page_token
 
-    def list_delimited(self, prefix: str, delimiter: str) -> Listing:
-        """objects.list with ``delimiter``, page after page (each retried); see the module doc."""
-        full_prefix = self._full_prefix(prefix)
-        return self._delimiters.listing(
-            self.uri,
-            prefix,
-            delimiter,
-            native=functools.partial(self._list_delimited, prefix, full_prefix, delimiter),
-            full=functools.partial(self.list, prefix),
-        )
-
-    def _list_delimited(self, prefix: str, full_prefix: str, delimiter: str) -> Listing:
-        pages = ListingPages(prefix, delimiter)
-        token: str | None = None
-        while True:
-            items, common, token = self.call(
-                f"list {self.uri}/{prefix} by {delimiter!r}",
-                functools.partial(self._delimited_page, full_prefix, delimiter, token),
-            )
-            pages.add(items, common, token)
-            if not token:
-                return pages.listing()
+    # Deletes and unfinished uploads ---------------------------------------------------------
 
     def delete_many(self, keys: Iterable[str]) -> None:
         """Delete the objects in parallel; missing ones are ignored."""
@@ -934,29 +801,15 @@ class GCSStore:
 
     def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         """Always empty: GCS has no call that lists resumable sessions (see the module doc)."""
-        self._full_prefix(prefix)
+        self.full_prefix(prefix)
         return []
 
     def close(self) -> None:
         """Wait for running uploads, then release the thread pool and connections."""
-        self.pool.shutdown(wait=True)
+        super().close()
         self.client.close()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle as bucket, prefix and options, with the endpoint and anonymity resolved here."""
-        options = replace(self.options, endpoint_url=self.endpoint, anonymous=self.anonymous)
-        return GCSStore, (self.bucket, self.prefix, options)
 
 
 def open_gcs_store(uri: str, options: dict[str, Any]) -> GCSStore:
     """Factory for ``gs://bucket/prefix`` and ``gcs://bucket/prefix``; see `GCSOptions`."""
-    parts = urlsplit(uri)
-    if not parts.netloc:
-        raise InvalidArgumentError(f"GCS URI {uri!r} has no bucket; use gs://bucket/prefix")
-    if parts.username or parts.password or "@" in parts.netloc:
-        raise InvalidArgumentError(
-            "GCS URI must not carry credentials; use Application Default Credentials"
-        )
-    if parts.query or parts.fragment:
-        raise InvalidArgumentError(f"GCS URI {uri!r} must not have a query or fragment")
-    return GCSStore(parts.netloc, parts.path, GCSOptions.from_options(options))
+    return GCSStore.from_uri(uri, GCSOptions.from_options(options))

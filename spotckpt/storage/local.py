@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlsplit
 
-from spotckpt.errors import InvalidArgumentError
+from spotckpt.errors import DiskFullError, InvalidArgumentError, SymlinkError
 from spotckpt.storage.base import (
     AlreadyExistsError,
     Listing,
@@ -51,14 +51,6 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
 _ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.EISDIR})
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-class DiskFullError(StorageError):
-    """A local write failed because the disk (or the user's quota) is full."""
-
-
-class SymlinkError(StorageError):
-    """A key is, or lies under, a symbolic link inside the root; links are never followed."""
 
 
 def _is_link(folder: int, name: str) -> bool:

@@ -31,18 +31,13 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from spotckpt.errors import InvalidArgumentError
-from spotckpt.storage.base import StorageError
+from spotckpt.errors import DeadlineExceededError, InvalidArgumentError
 
 T = TypeVar("T")
 log = logging.getLogger("spotckpt.storage")
 
 READ_SIZE = 1 << 20
 """Most bytes one `read_body` step asks for; it returns as soon as any have arrived."""
-
-
-class DeadlineExceededError(StorageError):
-    """A storage operation did not finish within its `RetryPolicy.deadline_s`."""
 
 
 @dataclass(frozen=True)

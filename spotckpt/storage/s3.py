@@ -21,27 +21,28 @@ Design choices:
   checkpoint root's manifests are found in about two entries per step. Some S3-compatible servers
   refuse a delimiter other than ``/`` (directory buckets, some gateways) or page it wrongly (a
   continuation token sent twice); that is detected, warned about once, and the listing is then
-  made from a full one for the store's lifetime.
+  made from a full one for the store's lifetime (`spotckpt.storage.bucket`).
 - CRC32C of each part is computed with google-crc32c and sent to S3, which verifies it; botocore
   is told not to add checksums of its own (that would hash every byte a second time).
 - A store pickles as its bucket, prefix and options, and is rebuilt (new client, new pool) where
   it is unpickled, taking credentials from the standard chain there. Explicit credentials in the
   options travel inside `ProcessSecrets`: through multiprocessing's pipes only, never to a file.
+
+`S3Store` is a `spotckpt.storage.bucket.BucketStore`, which holds the options, URI, key, listing,
+retry and pickling logic that S3 shares with GCS; this module holds S3's own requests.
 """
 
 from __future__ import annotations
 
 import builtins
 import functools
-import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, ClassVar
 
 import boto3
 import botocore.config
@@ -54,21 +55,14 @@ from spotckpt.storage.base import (
     AlreadyExistsError,
     ChunkedWriter,
     DelimiterNotHonouredError,
-    DelimiterSupport,
-    Listing,
-    ListingPages,
     ObjectInfo,
     ObjectNotFoundError,
     PermissionDeniedError,
-    ProcessSecrets,
     StorageError,
     UploadInfo,
-    check_key,
 )
-from spotckpt.storage.retry import Deadline, RetryPolicy, read_body, read_body_into
-
-log = logging.getLogger("spotckpt.storage")
-T = TypeVar("T")
+from spotckpt.storage.bucket import BucketOptions, BucketStore, Page
+from spotckpt.storage.retry import Deadline, read_body, read_body_into
 
 MIB = 1 << 20
 MIN_PART_SIZE = 5 * MIB
@@ -140,61 +134,32 @@ def translate_error(error: botocore.exceptions.ClientError, what: str) -> Storag
 
 
 @dataclass(kw_only=True)
-class S3Options:
+class S3Options(BucketOptions):
     """Settings of an S3 store; every field may come from ``storage_options``."""
 
-    endpoint_url: str | None = None
+    KIND: ClassVar[str] = "S3"
+    CREDENTIALS: ClassVar[str] = "the standard AWS credential chain"
+    SECRETS: ClassVar[tuple[str, ...]] = SECRET_OPTIONS
+
     region_name: str | None = None
     profile_name: str | None = None
     aws_access_key_id: str | None = field(default=None, repr=False)
     aws_secret_access_key: str | None = field(default=None, repr=False)
     aws_session_token: str | None = field(default=None, repr=False)
     part_size: int = 16 * MIB
-    max_concurrency: int = 8
-    list_page_size: int = 1000
     send_checksums: bool = True
     addressing_style: str = "auto"
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.part_size < MIN_PART_SIZE:
             raise InvalidArgumentError(
                 f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)"
             )
-        if not 1 <= self.max_concurrency <= 256:
-            raise InvalidArgumentError("max_concurrency must be between 1 and 256")
-        if not 1 <= self.list_page_size <= 1000:
-            raise InvalidArgumentError("list_page_size must be between 1 and 1000")
         if (self.aws_access_key_id is None) != (self.aws_secret_access_key is None):
             raise InvalidArgumentError("aws_access_key_id and aws_secret_access_key go together")
         if self.addressing_style not in ("auto", "path", "virtual"):
             raise InvalidArgumentError("addressing_style must be 'auto', 'path' or 'virtual'")
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> S3Options:
-        """Build from a dict, converting strings (from a CLI or env) to each field's type."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise InvalidArgumentError(
-                f"unknown S3 storage options {unknown}; known: {sorted(known)}"
-            )
-        return cls(**{k: _coerce(v, known[k].type) for k, v in options.items()})
-
-
-def _coerce(value: Any, annotation: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    kind = str(annotation)
-    if kind == "int":
-        return int(value)
-    if kind == "float":
-        return float(value)
-    if kind == "bool":
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return value
 
 
 def part_size_for(number: int, base: int) -> int:
@@ -303,17 +268,15 @@ class S3Writer(ChunkedWriter):
             self._store.abort_upload(UploadInfo(self._key, self._upload_id))
 
 
-class S3Store:
+class S3Store(BucketStore[S3Options]):
     """A bucket prefix on S3 or any S3-compatible server."""
 
+    SCHEME: ClassVar[str] = "s3"
+    SERVER_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (botocore.exceptions.ClientError,)
+    TRANSPORT_ERRORS: ClassVar[tuple[type[BaseException], ...]] = _TRANSIENT_ERRORS
+
     def __init__(self, bucket: str, prefix: str, options: S3Options) -> None:
-        if len(bucket) < 3:
-            raise InvalidArgumentError(
-                f"S3 bucket name {bucket!r} is too short (3 characters at least)"
-            )
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        self.options = options
+        super().__init__(bucket, prefix, options)
         session = boto3.session.Session(
             aws_access_key_id=options.aws_access_key_id,
             aws_secret_access_key=options.aws_secret_access_key,
@@ -331,57 +294,49 @@ class S3Store:
             s3={"addressing_style": options.addressing_style},
         )
         self.client = session.client("s3", endpoint_url=options.endpoint_url, config=config)
-        self.pool = ThreadPoolExecutor(options.max_concurrency, thread_name_prefix="spotckpt-s3")
-        self._delimiters = DelimiterSupport()
 
-    @property
-    def uri(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+    def check_root(self) -> None:
+        """S3 bucket names have 3 characters at least; the server judges the rest."""
+        if len(self.bucket) < 3:
+            raise InvalidArgumentError(
+                f"S3 bucket name {self.bucket!r} is too short (3 characters at least)"
+            )
 
-    def _full(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
+    def is_transient(self, error: BaseException) -> bool:
+        """See the module function `is_transient`."""
+        return is_transient(error)
 
-    def _full_prefix(self, prefix: str) -> str:
-        if prefix:
-            return self._full(prefix)
-        return f"{self.prefix}/" if self.prefix else ""
-
-    def _relative(self, full_key: str) -> str:
-        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
-
-    def _call(self, what: str, fn: Callable[[], T], deadline: Deadline | None = None) -> T:
-        try:
-            return self.options.retry.call(fn, is_transient, what, deadline)
-        except botocore.exceptions.ClientError as error:
-            raise translate_error(error, what) from None
-        except _TRANSIENT_ERRORS as error:
-            raise StorageError(
-                f"{what}: still failing after retries: {type(error).__name__}: {error}"
-            ) from error
+    def translate_error(self, error: BaseException, what: str) -> StorageError:
+        """A ClientError as `translate_error` has it; a transport error that outlived its
+        retries as a StorageError."""
+        if isinstance(error, botocore.exceptions.ClientError):
+            return translate_error(error, what)
+        return StorageError(f"{what}: still failing after retries: {type(error).__name__}: {error}")
 
     # Writes ---------------------------------------------------------------------------------
 
     def open_writer(self, key: str, *, create_only: bool = False) -> S3Writer:
-        self._full(key)
+        """Start a streamed write of `key`."""
+        self.full_name(key)
         return S3Writer(self, key, create_only)
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key), "Body": data}
+        """Write a small object in one PUT; create-only raises AlreadyExistsError."""
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self.full_name(key), "Body": data}
         if create_only:
             args["IfNoneMatch"] = "*"
         if self.options.send_checksums:
             args["ChecksumCRC32C"] = crc32c_b64(data)
-        self._call(f"put {self.uri}/{key}", lambda: self.client.put_object(**args))
+        self.call(f"put {self.where(key)}", lambda: self.client.put_object(**args))
         return ObjectInfo(key, len(data))
 
     def create_multipart(self, key: str) -> str:
         """Start a multipart upload; returns its id."""
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self.full_name(key)}
         if self.options.send_checksums:
             args["ChecksumAlgorithm"] = "CRC32C"
-        response = self._call(
-            f"start upload {self.uri}/{key}", lambda: self.client.create_multipart_upload(**args)
+        response = self.call(
+            f"start upload {self.where(key)}", lambda: self.client.create_multipart_upload(**args)
         )
         return str(response["UploadId"])
 
@@ -389,7 +344,7 @@ class S3Store:
         """Upload one part (retried alone); returns its entry for CompleteMultipartUpload."""
         args: dict[str, Any] = {
             "Bucket": self.bucket,
-            "Key": self._full(key),
+            "Key": self.full_name(key),
             "UploadId": upload_id,
             "PartNumber": number,
             "Body": body,
@@ -397,8 +352,8 @@ class S3Store:
         part: dict[str, Any] = {"PartNumber": number}
         if self.options.send_checksums:
             args["ChecksumCRC32C"] = part["ChecksumCRC32C"] = crc32c_b64(body)
-        response = self._call(
-            f"upload part {number} of {self.uri}/{key}", lambda: self.client.upload_part(**args)
+        response = self.call(
+            f"upload part {number} of {self.where(key)}", lambda: self.client.upload_part(**args)
         )
         part["ETag"] = response["ETag"]
         return part
@@ -409,24 +364,24 @@ class S3Store:
         """Finish a multipart upload; create-only sends If-None-Match."""
         args: dict[str, Any] = {
             "Bucket": self.bucket,
-            "Key": self._full(key),
+            "Key": self.full_name(key),
             "UploadId": upload_id,
             "MultipartUpload": {"Parts": parts},
         }
         if create_only:
             args["IfNoneMatch"] = "*"
-        self._call(
-            f"complete upload {self.uri}/{key}",
+        self.call(
+            f"complete upload {self.where(key)}",
             lambda: self.client.complete_multipart_upload(**args),
         )
 
     def abort_upload(self, upload: UploadInfo) -> None:
-        what = f"abort upload {self.uri}/{upload.key}"
+        """Abort one multipart upload; one that is already gone counts as aborted."""
         try:
-            self._call(
-                what,
+            self.call(
+                f"abort upload {self.where(upload.key)}",
                 lambda: self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=self._full(upload.key), UploadId=upload.upload_id
+                    Bucket=self.bucket, Key=self.full_name(upload.key), UploadId=upload.upload_id
                 ),
             )
         except ObjectNotFoundError:
@@ -434,154 +389,85 @@ class S3Store:
 
     # Reads ----------------------------------------------------------------------------------
 
-    def _read_body(self, response: dict[str, Any], deadline: Deadline) -> bytes:
-        """A GetObject answer's body, read before the operation's deadline."""
+    def _get_object(self, key: str, byte_range: str | None) -> dict[str, Any] | None:
+        """GetObject's answer, of `byte_range` if given; None when that starts at or past the
+        object's end (416)."""
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": self.full_name(key)}
+        if byte_range is not None:
+            args["Range"] = byte_range
+        try:
+            return self.client.get_object(**args)
+        except botocore.exceptions.ClientError as error:
+            if byte_range is not None and _error_code(error) == ("InvalidRange", 416):
+                return None
+            raise
+
+    def _download(self, key: str, deadline: Deadline, first: int, last: int | None) -> bytes:
+        """One GetObject, its body read before the operation's deadline."""
+        response = self._get_object(key, None if last is None else f"bytes={first}-{last}")
+        if response is None:
+            return b""
         expected = int(response.get("ContentLength", -1))
         with response["Body"] as raw:  # the urllib3 response under botocore's wrapper
             return read_body(raw, deadline, self.options.read_timeout_s, expected)
 
-    def get(self, key: str) -> bytes:
-        what = f"get {self.uri}/{key}"
-        deadline = self.options.retry.deadline(what)
-
-        def fetch() -> bytes:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._full(key))
-            return self._read_body(response, deadline)
-
-        return self._call(what, fetch, deadline)
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        if start < 0 or length < 0:
-            raise InvalidArgumentError("range start and length must be non-negative")
-        if length == 0:
-            return b""
-        byte_range = f"bytes={start}-{start + length - 1}"
-        what = f"get {byte_range} of {self.uri}/{key}"
-        deadline = self.options.retry.deadline(what)
-
-        def fetch() -> bytes:
-            try:
-                response = self.client.get_object(
-                    Bucket=self.bucket, Key=self._full(key), Range=byte_range
-                )
-            except botocore.exceptions.ClientError as error:
-                if _error_code(error) == ("InvalidRange", 416):
-                    return b""
-                raise
-            return self._read_body(response, deadline)
-
-        return self._call(what, fetch, deadline)
-
-    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
-        if start < 0:
-            raise InvalidArgumentError("range start must be non-negative")
-        if buffer.nbytes == 0:
+    def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
+        """One ranged GetObject, its body read into `buffer` before the deadline."""
+        response = self._get_object(key, f"bytes={start}-{start + buffer.nbytes - 1}")
+        if response is None:
             return 0
-        byte_range = f"bytes={start}-{start + buffer.nbytes - 1}"
-        what = f"get {byte_range} of {self.uri}/{key}"
-        deadline = self.options.retry.deadline(what)
-
-        def fetch() -> int:
-            try:
-                response = self.client.get_object(
-                    Bucket=self.bucket, Key=self._full(key), Range=byte_range
-                )
-            except botocore.exceptions.ClientError as error:
-                if _error_code(error) == ("InvalidRange", 416):
-                    return 0
-                raise
-            with response["Body"] as raw:
-                return read_body_into(raw, deadline, self.options.read_timeout_s, buffer)
-
-        return self._call(what, fetch, deadline)
+        with response["Body"] as raw:
+            return read_body_into(raw, deadline, self.options.read_timeout_s, buffer)
 
     def head(self, key: str) -> ObjectInfo | None:
+        """HeadObject's size and time, or None when the object does not exist."""
         try:
-            response = self._call(
-                f"head {self.uri}/{key}",
-                lambda: self.client.head_object(Bucket=self.bucket, Key=self._full(key)),
+            response = self.call(
+                f"head {self.where(key)}",
+                lambda: self.client.head_object(Bucket=self.bucket, Key=self.full_name(key)),
             )
         except ObjectNotFoundError:
             return None
         return ObjectInfo(key, int(response["ContentLength"]), response.get("LastModified"))
 
-    def exists(self, key: str) -> bool:
-        return self.head(key) is not None
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        full_prefix = self._full_prefix(prefix)
-        token: str | None = None
-        while True:
-            args: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Prefix": full_prefix,
-                "MaxKeys": self.options.list_page_size,
-            }
-            if token:
-                args["ContinuationToken"] = token
-            page = self._call(
-                f"list {self.uri}/{prefix}", functools.partial(self.client.list_objects_v2, **args)
-            )
-            for item in page.get("Contents", []):
-                yield ObjectInfo(
-                    self._relative(item["Key"]), int(item["Size"]), item.get("LastModified")
-                )
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return
-
-    def list_delimited(self, prefix: str, delimiter: str) -> Listing:
-        """ListObjectsV2 with ``Delimiter``, every page (retried each); see the module docstring
-        for servers that refuse the delimiter."""
-        full_prefix = self._full_prefix(prefix)
-        return self._delimiters.listing(
-            self.uri,
-            prefix,
-            delimiter,
-            native=functools.partial(self._list_delimited, prefix, full_prefix, delimiter),
-            full=functools.partial(self.list, prefix),
-        )
-
-    def _list_delimited(self, prefix: str, full_prefix: str, delimiter: str) -> Listing:
-        pages = ListingPages(prefix, delimiter)
-        token: str | None = None
-        while True:
-            args: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Prefix": full_prefix,
-                "Delimiter": delimiter,
-                "MaxKeys": self.options.list_page_size,
-            }
-            if token:
-                args["ContinuationToken"] = token
-            page = self._call(
-                f"list {self.uri}/{prefix} by {delimiter!r}",
-                functools.partial(self._delimited_page, args),
-            )
-            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            objects = [
-                ObjectInfo(self._relative(item["Key"]), int(item["Size"]), item.get("LastModified"))
-                for item in page.get("Contents", [])
-            ]
-            common = [self._relative(item["Prefix"]) for item in page.get("CommonPrefixes", [])]
-            pages.add(objects, common, token)
-            if not token:
-                return pages.listing()
-
-    def _delimited_page(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _list_page(self, full_prefix: str, delimiter: str | None, token: str | None) -> Page:
+        """One ListObjectsV2 page; a delimiter the server refuses raises
+        DelimiterNotHonouredError (see the module docstring)."""
+        args: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": full_prefix,
+            "MaxKeys": self.options.list_page_size,
+        }
+        if delimiter is not None:
+            args["Delimiter"] = delimiter
+        if token:
+            args["ContinuationToken"] = token
         try:
-            return self.client.list_objects_v2(**args)
+            page = self.client.list_objects_v2(**args)
         except botocore.exceptions.ClientError as error:
             code, status = _error_code(error)
-            if code in _DELIMITER_REFUSED_CODES or status == 501:
+            if delimiter is not None and (code in _DELIMITER_REFUSED_CODES or status == 501):
                 raise DelimiterNotHonouredError(f"it answered {code or status}") from None
             raise
+        objects = [
+            ObjectInfo(self.relative(item["Key"]), int(item["Size"]), item.get("LastModified"))
+            for item in page.get("Contents", [])
+        ]
+        common = [self.relative(item["Prefix"]) for item in page.get("CommonPrefixes", [])]
+        return (
+            objects,
+            common,
+            page.get("NextContinuationToken") if page.get("IsTruncated") else None,
+        )
+
+    # Deletes and unfinished uploads ---------------------------------------------------------
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        full = [self._full(k) for k in keys]
+        """DeleteObjects, 1,000 keys a request; missing objects are ignored."""
+        full = [self.full_name(k) for k in keys]
         for start in range(0, len(full), DELETE_BATCH):
             batch = [{"Key": k} for k in full[start : start + DELETE_BATCH]]
-            response = self._call(
+            response = self.call(
                 f"delete {len(batch)} objects under {self.uri}",
                 functools.partial(
                     self.client.delete_objects,
@@ -598,17 +484,18 @@ class S3Store:
                 )
 
     def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
-        full_prefix = self._full_prefix(prefix)
+        """The unfinished multipart uploads under `prefix`, each with when it last got a part."""
+        full_prefix = self.full_prefix(prefix)
         uploads: builtins.list[UploadInfo] = []
         markers: dict[str, str] = {}
         while True:
             args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix, **markers}
-            page = self._call(
+            page = self.call(
                 f"list uploads {self.uri}/{prefix}",
                 functools.partial(self.client.list_multipart_uploads, **args),
             )
             for item in page.get("Uploads", []):
-                key = self._relative(item["Key"])
+                key = self.relative(item["Key"])
                 uploads.append(
                     UploadInfo(
                         key,
@@ -630,8 +517,8 @@ class S3Store:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": full_key, "UploadId": upload_id}
         while True:
             try:
-                page = self._call(
-                    f"list parts of {self.uri}/{key}",
+                page = self.call(
+                    f"list parts of {self.where(key)}",
                     functools.partial(self.client.list_parts, **args),
                 )
             except ObjectNotFoundError:  # completed or aborted meanwhile
@@ -645,46 +532,15 @@ class S3Store:
             args["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Wait for running uploads, then release the thread pool and connections."""
+        super().close()
         self.client.close()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle as bucket, prefix and options; explicit credentials cross a pipe only."""
-        found = {name: getattr(self.options, name) for name in SECRET_OPTIONS}
-        secrets = {name: value for name, value in found.items() if value is not None}
-        public = replace(
-            self.options, aws_access_key_id=None, aws_secret_access_key=None, aws_session_token=None
-        )
-        carried = ProcessSecrets(secrets) if secrets else None
-        return reopen_s3_store, (self.bucket, self.prefix, public, carried)
-
-
-def reopen_s3_store(
-    bucket: str, prefix: str, options: S3Options, secrets: ProcessSecrets | None
-) -> S3Store:
-    """Rebuild a pickled `S3Store` in this process (see `S3Store.__reduce__`)."""
-    if secrets is not None:
-        values = secrets.values
-        options = replace(
-            options,
-            aws_access_key_id=values.get("aws_access_key_id"),
-            aws_secret_access_key=values.get("aws_secret_access_key"),
-            aws_session_token=values.get("aws_session_token"),
-        )
-    return S3Store(bucket, prefix, options)
 
 
 def open_s3_store(uri: str, options: dict[str, Any]) -> S3Store:
     """Factory for ``s3://bucket/prefix``; see `S3Options` for the options."""
-    parts = urlsplit(uri)
-    if not parts.netloc:
-        raise InvalidArgumentError(f"S3 URI {uri!r} has no bucket; use s3://bucket/prefix")
-    if parts.username or parts.password:
-        raise InvalidArgumentError(
-            "S3 URI must not carry credentials; use the standard AWS credential chain"
-        )
     if "endpoint_url" not in options:
         options["endpoint_url"] = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
             "AWS_ENDPOINT_URL"
         )
-    return S3Store(parts.netloc, parts.path, S3Options.from_options(options))
+    return S3Store.from_uri(uri, S3Options.from_options(options))
