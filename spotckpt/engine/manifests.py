@@ -57,7 +57,7 @@ class ManifestHeader:
 @dataclass(frozen=True)
 class WrittenItem:
     """A WriteResult's storage data: where the item's bytes lie, and the object holding them;
-    for a member of a pack (`spotckpt.packing`), also its dtype and shape."""
+    for a member of a pack (`spotckpt.engine.packing`), also its dtype and shape."""
 
     location: ChunkLocation
     record: ObjectRecord

@@ -44,7 +44,7 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
     load when the checkpoint has none, and `unread_ok` stored keys are never unexpected (per-rank
     state of ranks a restore on fewer ranks does not have).
 
-    With the reader's `runs` (`spotckpt.packing`), small tensors stored back to back are loaded
+    With the reader's `runs` (`spotckpt.engine.packing`), small tensors stored back to back are loaded
     as one item each run, where every member's destination fits, and unpacked when committed.
     """
 
@@ -71,7 +71,7 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """DCP's set-up, then runs of small tensors (`spotckpt.packing`) adopted where the
+        """DCP's set-up, then runs of small tensors (`spotckpt.engine.packing`) adopted where the
         destination can take them whole."""
         super().set_up_planner(state_dict, metadata, is_coordinator)
         stored = metadata.state_dict_metadata if metadata else {}
