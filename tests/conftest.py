@@ -1,15 +1,23 @@
-"""Shared fixtures: a moto S3 server over HTTP on loopback, and a fresh bucket per test."""
+"""Shared fixtures: a moto S3 server over HTTP on loopback and a fresh bucket per test, the two GCS
+fakes (gcp-storage-emulator and fake-gcs-server, both local processes), a memory store, and a
+small real disk."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
+
+from fake_gcs import fake_gcs_endpoint  # noqa: F401 (a fixture, shared from here)
+from gcs_emulator import gcs_endpoint, gcs_uri  # noqa: F401 (fixtures, shared from here)
 
 # Fake credentials for the loopback server only; nothing here can reach AWS.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -66,3 +74,26 @@ os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
 
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
+
+
+def _mount_tmpfs(target: Path) -> bool:
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(target)],
+        capture_output=True,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path | None]:
+    """A mounted 1 MiB tmpfs, or None where mounting is not permitted here."""
+    target = tmp_path / "small"
+    target.mkdir()
+    if shutil.which("mount") is None or not _mount_tmpfs(target):
+        yield None
+        return
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=True)

@@ -1,4 +1,4 @@
-"""Helpers for the deployment-kit tests (tests/test_deploy.py, tests/test_terraform.py).
+"""Helpers for the deployment-kit tests (tests/deploy/).
 
 Terraform modules are read with python-hcl2 and checked statically: no terraform binary and no
 provider download is needed. Template files are rendered by a small subset of terraform's

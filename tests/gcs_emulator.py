@@ -1,13 +1,13 @@
 """gcp-storage-emulator on loopback for the tests, and a fresh bucket per test.
 
-Import the fixtures into a test module (``from gcs_emulator import gcs_endpoint, gcs_uri``);
-pytest puts ``tests/`` on ``sys.path`` because the folder has no ``__init__.py``.
+Its fixtures (``gcs_endpoint``, ``gcs_uri``) are shared with every test module by
+``tests/conftest.py``.
 
 The emulator runs as a child process (``python -m gcp_storage_emulator start --in-memory``) on
 127.0.0.1 and a free port, once per test session. What it cannot do (it ignores
 ``ifGenerationMatch``, does not paginate listings, cannot cancel a resumable session) is listed in
-`EMULATOR_IGNORES_PRECONDITIONS` and covered by `tests/test_gcs.py` through a faulting proxy;
-create-only is also tested there against fake-gcs-server (`tests/fake_gcs.py`), which checks
+`EMULATOR_IGNORES_PRECONDITIONS` and covered by `tests/storage/test_gcs.py` through a faulting
+proxy; create-only is also tested there against fake-gcs-server (`tests/fake_gcs.py`), which checks
 ``ifGenerationMatch`` on single-request uploads itself.
 """
 
@@ -43,7 +43,8 @@ EMULATOR_IGNORES_PRECONDITIONS = frozenset(
 )
 """Contract tests that need a server honouring ``ifGenerationMatch=0``; the emulator overwrites.
 
-`tests/test_gcs.py` runs their create-only and racing-writer checks on fake-gcs-server too."""
+`tests/storage/test_gcs.py` runs their create-only and racing-writer checks on fake-gcs-server
+too."""
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """A tiny GPT-2, built from a config, trained by `transformers.Trainer` with `SpotckptCallback`.
 
-Run as a child process by tests/test_transformers_integration.py:
+Run as a child process by tests/integrations/test_transformers_integration.py:
 
     python hf_worker.py URI OUT_DIR --steps 14 [--stop-at K] [--workers N] [--no-resume]
 

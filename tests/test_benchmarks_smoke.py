@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-RUN = ROOT / "benchmarks" / "run.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from tests_support import REPO
+
+RUN = REPO / "benchmarks" / "run.py"
+sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_report  # noqa: E402
 
 S3_METHODS = bench_report.S3_ORDER
@@ -63,7 +64,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--workdir",
             str(out / "scratch"),
         ],
-        cwd=ROOT,
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
@@ -205,11 +206,11 @@ def test_ddp_section_reads_the_checkpoint_once_against_dcp_per_rank(
 
 
 def test_scale_simulator_reports_every_phase_for_a_small_fsdp_case() -> None:
-    scale = ROOT / "benchmarks" / "scale.py"
+    scale = REPO / "benchmarks" / "scale.py"
     command = [sys.executable, str(scale), "--ranks", "8", "--tensors", "20", "--layout", "fsdp"]
     proc = subprocess.run(
         [*command, "--steps", "10", "--json"],
-        cwd=ROOT,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,  # a hang guard only, never a performance bound

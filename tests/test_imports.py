@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import SCRIPT
 from torch import nn
 
 import spotckpt
 from spotckpt import CheckpointManager, TrainState
 from spotckpt.format.dtypes import BY_NAME, dtype_of
+
+from tests_support import SCRIPT
 
 
 def _python(code: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

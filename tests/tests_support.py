@@ -1,17 +1,47 @@
-"""Test helpers that wrap real stores to inject failures (no mocks of the stores themselves)."""
+"""Shared test helpers: the test tree's paths, comparing saved states, and wrappers of real stores
+that inject failures (no mocks of the stores themselves)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from spotckpt.catalog import manifest_key
 from spotckpt.checksum import crc32c
 from spotckpt.format.safetensors_io import block_crcs
 from spotckpt.storage import ObjectInfo, ObjectStore, ObjectWriter, UploadInfo
 from spotckpt.storage.base import Listing
+
+TESTS = Path(__file__).resolve().parent
+"""The tests folder: its support modules (workers, fakes, this file) are imported from here."""
+REPO = TESTS.parent
+SCRIPT = Path(sys.executable).with_name("spotckpt")
+"""The ``spotckpt`` console script of the interpreter running the tests."""
+
+
+def assert_equal(a: Any, b: Any, where: str = "") -> None:
+    """Tensors bit-equal and everything else equal, through nested dicts, lists and tuples."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def load_saved(path: Path) -> Any:
+    """A state a test worker wrote with ``torch.save``."""
+    return torch.load(path, weights_only=True)
 
 
 class InjectedFault(OSError):

@@ -44,8 +44,9 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
     load when the checkpoint has none, and `unread_ok` stored keys are never unexpected (per-rank
     state of ranks a restore on fewer ranks does not have).
 
-    With the reader's `runs` (`spotckpt.engine.packing`), small tensors stored back to back are loaded
-    as one item each run, where every member's destination fits, and unpacked when committed.
+    With the reader's `runs` (`spotckpt.engine.packing`), small tensors stored back to back are
+    loaded as one item each run, where every member's destination fits, and unpacked when
+    committed.
     """
 
     def __init__(

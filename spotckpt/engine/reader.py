@@ -120,9 +120,10 @@ class ObjectStoreReader(StorageReader):
     broadcast to the others inside `read_data`, so a restart reads the checkpoint about once
     whatever the number of replicas.
 
-    With `offer_runs`, the metadata also offers each run of small tensors (`spotckpt.engine.packing`)
-    as one uint8 item, for a load planner that adopts runs (the manager's); plain DCP planners
-    would load such an item as a tensor of its own, so it is off by default.
+    With `offer_runs`, the metadata also offers each run of small tensors
+    (`spotckpt.engine.packing`) as one uint8 item, for a load planner that adopts runs (the
+    manager's); plain DCP planners would load such an item as a tensor of its own, so it is off by
+    default.
     """
 
     def __init__(
@@ -180,8 +181,9 @@ class ObjectStoreReader(StorageReader):
         return rebuild, (self.store, self.manifest)
 
     def _offer_run(self, name: str, run: Run) -> None:
-        """Offer DCP a run of small tensors (`spotckpt.engine.packing`) as one more uint8 item, which a
-        load planner may load instead of its members; its bytes are checked member by member."""
+        """Offer DCP a run of small tensors (`spotckpt.engine.packing`) as one more uint8 item,
+        which a load planner may load instead of its members; its bytes are checked member by
+        member."""
         size = torch.Size([run.length])
         chunk = ChunkStorageMetadata(torch.Size([0]), size)
         properties = TensorProperties(dtype=torch.uint8)

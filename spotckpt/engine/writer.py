@@ -132,8 +132,8 @@ class ObjectStoreWriter(StorageWriter):
 
     def save_planner(self, world_size: int) -> SavePlanner:
         """The planner to save through this writer with: small tensors in packs
-        (`spotckpt.engine.packing`), unless the save writes index parts (from `INDEX_MIN_RANKS` ranks),
-        whose summaries describe DCP's items as they are."""
+        (`spotckpt.engine.packing`), unless the save writes index parts (from `INDEX_MIN_RANKS`
+        ranks), whose summaries describe DCP's items as they are."""
         indexed = self.index_parts
         if indexed is None:
             indexed = world_size >= INDEX_MIN_RANKS

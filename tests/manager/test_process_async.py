@@ -38,7 +38,7 @@ from spotckpt.storage.base import check_portable
 from spotckpt.storage.gcs import GCSStore
 from spotckpt.storage.s3 import S3Store
 
-from gcs_emulator import gcs_endpoint, gcs_uri  # noqa: F401
+from tests_support import REPO, TESTS
 
 WORKER_TIMEOUT_S = 600.0
 """Only a guard against a hung worker: a save takes seconds."""
@@ -127,7 +127,7 @@ def test_explicit_credentials_cross_a_pipe_but_are_never_pickled_otherwise(
 
 
 def test_gcs_store_keeps_the_endpoint_it_resolved(
-    gcs_uri: str,  # noqa: F811
+    gcs_uri: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     store = open_store(gcs_uri)
@@ -154,7 +154,7 @@ def test_process_mode_save_to_s3(tmp_path: Path, s3_uri: str) -> None:
     _check(_run_worker(tmp_path, {"uri": s3_uri, "options": {"part_size": 5 << 20}}))
 
 
-def test_process_mode_save_to_gcs(tmp_path: Path, gcs_uri: str) -> None:  # noqa: F811
+def test_process_mode_save_to_gcs(tmp_path: Path, gcs_uri: str) -> None:
     _check(_run_worker(tmp_path, {"uri": gcs_uri}))
 
 
@@ -227,10 +227,9 @@ def _run_worker(
     folders = {name: tmp_path / name for name in ("tmp", "home", "cwd")}
     for folder in folders.values():
         folder.mkdir()
-    here = Path(__file__).resolve().parent
     environment = dict(os.environ if env is None else env)
     environment.update(
-        PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(REPO)]),
         TMPDIR=str(folders["tmp"]),
         HOME=str(folders["home"]),
     )

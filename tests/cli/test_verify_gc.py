@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_export import STEP, fsdp_checkpoint
 from torch import nn
 
 from spotckpt import CheckpointManager, NoCheckpointError, TrainState
@@ -24,6 +23,7 @@ from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.local import TEMP_MARKER
 from spotckpt.verify import verify_checkpoint
 
+from fsdp_checkpoints import STEP, fsdp_checkpoint
 from tests_support import FailingStore
 
 HOUR = 3600.0

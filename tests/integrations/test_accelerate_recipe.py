@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_transformers_integration import committed_steps, digest, run, run_preempted, tail
 
 from spotckpt import PREEMPTED_EXIT_CODE
+
+from framework_runs import committed_steps, digest, run, run_preempted, tail
 
 SETUPS = {  # loader set-up -> worker processes
     "torchdata": 0,

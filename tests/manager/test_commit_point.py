@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,9 +31,7 @@ from spotckpt.storage import ObjectInfo, RetryPolicy, StorageError, open_store
 
 from dist_worker import launch_ranks
 from fault_proxy import FaultProxy
-from tests_support import FailingStore
-
-SCRIPT = Path(sys.executable).with_name("spotckpt")
+from tests_support import SCRIPT, FailingStore
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:

@@ -24,9 +24,8 @@ from spotckpt.catalog import RETIRE_FOLDER_LISTINGS, Catalog, manifest_key, step
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.base import DelimiterNotHonouredError, ListingPages
 
-from fake_gcs import fake_gcs_endpoint  # noqa: F401
 from fault_proxy import FaultProxy
-from gcs_emulator import create_bucket, gcs_endpoint  # noqa: F401
+from gcs_emulator import create_bucket
 from tests_support import PAGE, CountingStore
 
 Put = Callable[[str], None]

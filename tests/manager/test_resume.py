@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "train.py"
+from tests_support import REPO
+
+TRAIN = REPO / "examples" / "train.py"
 # 160 windows of 32 characters, 16 per batch, 2 micro-batches per step: 5 steps per epoch.
 SMALL = ["--corpus-chars", str(160 * 32 + 1), "--batch-size", "16", "--accumulate", "2"]
 STEPS = 14

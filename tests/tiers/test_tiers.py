@@ -28,7 +28,6 @@ from spotckpt.tiers.record import TierRecord
 from spotckpt.tiers.recovery import HeldStep, NodeReport, choose_step, merge_ranges
 from spotckpt.tiers.redundancy import Placement, parse_redundancy
 
-from test_local_store import small_disk  # noqa: F401  (a fixture)
 from tier_worker import finish, launch_nodes, run_nodes
 
 NODES = [f"node{i}" for i in range(4)]
@@ -182,7 +181,7 @@ def test_fast_saves_between_durable_ones_restore_from_the_tier(tmp_path: Path) -
 
 
 def test_no_room_in_the_tier_skips_the_fast_save_with_a_warning(
-    small_disk: Path | None,  # noqa: F811
+    small_disk: Path | None,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -24,7 +24,7 @@ from spotckpt.storage import (
 )
 from spotckpt.storage.base import roll_up
 
-from gcs_emulator import EMULATOR_IGNORES_PRECONDITIONS, gcs_endpoint, gcs_uri  # noqa: F401
+from gcs_emulator import EMULATOR_IGNORES_PRECONDITIONS
 
 MIB = 1 << 20
 PART = 5 * MIB
@@ -53,7 +53,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
                 pytest.mark.xfail(
                     strict=True,
                     reason="gcp-storage-emulator ignores ifGenerationMatch=0 and overwrites; "
-                    "tests/test_gcs.py covers create-only against a server that answers 412",
+                    "tests/storage/test_gcs.py covers create-only against a server that "
+                    "answers 412",
                 )
             )
         uri = request.getfixturevalue("gcs_uri")

@@ -20,14 +20,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import (
-    STEP,
-    assert_same,
-    fsdp_checkpoint,
-    full_weights,
-    tied_checkpoint,
-    tied_weights,
-)
 from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
@@ -36,7 +28,16 @@ from spotckpt.cli import parse_duration, parse_size
 from spotckpt.format.manifest import Manifest
 from spotckpt.storage import open_store
 
-SCRIPT = Path(sys.executable).with_name("spotckpt")
+from fsdp_checkpoints import (
+    STEP,
+    assert_same,
+    fsdp_checkpoint,
+    full_weights,
+    tied_checkpoint,
+    tied_weights,
+)
+from tests_support import REPO, SCRIPT
+
 MIB = 1 << 20
 
 
@@ -592,7 +593,7 @@ def _load_demo() -> Any:
 
     if "spotckpt_demo" in sys.modules:
         return sys.modules["spotckpt_demo"]
-    path = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+    path = REPO / "examples" / "demo.py"
     spec = importlib.util.spec_from_file_location("spotckpt_demo", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

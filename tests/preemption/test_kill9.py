@@ -16,14 +16,13 @@ import torch
 from spotckpt import CheckpointManager
 
 from kill_target import empty_state, state_for
-
-HERE = Path(__file__).resolve().parent
+from tests_support import REPO, TESTS
 
 
 def _trial(uri: str, rng: random.Random) -> tuple[int, list[int]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "kill_target.py"), uri],
+        [sys.executable, str(TESTS / "kill_target.py"), uri],
         env=env,
         stdout=subprocess.PIPE,
         text=True,

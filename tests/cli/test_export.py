@@ -1,27 +1,21 @@
 """export_hf: weights saved sharded by 4 FSDP2 ranks come out as Hugging Face safetensors whole.
 
-The 4-rank checkpoints are made once per session (`fsdp_checkpoint` and `tied_checkpoint`, ~5 s
-each) by forking gloo ranks on the CPU; tests copy them before changing anything. test_verify_gc
-and test_cli use them too. Tied weights are written once, extra files are copied beside the
-weights, and with ``transformers`` installed the export loads with ``from_pretrained``.
+The 4-rank checkpoints are made once per session (`fsdp_checkpoints`); tests copy them
+(``fsdp_copy``, ``tied_copy``) before changing anything. Tied weights are written once, extra
+files are copied beside the weights, and with ``transformers`` installed the export loads with
+``from_pretrained``.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
 import logging
 import shutil
-import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load, load_file
 from torch import nn
@@ -42,128 +36,18 @@ from spotckpt.format.manifest import Manifest
 from spotckpt.format.safetensors_io import TensorSpec
 from spotckpt.storage import AlreadyExistsError, open_store
 
-WORLD = 4
-STEP = 7
-SEED = 1234
-VOCAB, DIM = 30, 16
-
-
-def make_model() -> nn.Sequential:
-    """Rows not divisible by 4 (uneven shards) and a 3-row layer (one rank holds nothing)."""
-    torch.manual_seed(SEED)
-    model = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 3), nn.LayerNorm(3))
-    model.register_buffer("counts", torch.arange(10, dtype=torch.int64))
-    return model
-
-
-class TinyLM(nn.Module):
-    """A causal LM named as Hugging Face names one; its head is its input embeddings when tied."""
-
-    def __init__(self, tied: bool = True) -> None:
-        super().__init__()
-        torch.manual_seed(SEED)
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(VOCAB, DIM)
-        self.model.norm = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-        if tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-
-def full_weights() -> dict[str, torch.Tensor]:
-    """The unsharded model's tensors by HF name (no ``model.`` prefix)."""
-    return {k: v.detach().clone() for k, v in make_model().state_dict().items()}
-
-
-def tied_weights() -> dict[str, torch.Tensor]:
-    """What an export of `TinyLM` holds: every tensor but ``lm_head.weight``, as save_pretrained."""
-    state = TinyLM().state_dict()
-    return {k: v.detach().clone() for k, v in state.items() if k != "lm_head.weight"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _rank_main(rank: int, uri: str, port: int, tied: bool) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.set_num_threads(1)
-        model: nn.Module
-        if tied:  # a shared parameter must stay in one FSDP group: only the root is sharded
-            model = TinyLM()
-        else:
-            model = make_model()
-            for layer in model.children():
-                if isinstance(layer, (nn.Linear, nn.LayerNorm)):
-                    fully_shard(layer)
-        fully_shard(model)
-        manager = CheckpointManager(uri, preemption=False)
-        manager.save(STEP, TrainState(model=model, rng=False))
-        manager.close()
-    finally:
-        dist.destroy_process_group()
-
-
-def save_fsdp_checkpoint(uri: str, tied: bool = False) -> None:
-    """Save `make_model()` (or a tied `TinyLM`) as step 7 from 4 FSDP2 ranks (gloo, CPU).
-
-    The ranks are forked, not spawned: four fresh interpreters importing torch at once cost tens
-    of seconds on a 2-core machine; forked ones start at once with everything imported.
-    """
-    mp.start_processes(
-        _rank_main, args=(uri, _free_port(), tied), nprocs=WORLD, join=True, start_method="fork"
-    )
-
-
-def _session_checkpoint(tied: bool) -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="spotckpt-fsdp-"))
-    atexit.register(shutil.rmtree, folder, True)
-    save_fsdp_checkpoint(str(folder / "ckpt"), tied)
-    return folder / "ckpt"
-
-
-@functools.cache
-def fsdp_checkpoint() -> Path:
-    """A local folder holding the 4-rank checkpoint, made once per test session."""
-    return _session_checkpoint(tied=False)
-
-
-@functools.cache
-def tied_checkpoint() -> Path:
-    """A local folder holding a 4-rank checkpoint of a tied `TinyLM`, made once per session."""
-    return _session_checkpoint(tied=True)
-
-
-@pytest.fixture
-def fsdp_copy(tmp_path: Path) -> Path:
-    """A private copy of the 4-rank checkpoint."""
-    return Path(shutil.copytree(fsdp_checkpoint(), tmp_path / "ckpt"))
-
-
-@pytest.fixture
-def tied_copy(tmp_path: Path) -> Path:
-    """A private copy of the 4-rank tied checkpoint."""
-    return Path(shutil.copytree(tied_checkpoint(), tmp_path / "tied"))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    """Same names, dtypes, shapes and bits."""
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype, name
-        assert got[name].shape == tensor.shape, name
-        assert torch.equal(_bits(got[name]), _bits(tensor)), name
+from fsdp_checkpoints import (
+    DIM,
+    SEED,
+    STEP,
+    VOCAB,
+    WORLD,
+    TinyLM,
+    assert_same,
+    full_weights,
+    raw_bits,
+    tied_weights,
+)
 
 
 def test_checkpoint_really_is_sharded_by_four_ranks(fsdp_copy: Path) -> None:
@@ -270,7 +154,7 @@ def test_export_to_s3(fsdp_copy: Path, s3_uri: str, s3_client: Any, s3_bucket: s
     part = load(s3_client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
     want = full_weights()
     for name, tensor in part.items():
-        assert torch.equal(_bits(tensor), _bits(want[name]))
+        assert torch.equal(raw_bits(tensor), raw_bits(want[name]))
     index = s3_client.get_object(Bucket=s3_bucket, Key="runs/exp1-hf/model.safetensors.index.json")
     assert sorted(json.loads(index["Body"].read())["weight_map"]) == sorted(want)
 

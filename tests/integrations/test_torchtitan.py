@@ -39,9 +39,9 @@ from spotckpt.integrations.torchtitan import LoaderState, SpotckptTrainer
 from spotckpt.values import ValueLoadError
 
 from dist_worker import free_port
+from tests_support import TESTS
 from torchtitan_worker import Tokens
 
-TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "torchtitan_worker.py"
 NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # a CPU-only machine, whatever this one has
 TIMEOUT_S = 600  # a guard against hangs only: a run takes seconds

@@ -36,8 +36,8 @@ from spotckpt.launch import (
     parse_launch_args,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = Path(sys.executable).with_name("spotckpt")
+from tests_support import REPO, SCRIPT
+
 TRAINER = REPO / "examples" / "train.py"
 START_S = 180  # launcher and workers started, workers in their loop
 EXIT_S = 120  # launcher gone after the signal (the save itself takes well under a second)

@@ -41,8 +41,8 @@ from spotckpt.storage import (
 )
 from spotckpt.storage.gcs import GCSOptions, GCSStore, _ChunkStream, is_transient
 
-from fake_gcs import IGNORES_RESUMABLE_PRECONDITIONS, fake_gcs_endpoint  # noqa: F401
-from gcs_emulator import admin_client, create_bucket, gcs_endpoint  # noqa: F401
+from fake_gcs import IGNORES_RESUMABLE_PRECONDITIONS
+from gcs_emulator import admin_client, create_bucket
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -259,14 +259,14 @@ def _precondition_failed() -> tuple[int, dict[str, str], bytes]:
 
 
 @pytest.fixture
-def front(gcs_endpoint: str) -> Iterator[GCSFront]:  # noqa: F811
+def front(gcs_endpoint: str) -> Iterator[GCSFront]:
     proxy = GCSFront(gcs_endpoint)
     yield proxy
     proxy.close()
 
 
 @pytest.fixture
-def bucket(gcs_endpoint: str) -> str:  # noqa: F811
+def bucket(gcs_endpoint: str) -> str:
     return create_bucket(gcs_endpoint)
 
 
@@ -683,7 +683,7 @@ def test_abort_cancels_the_session_and_publishes_nothing(front: GCSFront, bucket
     assert not any(_FINAL_RANGE.match(s.content_range) for s in front.uploads())
 
 
-def test_streaming_memory_is_bounded(gcs_endpoint: str, bucket: str) -> None:  # noqa: F811
+def test_streaming_memory_is_bounded(gcs_endpoint: str, bucket: str) -> None:
     store = _open(gcs_endpoint, bucket, chunk_size=MIB)
     piece = os.urandom(MIB // 4)
     tracemalloc.start()
@@ -718,7 +718,7 @@ def test_chunk_stream_reads_seeks_and_releases() -> None:
 
 
 def test_storage_emulator_host_is_honoured(
-    gcs_endpoint: str,  # noqa: F811
+    gcs_endpoint: str,
     bucket: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -736,7 +736,7 @@ def test_storage_emulator_host_is_honoured(
         client.close()
 
 
-def test_resumable_object_lands_whole_with_its_crc32c(gcs_endpoint: str, bucket: str) -> None:  # noqa: F811
+def test_resumable_object_lands_whole_with_its_crc32c(gcs_endpoint: str, bucket: str) -> None:
     from spotckpt.checksum import crc32c_b64
 
     data = os.urandom(5 * CHUNK + 3)
@@ -813,7 +813,7 @@ def test_transient_classification() -> None:
     assert not is_transient(api_exceptions.MethodNotImplemented("501"))
 
 
-def test_missing_objects(gcs_endpoint: str, bucket: str) -> None:  # noqa: F811
+def test_missing_objects(gcs_endpoint: str, bucket: str) -> None:
     store = _open(gcs_endpoint, bucket)
     try:
         with pytest.raises(ObjectNotFoundError, match="runs/exp1/nope"):
@@ -864,7 +864,7 @@ def _same_bits(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def test_save_and_restore_through_the_manager_on_the_emulator(
-    gcs_endpoint: str,  # noqa: F811
+    gcs_endpoint: str,
     bucket: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

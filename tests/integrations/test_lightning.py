@@ -33,8 +33,9 @@ from spotckpt.integrations.lightning import (
 from spotckpt.values import UnsupportedValueError
 
 from lightning_worker import run
+from tests_support import TESTS
 
-WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
+WORKER = TESTS / "lightning_worker.py"
 TIMEOUT_S = 600  # a guard against hangs only: runs take seconds
 STEPS = 20  # 8 batches an epoch: resumes cross two epoch boundaries
 

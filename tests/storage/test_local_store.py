@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -156,29 +155,6 @@ def full_disk_scenario(mount: str) -> None:
     data = os.urandom(640 << 10)
     store.put("step-1/big.bin", data)
     assert store.get("step-1/big.bin") == data
-
-
-def _mount_tmpfs(target: Path) -> bool:
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(target)],
-        capture_output=True,
-        check=False,
-    )
-    return done.returncode == 0
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path | None]:
-    """A mounted 1 MiB tmpfs, or None where mounting is not permitted here."""
-    target = tmp_path / "small"
-    target.mkdir()
-    if shutil.which("mount") is None or not _mount_tmpfs(target):
-        yield None
-        return
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", str(target)], check=True)
 
 
 def test_full_disk_leaves_no_temp_and_says_so(small_disk: Path | None, tmp_path: Path) -> None:

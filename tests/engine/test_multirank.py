@@ -15,27 +15,10 @@ from spotckpt.format.manifest import Manifest
 from spotckpt.storage import open_store
 
 from dist_worker import launch_ranks, make_model, run_ranks
+from tests_support import assert_equal, load_saved
 
 MIB = 1 << 20
 OPTIONS = {"part_size": 5 * MIB}
-
-
-def _equal(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
-def _load(path: Path) -> Any:
-    return torch.load(path, weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +46,7 @@ def fsdp_checkpoint(
 
 def test_fsdp2_save_on_4_and_continue_identically(fsdp_checkpoint: tuple[str, Path]) -> None:
     uri, out = fsdp_checkpoint
-    _equal(_load(out / "continued.pt"), _load(out / "resumed-continued.pt"))
+    assert_equal(load_saved(out / "continued.pt"), load_saved(out / "resumed-continued.pt"))
     manifest = Manifest.from_json(open_store(uri).get(manifest_key(2)))
     assert manifest.world_size == 4
     assert sorted(o.rank for o in manifest.objects.values()) == [0, 1, 2, 3]
@@ -80,7 +63,7 @@ def test_fsdp2_save_on_4_and_continue_identically(fsdp_checkpoint: tuple[str, Pa
 def test_fsdp2_restores_on_any_world_size(fsdp_checkpoint: tuple[str, Path], world: int) -> None:
     uri, out = fsdp_checkpoint
     run_ranks(world, "fsdp_restore", {"uri": uri, "out": str(out), "options": OPTIONS})
-    _equal(_load(out / "saved.pt"), _load(out / f"restored-{world}.pt"))
+    assert_equal(load_saved(out / "saved.pt"), load_saved(out / f"restored-{world}.pt"))
     stats = [json.loads((out / f"stats-{world}-{r}.json").read_text()) for r in range(world)]
     assert all(s == stats[0] for s in stats)  # last_read_stats is job-wide, the same everywhere
     read, needed = stats[0]["read"], stats[0]["needed"]

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_multirank import _equal, _load
 
 from spotckpt.catalog import Catalog, index_part_key, manifest_key, step_folder
 from spotckpt.checksum import crc32c
@@ -31,6 +30,7 @@ from spotckpt.storage import open_store
 from spotckpt.storage.memory import MemoryStore
 
 from dist_worker import run_ranks
+from tests_support import assert_equal, load_saved
 
 OPTIONS = {"part_size": 5 << 20}
 
@@ -46,7 +46,7 @@ def indexed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, P
 
 def test_root_is_small_and_each_rank_wrote_its_part(indexed_checkpoint: tuple[str, Path]) -> None:
     uri, out = indexed_checkpoint
-    _equal(_load(out / "continued.pt"), _load(out / "resumed-continued.pt"))
+    assert_equal(load_saved(out / "continued.pt"), load_saved(out / "resumed-continued.pt"))
     store = open_store(uri)
     root = parse_root(store.get(manifest_key(2)), 2)
     assert sorted(root.parts) == [0, 1, 2, 3]
@@ -64,7 +64,7 @@ def test_indexed_checkpoint_restores_on_any_world_size(
 ) -> None:
     uri, out = indexed_checkpoint
     run_ranks(world, "fsdp_restore", {"uri": uri, "out": str(out)})
-    _equal(_load(out / "saved.pt"), _load(out / f"restored-{world}.pt"))
+    assert_equal(load_saved(out / "saved.pt"), load_saved(out / f"restored-{world}.pt"))
 
 
 # 64 ranks' metadata, built directly --------------------------------------------------------

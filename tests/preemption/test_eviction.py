@@ -20,11 +20,11 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests_support import REPO
 
 
 def _load_demo() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("spotckpt_demo", ROOT / "examples" / "demo.py")
+    spec = importlib.util.spec_from_file_location("spotckpt_demo", REPO / "examples" / "demo.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["spotckpt_demo"] = module
@@ -85,7 +85,7 @@ def test_torchrun_sigterm_both_ranks_save_the_same_step(tmp_path: Path) -> None:
     losses = tmp_path / "losses"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(ROOT / "examples" / "train.py"), "--steps", "500", "--save-every", "50",
+        str(REPO / "examples" / "train.py"), "--steps", "500", "--save-every", "50",
         "--step-delay", "0.05", "--workers", "1", "--loss-log", str(losses),
     ]  # fmt: skip
     agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -137,7 +137,7 @@ def test_sigterm_before_the_first_periodic_save_exits_promptly(
     base = str(tmp_path / "ck") if store == "local" else request.getfixturevalue("s3_uri")
     losses, log = tmp_path / "losses", tmp_path / "train.log"
     command = [
-        sys.executable, str(ROOT / "examples" / "train.py"), "--steps", "500",
+        sys.executable, str(REPO / "examples" / "train.py"), "--steps", "500",
         "--save-every", "400", "--step-delay", "0.05", "--workers", "2", "--loss-log", str(losses),
     ]  # fmt: skip
     trainer = demo.run(command, f"{base}/run", log)
@@ -171,7 +171,7 @@ def test_failed_demo_keeps_its_logs_and_leaves_no_process(tmp_path: Path) -> Non
     blocker.write_text("a file where the checkpoint root should be")
     env = {**os.environ, "SPOTCKPT_URI": str(blocker), "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "20", "--evictions", "1"],
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--steps", "20", "--evictions", "1"],
         env=env,
         capture_output=True,
         text=True,
@@ -193,7 +193,7 @@ def test_demo_shows_where_each_restore_came_from(tmp_path: Path) -> None:
     the store; nothing is lost and the parameters match the uninterrupted run."""
     env = {**os.environ, "SPOTCKPT_URI": str(tmp_path / "ck"), "TMPDIR": str(tmp_path)}
     command = [
-        sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "30", "--evictions", "2",
+        sys.executable, str(REPO / "examples" / "demo.py"), "--steps", "30", "--evictions", "2",
         "--save-every", "25", "--local-every", "5", "--seed", "11",
     ]  # fmt: skip
     done = subprocess.run(
