@@ -12,6 +12,11 @@ Three parts, none of which imports torch:
   of Daly's higher-order formula (`daly_interval_s`), in steps, for ``interval_steps="auto"``.
 - Statistics (`GoodputStats`, `load_stats`): what ``spotckpt stats`` prints.
 
+Everything read back from ``events/`` may be corrupt or forged: each object is parsed with
+bounded cost (`spotckpt.format.bounded_json`) and checked field by field (`event_problem`,
+`summary_problem`); a malformed one is left out of every figure, with one warning per read that
+names it.
+
 The model of `expected_goodput` and `daly_interval_s` (J. T. Daly, "A higher order estimate of
 the optimum checkpoint interval for restart dumps", Future Generation Computer Systems 22, 2006)
 assumes failures without notice. A spot eviction usually comes with one, and spotckpt then saves
@@ -41,7 +46,13 @@ from spotckpt.catalog import (
     parse_event_key,
 )
 from spotckpt.config import Settings
-from spotckpt.errors import AlreadyExistsError, ObjectNotFoundError, StorageError
+from spotckpt.errors import (
+    AlreadyExistsError,
+    BoundedJSONError,
+    ObjectNotFoundError,
+    StorageError,
+)
+from spotckpt.format import bounded_json
 from spotckpt.storage.base import ObjectStore
 
 log = logging.getLogger("spotckpt")
@@ -66,6 +77,13 @@ RESERVOIR = 256
 """Recent values kept per figure in ``events/summary.json`` (for medians and p95)."""
 MAX_EVENT_BYTES = 64 << 10
 MAX_SUMMARY_BYTES = 4 << 20
+MAX_EVENT_SECONDS = 366 * 86400.0
+"""The longest duration one event may record: no save, restore or stretch of training between
+two events of a session lasts a year; a larger figure is corrupt or forged."""
+MAX_TOTAL_SECONDS = 100 * MAX_EVENT_SECONDS
+"""The largest sum of durations a summary may record (a century of training)."""
+MAX_COUNT = 2**63 - 1
+"""The largest count (steps, bytes, events) an event or a summary may record."""
 _STEP_WINDOW = 64
 _SAVE_WINDOW = 16
 _READERS = 16
@@ -114,7 +132,7 @@ def expected_goodput(delta_s: float, mtbf_s: float, tau_s: float, restart_s: flo
         wall = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((tau_s + delta_s) / mtbf_s)
     except OverflowError:
         return 0.0
-    return tau_s / wall
+    return tau_s / wall if wall > 0 else tau_s / (tau_s + delta_s)  # wall underflowed: its limit
 
 
 def eviction_rate(evictions: int, training_s: float, configured: float | None = None) -> float:
@@ -265,12 +283,139 @@ _RECENT = {
     "restore": ("restore_s",),
 }
 _LAST = ("interval_steps", "step_time_s", "step", "time")
+_SUM_NAMES = frozenset(name for names in _SUMMED.values() for name in names)
+_RECENT_NAMES = frozenset(name for names in _RECENT.values() for name in names)
+_COUNTED = frozenset({"bytes", "steps_lost"})
 
 
 def _number(value: Any) -> float | None:
+    """`value` as a float if it is a finite number (never a bool, nor an int beyond MAX_COUNT)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    if isinstance(value, int):
+        return float(value) if -MAX_COUNT <= value <= MAX_COUNT else None
+    return value if math.isfinite(value) else None
+
+
+# Checking what is read back: each check names what is wrong with a value, or returns None.
+
+_Check = Callable[[Any], "str | None"]
+_JSON_NAMES = {dict: "object", list: "array", str: "string", bool: "boolean"}
+
+
+def _shown(value: Any) -> str:
+    """A value for a message: numbers as they are, anything else by its type (never its text)."""
+    if isinstance(value, int) and not -MAX_COUNT <= value <= MAX_COUNT:
+        return "an integer beyond 2**63"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    return f"a JSON {_JSON_NAMES.get(type(value), type(value).__name__)}"
+
+
+def _within(low: float, high: float) -> _Check:
+    """A finite number in ``[low, high]`` (comparisons also refuse NaN and infinities)."""
+
+    def check(value: Any) -> str | None:
+        if _number(value) is not None and low <= value <= high:
+            return None
+        return f"must be a number from {low:g} to {high:g}, got {_shown(value)}"
+
+    return check
+
+
+def _whole(low: int) -> _Check:
+    """An integer in ``[low, MAX_COUNT]``."""
+
+    def check(value: Any) -> str | None:
+        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_COUNT:
+            return None
+        return f"must be an integer from {low} to 2**63-1, got {_shown(value)}"
+
+    return check
+
+
+def _of_type(kind: type) -> _Check:
+    def check(value: Any) -> str | None:
+        if isinstance(value, kind):
+            return None
+        return f"must be a JSON {_JSON_NAMES[kind]}, got {_shown(value)}"
+
+    return check
+
+
+def _list_of(item: _Check) -> _Check:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list):
+            return f"must be a list, got {_shown(value)}"
+        problems = (item(x) for x in value)
+        return next((f"an item {p}" for p in problems if p is not None), None)
+
+    return check
+
+
+def _event_name(value: Any) -> str | None:
+    if isinstance(value, str) and parse_event_key(value) is not None:
+        return None
+    return f"must be the key of an event object, got {_shown(value)}"
+
+
+_DURATION = _within(0.0, MAX_EVENT_SECONDS)
+_EVENT_FIELDS: dict[str, _Check] = {
+    "kind": _of_type(str),
+    "emergency": _of_type(bool),
+    "time": _of_type(str),
+    **dict.fromkeys(("train_s", "stall_s", "upload_s", "emergency_save_s"), _DURATION),
+    **dict.fromkeys(("restore_s", "step_time_s"), _DURATION),
+    "notice_left_s": _within(-MAX_EVENT_SECONDS, MAX_EVENT_SECONDS),  # negative: notice missed
+    **dict.fromkeys(("bytes", "steps_lost", "step"), _whole(0)),
+    "interval_steps": _whole(1),
+}
+"""Every field that a figure reads, and what it must be when present and not null."""
+_SUMMARY_TABLES: dict[str, dict[str, _Check]] = {
+    "counts": dict.fromkeys(_SUMMED, _whole(0)),
+    "sums": {
+        name: _within(0.0, float(MAX_COUNT) if name in _COUNTED else MAX_TOTAL_SECONDS)
+        for name in _SUM_NAMES
+    },
+    "recent": {name: _list_of(_EVENT_FIELDS[name]) for name in _RECENT_NAMES},
+    "last": {name: _EVENT_FIELDS[name] for name in _LAST},
+}
+_SUMMARY_FIELDS: dict[str, _Check] = {
+    "events": _whole(0),
+    "through": _event_name,
+    **dict.fromkeys(_SUMMARY_TABLES, _of_type(dict)),
+}
+
+
+def _fields_problem(document: Mapping[str, Any], checks: Mapping[str, _Check]) -> str | None:
+    for name, check in checks.items():
+        value = document.get(name)
+        problem = None if value is None else check(value)
+        if problem is not None:
+            return f"{name}: {problem}"
+    return None
+
+
+def event_problem(document: Any) -> str | None:
+    """What makes `document` no valid event, or None: a JSON object whose fields that figures
+    read are of their type and within sane ranges (finite, non-negative, at most a year)."""
+    if not isinstance(document, dict):
+        return f"must be a JSON object, got {_shown(document)}"
+    return _fields_problem(document, _EVENT_FIELDS)
+
+
+def summary_problem(document: Any) -> str | None:
+    """What makes `document` no valid ``events/summary.json``, or None (see `event_problem`;
+    names that no figure reads are not checked, and `Totals.from_dict` drops them)."""
+    if not isinstance(document, dict):
+        return f"must be a JSON object, got {_shown(document)}"
+    problem = _fields_problem(document, _SUMMARY_FIELDS)
+    for name, checks in _SUMMARY_TABLES.items():
+        if problem is not None:
+            return problem
+        inner = _fields_problem(document.get(name) or {}, checks)
+        problem = None if inner is None else f"{name}.{inner}"
+    return problem
 
 
 def median(values: Iterable[float]) -> float | None:
@@ -296,7 +441,8 @@ class Totals:
     events: int = 0
 
     def add(self, event: Mapping[str, Any]) -> None:
-        """Fold in one event; unknown kinds and malformed figures are skipped."""
+        """Fold in one event (check it with `event_problem` first); unknown kinds and
+        malformed figures are skipped."""
         kind = event.get("kind")
         if not isinstance(kind, str) or kind not in _SUMMED:
             return
@@ -335,21 +481,23 @@ class Totals:
 
     @classmethod
     def from_dict(cls, document: Mapping[str, Any]) -> Totals:
-        """Totals from a summary document; malformed parts are dropped."""
+        """Totals from a summary document (check it with `summary_problem` first); malformed
+        parts and names that no figure reads are dropped."""
 
-        def table(name: str) -> dict[str, Any]:
+        def table(name: str, known: Iterable[str]) -> dict[str, Any]:
             value = document.get(name)
-            return value if isinstance(value, dict) else {}
+            return {k: v for k, v in value.items() if k in known} if isinstance(value, dict) else {}
 
-        counts = {k: int(v) for k, v in table("counts").items() if _number(v) is not None}
-        sums = {k: v for k, v in table("sums").items() if _number(v) is not None}
+        counts = {k: int(v) for k, v in table("counts", _SUMMED).items() if _number(v) is not None}
+        sums = {k: float(v) for k, v in table("sums", _SUM_NAMES).items() if _number(v) is not None}
         recent = {
             k: [x for x in v if _number(x) is not None][-RESERVOIR:]
-            for k, v in table("recent").items()
+            for k, v in table("recent", _RECENT_NAMES).items()
             if isinstance(v, list)
         }
-        events = document.get("events")
-        return cls(counts, sums, recent, table("last"), events if isinstance(events, int) else 0)
+        events = _number(document.get("events"))
+        last = table("last", _LAST)
+        return cls(counts, sums, recent, last, int(events) if events is not None else 0)
 
 
 def _now_iso() -> str:
@@ -419,8 +567,12 @@ class EventLog:
     # Reading ----------------------------------------------------------------------------------
 
     def read_summary(self) -> tuple[Totals, str | None]:
-        """The summary's totals and the newest event key folded into it."""
-        document = _json_object(self.store, EVENT_SUMMARY_KEY, MAX_SUMMARY_BYTES)
+        """The summary's totals and the newest event key folded into it. A malformed summary
+        counts as none (with a warning); the next compaction writes a good one over it."""
+        document, problem = _read_checked(
+            self.store, EVENT_SUMMARY_KEY, MAX_SUMMARY_BYTES, summary_problem
+        )
+        _report_malformed([(EVENT_SUMMARY_KEY, problem)] if problem is not None else [])
         if document is None:
             return Totals(), None
         through = document.get("through")
@@ -435,27 +587,57 @@ class EventLog:
         return totals
 
     def _read_many(self, keys: Iterable[str]) -> list[dict[str, Any]]:
-        """The events under `keys`, in key order; unreadable or oversized ones are skipped."""
+        """The events under `keys`, in key order; gone ones are skipped, malformed ones too
+        (with one warning for all of them)."""
         listed = list(keys)
         with ThreadPoolExecutor(min(_READERS, max(1, len(listed)))) as pool:
-            documents = list(pool.map(self._read_one, listed))
-        return [d for d in documents if d is not None]
+            results = list(pool.map(self._read_one, listed))
+        _report_malformed(
+            [
+                (key, problem)
+                for key, (_, problem) in zip(listed, results, strict=True)
+                if problem is not None
+            ]
+        )
+        return [document for document, _ in results if document is not None]
 
-    def _read_one(self, key: str) -> dict[str, Any] | None:
-        return _json_object(self.store, key, MAX_EVENT_BYTES)
+    def _read_one(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
+        return _read_checked(self.store, key, MAX_EVENT_BYTES, event_problem)
 
 
-def _json_object(store: ObjectStore, key: str, limit: int) -> dict[str, Any] | None:
-    """A small JSON object from the store, or None (gone, too big, not a JSON object)."""
+def _read_checked(
+    store: ObjectStore, key: str, limit: int, problem_of: _Check
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object at `key` if it is at most `limit` bytes, parses within the bounds of
+    `bounded_json` and passes `problem_of`; else None and what is wrong (None for a gone one)."""
     try:
         data = store.get_range(key, 0, limit + 1)
-        document = json.loads(data) if len(data) <= limit else None
-    except (ObjectNotFoundError, ValueError):
-        return None
-    if not isinstance(document, dict):
-        log.debug("ignoring %s: not a JSON object of at most %d bytes", key, limit)
-        return None
-    return document
+    except ObjectNotFoundError:
+        return None, None
+    if len(data) > limit:
+        return None, f"larger than {limit} bytes"
+    try:
+        document = bounded_json.loads(data, "the object")
+    except BoundedJSONError as error:
+        return None, str(error)
+    problem = problem_of(document)
+    return (None, problem) if problem is not None else (document, None)
+
+
+def _report_malformed(skipped: list[tuple[str, str]]) -> None:
+    """One warning for all the malformed objects of one read, naming the first."""
+    if not skipped:
+        return
+    key, problem = skipped[0]
+    others = f" and {len(skipped) - 1} more" if len(skipped) > 1 else ""
+    log.warning(
+        "ignoring malformed goodput record %s (%s)%s: left out of the goodput figures and the "
+        "auto interval; spotckpt never writes such objects, so check who can write to the "
+        "bucket and delete them",
+        key,
+        problem,
+        others,
+    )
 
 
 # The manager's hooks -----------------------------------------------------------------------------

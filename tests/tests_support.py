@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from spotckpt.catalog import manifest_key
+from spotckpt.catalog import EVENT_SUMMARY_KEY, event_key, event_stamp, manifest_key
 from spotckpt.checksum import crc32c
 from spotckpt.format.safetensors_io import block_crcs
 from spotckpt.storage import ObjectInfo, ObjectStore, ObjectWriter, UploadInfo
@@ -193,3 +194,30 @@ def forge_value(root: Path, step: int, fqn: str, payload: bytes) -> None:
     entry["block_crc32c"] = list(block_crcs(payload, document["block_size"]))
     record["size"], record["crc32c"] = len(forged), crc32c(forged)
     (root / manifest_key(step)).write_text(json.dumps(document))
+
+
+DEEP_JSON = b"[" * 30_000 + b"]" * 30_000
+"""JSON nested 30,000 deep: `json.loads` raises RecursionError on it."""
+HUGE_INT = b"9" * 400
+"""A 400-digit JSON integer: converting it to a float raises OverflowError."""
+
+
+def forged_event_key(number: int, kind: str = "save") -> str:
+    """A well-formed event name stamped 2020, older than any real event (compaction folds it
+    first)."""
+    return event_key(event_stamp(datetime(2020, 1, 1, tzinfo=timezone.utc)), kind, "f0", number)
+
+
+FORGED_GOODPUT: dict[str, tuple[str, bytes]] = {
+    "deep event": (forged_event_key(1), b'{"kind": "save", "stall_s": ' + DEEP_JSON + b"}"),
+    "huge int in an event": (
+        forged_event_key(2, "preemption"),
+        b'{"kind": "preemption", "train_s": 1.0, "steps_lost": ' + HUGE_INT + b"}",
+    ),
+    "deep summary": (EVENT_SUMMARY_KEY, b'{"counts": ' + DEEP_JSON + b"}"),
+    "huge int in the summary": (
+        EVENT_SUMMARY_KEY,
+        b'{"events": 1, "counts": {"preemption": ' + HUGE_INT + b'}, "sums": {"train_s": 1}}',
+    ),
+}
+"""One forged goodput object each (key, bytes) that broke a JSON parse or a float conversion."""

@@ -23,9 +23,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import manifest_key, step_folder
+from spotckpt.catalog import EVENT_SUMMARY_KEY, manifest_key, step_folder
 from spotckpt.cli import parse_duration, parse_size
 from spotckpt.format.manifest import Manifest
+from spotckpt.goodput import EventLog
 from spotckpt.storage import open_store
 
 from fsdp_checkpoints import (
@@ -36,7 +37,7 @@ from fsdp_checkpoints import (
     tied_checkpoint,
     tied_weights,
 )
-from tests_support import REPO, SCRIPT
+from tests_support import FORGED_GOODPUT, REPO, SCRIPT
 
 MIB = 1 << 20
 
@@ -600,6 +601,37 @@ def _load_demo() -> Any:
     sys.modules["spotckpt_demo"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def test_stats_skips_forged_goodput_objects(tmp_path: Path, s3_uri: str) -> None:
+    """Forged objects under events/ (30,000-deep JSON, a 400-digit int; events and the summary)
+    made `stats` fail with RecursionError or OverflowError. It now reports the good events, with
+    one warning per read naming the first bad object."""
+    local = str(tmp_path / "ck")
+    summaries = {local: "deep summary", s3_uri: "huge int in the summary"}
+    events = [FORGED_GOODPUT["deep event"], FORGED_GOODPUT["huge int in an event"]]
+    for uri, summary in summaries.items():
+        store = open_store(uri)
+        for key, data in [FORGED_GOODPUT[summary], *events]:
+            store.put(key, data)
+        log = EventLog(store)
+        for _ in range(3):
+            log.record({"kind": "save", "stall_s": 1.0, "train_s": 60.0, "step_time_s": 0.5})
+    results = run_all(
+        [["stats", local, "--json"], ["stats", s3_uri, "--json"], ["stats", s3_uri]], cwd=tmp_path
+    )
+    first_event = min(key for key, _ in events)
+    for result in results:
+        assert result.returncode == 0, result.stderr
+        warnings = [line for line in result.stderr.splitlines() if "malformed goodput" in line]
+        assert len(warnings) == 2, result.stderr  # one for the summary, one for the events
+        assert EVENT_SUMMARY_KEY in warnings[0] and first_event in warnings[1], warnings
+        assert "and 1 more" in warnings[1] and "Traceback" not in result.stderr
+    for result in results[:2]:
+        stats = json.loads(result.stdout)
+        assert (stats["events"], stats["saves"], stats["evictions"]) == (3, 3, 0)
+    events_row = r"^  events\s+3 \(3 saves, 0 restores\)$"
+    assert re.search(events_row, results[2].stdout, re.M), results[2].stdout
 
 
 def test_stats_after_a_real_run_with_an_eviction(tmp_path: Path) -> None:

@@ -25,9 +25,11 @@ from spotckpt.catalog import EVENT_SUMMARY_KEY, EVENTS_PREFIX, parse_event_key
 from spotckpt.config import Settings
 from spotckpt.errors import StorageError
 from spotckpt.goodput import (
+    MAX_EVENT_BYTES,
     MIN_STEP_SAMPLES,
     PRIOR_EVICTIONS_PER_HOUR,
     STARTING_INTERVAL_STEPS,
+    SUMMARY_FORMAT,
     EventLog,
     IntervalModel,
     Totals,
@@ -38,6 +40,8 @@ from spotckpt.goodput import (
     load_stats,
 )
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
+
+from tests_support import DEEP_JSON, FORGED_GOODPUT, HUGE_INT, forged_event_key
 
 
 class FakeClock:
@@ -515,3 +519,149 @@ def test_two_ranks_agree_on_the_auto_interval(tmp_path: Path, mode: str) -> None
     assert zero == one  # the same steps saved, with the same interval after each
     assert zero[0][0] == STARTING_INTERVAL_STEPS and len(zero) >= 3
     assert len({interval for _, interval in zero}) >= 2  # it did leave the starting interval
+
+
+# Forged events ------------------------------------------------------------------------------------
+
+_MALFORMED_EVENTS = [
+    b'{"kind": "save", "stall_s": ' + DEEP_JSON + b"}",
+    b'{"kind": "save", "stall_s": ' + HUGE_INT + b"}",
+    b'{"kind": "save", "bytes": 123456789012345678901}',  # 21 digits
+    b'{"kind": "save", "stall_s": NaN}',
+    b'{"kind": "save", "upload_s": Infinity}',
+    b'{"kind": "save", "train_s": 1e309}',  # parses as infinity
+    b'{"kind": "save", "stall_s": -1.0}',
+    b'{"kind": "save", "step_time_s": 1e300}',  # longer than a year
+    b'{"kind": "save", "train_s": true}',
+    b'{"kind": "save", "step_time_s": "5"}',
+    b'{"kind": "save", "interval_steps": 0}',
+    b'{"kind": "save", "interval_steps": 2.5}',
+    b'{"kind": "preemption", "steps_lost": -3}',
+    b'{"kind": "preemption", "notice_left_s": -1e300}',
+    b'{"kind": "save", "emergency": "yes"}',
+    b'{"kind": 7}',
+    b'[{"kind": "save"}]',
+    b'{"kind": "save", "stall_s": 1.0',  # truncated
+    b'\xff\xfe{"kind": "save"}',  # not UTF-8
+    b'{"kind": "save", "pad": "' + b"x" * MAX_EVENT_BYTES + b'"}',  # too large
+]
+
+
+def test_malformed_events_are_skipped_with_one_warning_per_read(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flood of malformed event objects (each a different break) beside two good ones: the
+    figures count the good ones only, and each read warns once, naming the first bad object."""
+    store = open_store(root)
+    for number, data in enumerate(_MALFORMED_EVENTS):
+        store.put(forged_event_key(number), data)
+    good = {"kind": "save", "stall_s": 2.0, "train_s": 10.0, "step_time_s": 0.5}
+    for number in (100, 101):
+        store.put(forged_event_key(number), json.dumps(good).encode())
+    first = sorted(forged_event_key(n) for n in range(len(_MALFORMED_EVENTS)))[0]
+    with caplog.at_level(logging.WARNING, logger="spotckpt"):
+        totals = EventLog(store).totals()
+        stats = load_stats(store)
+    assert totals.counts == {"save": 2} and totals.sums["train_s"] == 20.0
+    assert totals.recent == {"stall_s": [2.0, 2.0]} and totals.last_number("step_time_s") == 0.5
+    assert (stats.saves, stats.stall_median_s, stats.step_time_s) == (2, 2.0, 0.5)
+    warnings = [r.getMessage() for r in caplog.records if "malformed goodput" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per read, not one per object
+    assert all(first in w and f"and {len(_MALFORMED_EVENTS) - 1} more" in w for w in warnings)
+
+
+def _written_by_compaction(store: ObjectStore) -> bool:
+    """Whether the summary is one that compaction wrote (over a forged one)."""
+    document = json.loads(store.get(EVENT_SUMMARY_KEY))
+    through = document.get("through")
+    return document.get("format") == SUMMARY_FORMAT and parse_event_key(through) is not None
+
+
+_MALFORMED_SUMMARIES: list[dict[str, Any]] = [
+    {"counts": {"preemption": -1}},
+    {"counts": {"save": 1.5}},
+    {"counts": [1, 2]},
+    {"events": True},
+    {"sums": {"train_s": "NaN"}},
+    {"sums": {"stall_s": 1e300}},
+    {"sums": {"steps_lost": -2.0}},
+    {"recent": {"stall_s": 3.0}},
+    {"recent": {"stall_s": [1.0, -1.0]}},
+    {"last": {"interval_steps": 0}},
+    {"last": {"step_time_s": 1e300}},
+    {"through": "step-000000001/manifest.json"},
+]
+
+
+def test_a_malformed_summary_is_skipped_and_compaction_replaces_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = open_store(str(tmp_path))
+    good = {"kind": "save", "stall_s": 1.0, "train_s": 4.0}
+    for number in range(3):
+        store.put(forged_event_key(number), json.dumps(good).encode())
+    for summary in _MALFORMED_SUMMARIES:
+        store.put(EVENT_SUMMARY_KEY, json.dumps({"events": 5, **summary}).encode())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="spotckpt"):
+            totals = EventLog(store).totals()
+        assert (totals.events, totals.counts) == (3, {"save": 3}), summary  # the events only
+        (warning,) = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+        assert EVENT_SUMMARY_KEY in warning, warning
+    log = EventLog(store, max_events=4)
+    assert log.compact() == 1  # folds the oldest event into a new, good summary
+    assert _written_by_compaction(store)
+    assert EventLog(store).totals().counts == {"save": 3}
+
+
+@pytest.mark.parametrize("forged", list(FORGED_GOODPUT))
+def test_a_forged_goodput_object_never_stops_restore_or_save(
+    root: str, forged: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forged event or summary in the bucket: restore with "auto" and saves that compact go on
+    as if it were not there (one warning at each read); compaction removes or replaces it."""
+    store = open_store(root)
+    key, data = FORGED_GOODPUT[forged]
+    store.put(key, data)
+    state = TrainState(model=_model(), rng=False)
+    manager = CheckpointManager(root, preemption=False, interval_steps="auto", max_events=4)
+    with caplog.at_level(logging.WARNING, logger="spotckpt"), manager:
+        assert manager.restore(state) is None
+        assert manager.interval_steps == STARTING_INTERVAL_STEPS
+        for step in range(1, 5):  # past max_events: the saves compact, reading the forged object
+            manager.save(step, state)
+        assert manager.steps() == [2, 3, 4]
+    warnings = [r.getMessage() for r in caplog.records if "malformed goodput" in r.getMessage()]
+    assert len(warnings) == 2 and all(key in w for w in warnings), warnings  # restore, compaction
+    if key == EVENT_SUMMARY_KEY:
+        assert _written_by_compaction(store)
+    else:
+        assert not store.exists(key)
+    assert load_stats(store).saves == 4
+
+
+def test_a_forged_object_never_stops_a_save_without_restore(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first save of a run (no restore) compacts over forged events of every kind."""
+    store = open_store(str(tmp_path))
+    for number, data in enumerate(_MALFORMED_EVENTS):
+        store.put(forged_event_key(number), data)
+    state = TrainState(model=_model(), rng=False)
+    manager = CheckpointManager(str(tmp_path), preemption=False, max_events=4)
+    with caplog.at_level(logging.WARNING, logger="spotckpt"), manager:
+        manager.save(1, state)
+        assert manager.steps() == [1]
+    warnings = [r.getMessage() for r in caplog.records if "malformed goodput" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert len(EventLog(store).event_keys()) == 2  # folded down to max_events // 2
+
+
+def test_stats_survive_a_vanishing_step_time(tmp_path: Path) -> None:
+    """A recorded step time of 5e-324 s (the smallest float: within an event's range) and a zero
+    stall made the goodput estimate divide by a wall time that underflowed to zero."""
+    store = open_store(str(tmp_path))
+    event = {"kind": "save", "stall_s": 0.0, "train_s": 1.0, "step_time_s": 5e-324}
+    store.put(forged_event_key(1), json.dumps({**event, "interval_steps": 1}).encode())
+    stats = load_stats(store)
+    assert (stats.suggested_interval_steps, stats.estimated_goodput) == (1, 1.0)
