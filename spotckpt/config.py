@@ -33,6 +33,18 @@ _CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
 _NOT_SETTINGS = frozenset({_CONFIG_VARIABLE, NODE_VARIABLE, ZONE_VARIABLE})
 _MAX_SHOWN = 60
 
+DEFAULT_MAX_INTERVAL_STEPS = 10_000
+"""The ceiling of the ``"auto"`` interval when `max_interval_steps` is not given (or is None).
+
+The auto interval comes from figures read back from the bucket, which a corrupt or forged event
+can set to anything; the ceiling bounds what an eviction without notice can then lose to this
+many steps: 100 times the starting interval, 17 minutes of 0.1-s steps, 2.8 hours of 1-s steps.
+Daly's interval for realistic figures stays well below it (a 60-s save stall and one eviction in
+8 hours give about 1,800 s), so it binds only runs of very short steps and rare evictions, where
+the extra saves cost little; such a run may give a larger `max_interval_steps` itself. None
+means this default rather than no bound, so that no setting leaves the interval unbounded.
+"""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
@@ -47,7 +59,8 @@ class Settings:
       (Daly's formula, see `spotckpt.goodput`) and saves when that many steps have passed.
     - `eviction_rate_per_hour`: for ``"auto"``: evictions per hour of training (None: the rate
       observed in the run's events, starting from `spotckpt.goodput.PRIOR_EVICTIONS_PER_HOUR`).
-    - `min_interval_steps`, `max_interval_steps`: bounds of the ``"auto"`` interval.
+    - `min_interval_steps`, `max_interval_steps`: bounds of the ``"auto"`` interval; the
+      ceiling defaults to `DEFAULT_MAX_INTERVAL_STEPS` (None means that default, not unbounded).
     - `max_events`: event objects kept under ``events/``; older ones are compacted.
     - `metrics`: a callable that receives one dict per save, restore and preemption (code only:
       never from a file or the environment); see `spotckpt.metrics`.
@@ -74,7 +87,7 @@ class Settings:
     interval_steps: int | Literal["auto"] | None = None
     eviction_rate_per_hour: float | None = None
     min_interval_steps: int = 1
-    max_interval_steps: int | None = None
+    max_interval_steps: int | None = DEFAULT_MAX_INTERVAL_STEPS
     max_events: int = 500
     metrics: Any = None
     async_save: bool = False
@@ -103,11 +116,18 @@ class Settings:
                 problem = _problem(setting.name, value)
             if problem is not None:
                 raise ConfigError(redact(f"{setting.name}: {problem}"))
+        if self.max_interval_steps is None:  # None means the default ceiling, never unbounded
+            object.__setattr__(self, "max_interval_steps", DEFAULT_MAX_INTERVAL_STEPS)
+        self._check_interval_bounds()
+
+    def _check_interval_bounds(self) -> None:
         maximum = self.max_interval_steps
         if maximum is not None and maximum < self.min_interval_steps:
+            default = " (the default)" if maximum == DEFAULT_MAX_INTERVAL_STEPS else ""
             raise ConfigError(
                 f"max_interval_steps: must be at least min_interval_steps "
-                f"({self.min_interval_steps}), got {maximum}"
+                f"({self.min_interval_steps}), got {maximum}{default}: set max_interval_steps "
+                f"to at least {self.min_interval_steps}, or lower min_interval_steps"
             )
 
     def __repr__(self) -> str:

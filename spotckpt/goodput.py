@@ -15,7 +15,9 @@ Three parts, none of which imports torch:
 Everything read back from ``events/`` may be corrupt or forged: each object is parsed with
 bounded cost (`spotckpt.format.bounded_json`) and checked field by field (`event_problem`,
 `summary_problem`); a malformed one is left out of every figure, with one warning per read that
-names it.
+names it. The interval is always within ``[max(1, min_interval_steps), max_interval_steps]``
+(the ceiling defaults to `spotckpt.config.DEFAULT_MAX_INTERVAL_STEPS`), and figures that cannot
+be true (a mean time between evictions below the step time or the save stall) are not used.
 
 The model of `expected_goodput` and `daly_interval_s` (J. T. Daly, "A higher order estimate of
 the optimum checkpoint interval for restart dumps", Future Generation Computer Systems 22, 2006)
@@ -45,7 +47,7 @@ from spotckpt.catalog import (
     event_stamp,
     parse_event_key,
 )
-from spotckpt.config import Settings
+from spotckpt.config import DEFAULT_MAX_INTERVAL_STEPS, Settings
 from spotckpt.errors import (
     AlreadyExistsError,
     BoundedJSONError,
@@ -105,9 +107,12 @@ def daly_interval_s(delta_s: float, mtbf_s: float) -> float:
 
 
 def clamp_interval(steps: float, minimum: int = 1, maximum: int | None = None) -> int:
-    """`steps` rounded and clamped to ``[minimum, maximum]`` (and to at least 1)."""
-    chosen = max(minimum, 1, round(steps)) if math.isfinite(steps) else (maximum or minimum)
-    return chosen if maximum is None else min(chosen, maximum)
+    """`steps` rounded and clamped to ``[max(1, minimum), maximum]``; `maximum` None is
+    `DEFAULT_MAX_INTERVAL_STEPS`, never unbounded. Infinity is the ceiling, NaN the floor."""
+    ceiling = DEFAULT_MAX_INTERVAL_STEPS if maximum is None else maximum
+    if not math.isfinite(steps):
+        steps = ceiling if steps > 0 else minimum
+    return min(max(minimum, 1, round(steps)), ceiling)
 
 
 def interval_steps_for(
@@ -119,6 +124,20 @@ def interval_steps_for(
 ) -> int:
     """Daly's interval in steps: ``round(τ_opt / step_time)``, clamped to the bounds."""
     return clamp_interval(daly_interval_s(delta_s, mtbf_s) / step_time_s, minimum, maximum)
+
+
+def possible_figures(mtbf_s: float, step_time_s: float | None, save_cost_s: float | None) -> bool:
+    """Whether a mean time between evictions can be true beside a step time and a save stall.
+
+    Evictions more often than steps, or saves that block longer than the time between evictions,
+    would leave a run that never progresses: such figures come from corrupt or forged events.
+    """
+    if not (math.isfinite(mtbf_s) and mtbf_s > 0):
+        return False
+    return all(
+        figure is None or (math.isfinite(figure) and 0 <= figure <= mtbf_s)
+        for figure in (step_time_s, save_cost_s)
+    )
 
 
 def expected_goodput(delta_s: float, mtbf_s: float, tau_s: float, restart_s: float = 0.0) -> float:
@@ -171,7 +190,8 @@ class IntervalModel:
     the loop was blocked, `seed` with a run's recorded `Totals`, and `update` to recompute. The
     step time is the time between `observe_step` calls less the stalls recorded in between; the
     first call only starts the measurement (so does the first after `restart_measurement`).
-    `clock` (monotonic seconds) may be replaced, e.g. by a test's fake clock.
+    `clock` (monotonic seconds) may be replaced, e.g. by a test's fake clock. The interval stays
+    within ``[max(1, min_interval_steps), max_interval_steps]`` (None: the default ceiling).
     """
 
     def __init__(
@@ -184,7 +204,9 @@ class IntervalModel:
     ) -> None:
         self.configured_rate = eviction_rate_per_hour
         self.minimum = min_interval_steps
-        self.maximum = max_interval_steps
+        self.maximum = (
+            DEFAULT_MAX_INTERVAL_STEPS if max_interval_steps is None else max_interval_steps
+        )
         self.clock = clock
         self.history = Totals()
         self.interval_steps = clamp_interval(STARTING_INTERVAL_STEPS, self.minimum, self.maximum)
@@ -194,6 +216,7 @@ class IntervalModel:
         self._stalls: deque[float] = deque(maxlen=_SAVE_WINDOW)
         self._last: tuple[int, float] | None = None
         self._paused = 0.0
+        self._warned: set[str] = set()
 
     def observe_step(self, step: int) -> None:
         """Note that `step` is done now; measures the time per step since the previous call."""
@@ -239,19 +262,52 @@ class IntervalModel:
         return median(self.history.recent.get("stall_s", []))
 
     def figures(self) -> Figures:
-        """The current figures."""
+        """The current figures; an observed eviction rate that cannot be true (see
+        `possible_figures`) gives way to the prior."""
+        step_time_s, save_cost_s = self.step_time_s, self.save_cost_s
+        return Figures(step_time_s, save_cost_s, self._eviction_rate(step_time_s, save_cost_s))
+
+    def _eviction_rate(self, step_time_s: float | None, save_cost_s: float | None) -> float:
+        if self.configured_rate is not None:
+            return self.configured_rate
         training_s = self.history.sums.get("train_s", 0.0) + (self.clock() - self._started)
-        evictions = self.history.counts.get("preemption", 0)
-        return Figures(
-            self.step_time_s,
-            self.save_cost_s,
-            eviction_rate(evictions, training_s, self.configured_rate),
+        observed = eviction_rate(self.history.counts.get("preemption", 0), training_s)
+        if possible_figures(3600 / observed, step_time_s, save_cost_s):
+            return observed
+        self._warn_once(
+            "rate",
+            "the run's events give a mean time between evictions of %.3g s, below the step time "
+            "(%s) or the save stall (%s): that cannot be true, so the prior rate of %s per hour "
+            "is used instead",
+            3600 / observed,
+            _seconds(step_time_s),
+            _seconds(save_cost_s),
+            PRIOR_EVICTIONS_PER_HOUR,
         )
+        return PRIOR_EVICTIONS_PER_HOUR
+
+    def _warn_once(self, reason: str, message: str, *args: object) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning(message, *args)
 
     def update(self) -> int:
-        """Recompute the interval; logs one INFO line when it changes. Returns it."""
+        """Recompute the interval; logs one INFO line when it changes. Returns it. Figures that
+        cannot be true (see `possible_figures`) leave the interval as it is, with a warning."""
         figures = self.figures()
         if figures.step_time_s is None or figures.save_cost_s is None:
+            return self.interval_steps
+        if not possible_figures(figures.mtbf_s, figures.step_time_s, figures.save_cost_s):
+            self._warn_once(
+                "figures",
+                "auto checkpoint interval kept at %d steps: a mean time between evictions of "
+                "M=%.0f s is below the step time %.4f s or the save cost δ=%.3f s (if "
+                "eviction_rate_per_hour is set, check it)",
+                self.interval_steps,
+                figures.mtbf_s,
+                figures.step_time_s,
+                figures.save_cost_s,
+            )
             return self.interval_steps
         chosen = interval_steps_for(
             figures.save_cost_s, figures.mtbf_s, figures.step_time_s, self.minimum, self.maximum
@@ -924,9 +980,16 @@ def stats_from_totals(uri: str, totals: Totals) -> GoodputStats:
 
 
 def _add_model_figures(stats: GoodputStats) -> None:
+    """The suggested interval and the goodput estimate, from figures as the auto interval
+    takes them: an impossible observed rate gives way to the prior, and none is suggested
+    from figures that are impossible even then."""
     if stats.evictions_per_hour is None or stats.stall_median_s is None or not stats.step_time_s:
         return
     mtbf = 3600 / stats.evictions_per_hour
+    if not possible_figures(mtbf, stats.step_time_s, stats.stall_median_s):
+        mtbf = 3600 / PRIOR_EVICTIONS_PER_HOUR
+    if not possible_figures(mtbf, stats.step_time_s, stats.stall_median_s):
+        return
     stats.suggested_interval_steps = interval_steps_for(
         stats.stall_median_s, mtbf, stats.step_time_s
     )

@@ -25,6 +25,7 @@ from torch import nn
 from spotckpt import CheckpointManager, TrainState
 from spotckpt.catalog import EVENT_SUMMARY_KEY, manifest_key, step_folder
 from spotckpt.cli import parse_duration, parse_size
+from spotckpt.config import DEFAULT_MAX_INTERVAL_STEPS
 from spotckpt.format.manifest import Manifest
 from spotckpt.goodput import EventLog
 from spotckpt.storage import open_store
@@ -606,7 +607,8 @@ def _load_demo() -> Any:
 def test_stats_skips_forged_goodput_objects(tmp_path: Path, s3_uri: str) -> None:
     """Forged objects under events/ (30,000-deep JSON, a 400-digit int; events and the summary)
     made `stats` fail with RecursionError or OverflowError. It now reports the good events, with
-    one warning per read naming the first bad object."""
+    one warning per read naming the first bad object, and suggests no interval past the default
+    ceiling even for a recorded step time of 1e-155 s."""
     local = str(tmp_path / "ck")
     summaries = {local: "deep summary", s3_uri: "huge int in the summary"}
     events = [FORGED_GOODPUT["deep event"], FORGED_GOODPUT["huge int in an event"]]
@@ -616,7 +618,7 @@ def test_stats_skips_forged_goodput_objects(tmp_path: Path, s3_uri: str) -> None
             store.put(key, data)
         log = EventLog(store)
         for _ in range(3):
-            log.record({"kind": "save", "stall_s": 1.0, "train_s": 60.0, "step_time_s": 0.5})
+            log.record({"kind": "save", "stall_s": 1.0, "train_s": 60.0, "step_time_s": 1e-155})
     results = run_all(
         [["stats", local, "--json"], ["stats", s3_uri, "--json"], ["stats", s3_uri]], cwd=tmp_path
     )
@@ -630,6 +632,9 @@ def test_stats_skips_forged_goodput_objects(tmp_path: Path, s3_uri: str) -> None
     for result in results[:2]:
         stats = json.loads(result.stdout)
         assert (stats["events"], stats["saves"], stats["evictions"]) == (3, 3, 0)
+        assert stats["suggested_interval_steps"] == DEFAULT_MAX_INTERVAL_STEPS
+    suggested = rf"^  suggested\s+{DEFAULT_MAX_INTERVAL_STEPS} steps \(Daly\)$"
+    assert re.search(suggested, results[2].stdout, re.M), results[2].stdout
     events_row = r"^  events\s+3 \(3 saves, 0 restores\)$"
     assert re.search(events_row, results[2].stdout, re.M), results[2].stdout
 

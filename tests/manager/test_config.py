@@ -166,3 +166,58 @@ def test_manager_and_config_share_one_declaration_of_the_settings() -> None:
         CheckpointManager("memory://one", keep_last=0)
     with pytest.raises(TypeError, match="keep_lats"):
         CheckpointManager("memory://one", keep_lats=2)
+
+
+def test_the_auto_interval_has_a_finite_default_ceiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_interval_steps defaults to DEFAULT_MAX_INTERVAL_STEPS, None means that default (not
+    unbounded), and a min_interval_steps above the default ceiling is an error that says what to
+    set, from keyword arguments, the environment and spotckpt.toml alike."""
+    from spotckpt.config import DEFAULT_MAX_INTERVAL_STEPS, Settings
+
+    above = DEFAULT_MAX_INTERVAL_STEPS + 1
+    conflict = (
+        rf"max_interval_steps: must be at least min_interval_steps \({above}\), got "
+        rf"{DEFAULT_MAX_INTERVAL_STEPS} \(the default\): set max_interval_steps"
+    )
+    assert Settings().max_interval_steps == DEFAULT_MAX_INTERVAL_STEPS
+    assert Settings(max_interval_steps=None).max_interval_steps == DEFAULT_MAX_INTERVAL_STEPS
+    with CheckpointManager(str(tmp_path / "ck"), preemption=False, interval_steps="auto") as mgr:
+        assert mgr.goodput.model.maximum == DEFAULT_MAX_INTERVAL_STEPS
+    # keyword arguments
+    with pytest.raises(ConfigError, match=conflict):
+        CheckpointManager("memory://one", min_interval_steps=above)
+    with pytest.raises(ConfigError, match=conflict):
+        Config.load(tmp_path, uri="memory://x", min_interval_steps=above)
+    assert Settings(min_interval_steps=above, max_interval_steps=above).max_interval_steps == above
+    # the environment
+    monkeypatch.setenv("SPOTCKPT_URI", "memory://x")
+    monkeypatch.setenv("SPOTCKPT_MAX_INTERVAL_STEPS", "none")
+    assert Config.load(tmp_path).max_interval_steps == DEFAULT_MAX_INTERVAL_STEPS
+    monkeypatch.setenv("SPOTCKPT_MAX_INTERVAL_STEPS", "0")
+    with pytest.raises(ConfigError, match=r"^SPOTCKPT_MAX_INTERVAL_STEPS: must be at least 1"):
+        Config.load(tmp_path)
+    monkeypatch.delenv("SPOTCKPT_MAX_INTERVAL_STEPS")
+    monkeypatch.setenv("SPOTCKPT_MIN_INTERVAL_STEPS", str(above))
+    with pytest.raises(ConfigError, match=conflict):
+        Config.load(tmp_path)
+    monkeypatch.setenv("SPOTCKPT_MAX_INTERVAL_STEPS", str(2 * above))
+    assert Config.load(tmp_path).max_interval_steps == 2 * above
+    monkeypatch.delenv("SPOTCKPT_MIN_INTERVAL_STEPS")
+    monkeypatch.delenv("SPOTCKPT_MAX_INTERVAL_STEPS")
+    # spotckpt.toml
+    path = tmp_path / "spotckpt.toml"
+    path.write_text(f"min_interval_steps = {above}\n")
+    with pytest.raises(ConfigError, match=conflict):
+        Config.load(tmp_path)
+    path.write_text(f"min_interval_steps = {above}\nmax_interval_steps = {above}\n")
+    assert Config.load(tmp_path).max_interval_steps == above
+    path.write_text("max_interval_steps = 0\n")
+    with pytest.raises(ConfigError, match=r"spotckpt.toml: max_interval_steps: must be at least 1"):
+        Config.load(tmp_path)
+    path.write_text('max_interval_steps = "none"\n')
+    with pytest.raises(
+        ConfigError, match=r"spotckpt.toml: max_interval_steps: must be int or None"
+    ):
+        Config.load(tmp_path)

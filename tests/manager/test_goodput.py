@@ -22,7 +22,7 @@ from torch import nn
 
 from spotckpt import CheckpointManager, Config, ConfigError, PreemptionWatcher, TrainState
 from spotckpt.catalog import EVENT_SUMMARY_KEY, EVENTS_PREFIX, parse_event_key
-from spotckpt.config import Settings
+from spotckpt.config import DEFAULT_MAX_INTERVAL_STEPS, Settings
 from spotckpt.errors import StorageError
 from spotckpt.goodput import (
     MAX_EVENT_BYTES,
@@ -292,7 +292,8 @@ def test_auto_from_the_environment_and_a_config_file(
     )
     config = Config.load(tmp_path)
     assert (config.interval_steps, config.eviction_rate_per_hour) == ("auto", 1.5)
-    assert config.min_interval_steps == 10 and config.max_interval_steps is None
+    assert config.min_interval_steps == 10
+    assert config.max_interval_steps == DEFAULT_MAX_INTERVAL_STEPS
     monkeypatch.setenv("SPOTCKPT_INTERVAL_STEPS", "250")
     monkeypatch.setenv("SPOTCKPT_MAX_INTERVAL_STEPS", "400")
     config = Config.load(tmp_path)
@@ -665,3 +666,94 @@ def test_stats_survive_a_vanishing_step_time(tmp_path: Path) -> None:
     store.put(forged_event_key(1), json.dumps({**event, "interval_steps": 1}).encode())
     stats = load_stats(store)
     assert (stats.suggested_interval_steps, stats.estimated_goodput) == (1, 1.0)
+
+
+# Forged figures and the bounds of the auto interval -----------------------------------------------
+
+
+def _forge_history(store: ObjectStore, summary: dict[str, Any]) -> None:
+    """A summary that passes every field check but claims figures chosen by an adversary."""
+    document = {"format": SUMMARY_FORMAT, **summary}
+    store.put(EVENT_SUMMARY_KEY, json.dumps(document).encode())
+
+
+def _restored_interval(root: str, **settings: Any) -> int | None:
+    state = TrainState(model=_model(), rng=False)
+    with CheckpointManager(root, preemption=False, interval_steps="auto", **settings) as manager:
+        manager.restore(state)
+        return manager.interval_steps
+
+
+def test_forged_figures_cannot_push_the_auto_interval_past_the_ceiling(root: str) -> None:
+    """A recorded step time of 1e-155 s made Daly's interval about 1e157 steps: no periodic save
+    for the rest of the run. The default ceiling bounds it, and so does a configured one."""
+    store = open_store(root)
+    _forge_history(
+        store, {"events": 1, "counts": {"save": 1}, "recent": {"stall_s": [1.0]},
+                "last": {"step_time_s": 1e-155}}
+    )  # fmt: skip
+    assert _restored_interval(root) == DEFAULT_MAX_INTERVAL_STEPS
+    assert _restored_interval(root, max_interval_steps=None) == DEFAULT_MAX_INTERVAL_STEPS
+    assert _restored_interval(root, max_interval_steps=250) == 250
+
+
+def test_forged_figures_cannot_push_the_auto_interval_below_one(tmp_path: Path) -> None:
+    """An hour per step and a millisecond per save: Daly's τ is 4 s, a thousandth of a step."""
+    store = open_store(str(tmp_path))
+    _forge_history(
+        store, {"events": 1, "counts": {"save": 1}, "recent": {"stall_s": [0.001]},
+                "last": {"step_time_s": 3600.0}}
+    )  # fmt: skip
+    assert _restored_interval(str(tmp_path)) == 1
+
+
+def test_an_impossible_eviction_rate_gives_way_to_the_prior(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """10**15 evictions in one second of training (a mean time between evictions far below the
+    step time) made the interval 1 step: a save at every step. The prior is used instead."""
+    store = open_store(root)
+    _forge_history(
+        store,
+        {
+            "events": 2,
+            "counts": {"save": 1, "preemption": 10**15},
+            "sums": {"train_s": 1.0},
+            "recent": {"stall_s": [20.0]},
+            "last": {"step_time_s": 5.0},
+        },
+    )
+    with caplog.at_level(logging.WARNING, logger="spotckpt"):
+        interval = _restored_interval(root)
+    assert interval == round(daly(20.0, 3600 / PRIOR_EVICTIONS_PER_HOUR) / 5.0)
+    assert any("the prior rate" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stall_longer_than_the_time_between_evictions_leaves_the_interval(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recorded save stall of 30 days (within an event's range, but far beyond the prior's 2 h
+    between evictions) is impossible: the interval stays where it was instead of Daly's τ = M."""
+    store = open_store(str(tmp_path))
+    _forge_history(
+        store, {"events": 1, "counts": {"save": 1}, "recent": {"stall_s": [30 * 86400.0]},
+                "last": {"step_time_s": 5.0}}
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="spotckpt"):
+        assert _restored_interval(str(tmp_path)) == STARTING_INTERVAL_STEPS
+    assert any("auto checkpoint interval kept at 100" in r.getMessage() for r in caplog.records)
+
+
+def test_the_model_ignores_figures_that_cannot_be_true() -> None:
+    """With a configured rate the figures are the user's: when they still contradict each other
+    (evictions more often than steps), the interval is left as it is, never 0 or huge."""
+    clock = FakeClock()
+    model = IntervalModel(eviction_rate_per_hour=3600.0, clock=clock)  # M = 1 s
+    for step in range(1, 6):
+        clock.now += 10.0  # 10-s steps: more than M
+        model.observe_step(step)
+    model.record_stall(0.5)
+    assert model.update() == STARTING_INTERVAL_STEPS
+    assert interval_steps_for(60.0, 1800.0, 1e-300) == DEFAULT_MAX_INTERVAL_STEPS
+    assert interval_steps_for(60.0, 1800.0, 1e-300, maximum=None) == DEFAULT_MAX_INTERVAL_STEPS
+    assert interval_steps_for(math.nan, 1800.0, 10.0) == 1
