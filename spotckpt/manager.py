@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from spotckpt.catalog import Catalog
+from spotckpt.catalog import Catalog, new_attempt_id
 from spotckpt.collector import collector_paused
 from spotckpt.config import Config, Settings
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
@@ -323,6 +323,7 @@ class CheckpointManager:
                     self.store,
                     step,
                     prefix_spread=self.prefix_spread,
+                    attempt=self._child_attempt(blocking),
                     **self._writer_options(user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
@@ -338,6 +339,14 @@ class CheckpointManager:
             "versions": {"spotckpt": __version__, "torch": torch.__version__},
             "on_written": self._progress.mark_written if marks else None,
         }
+
+    def _child_attempt(self, blocking: bool) -> str | None:
+        """The attempt id of a save uploaded by DCP's child process (``async_mode="process"``),
+        drawn here and shared by every rank: the child never hands it back, and a save that
+        fails there must still be known (read back, or discarded). None: the writer draws it."""
+        if blocking or self.settings.async_mode != "process":
+            return None
+        return cast(str, self.collective.broadcast(new_attempt_id()))
 
     def _bucket_save(
         self,
