@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from spotckpt.catalog import Catalog
+from spotckpt.catalog import Catalog, new_attempt_id
 from spotckpt.collector import collector_paused
 from spotckpt.config import Config, Settings
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
@@ -323,6 +323,7 @@ class CheckpointManager:
                     self.store,
                     step,
                     prefix_spread=self.prefix_spread,
+                    attempt=self._child_attempt(blocking),
                     **self._writer_options(user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
@@ -338,6 +339,14 @@ class CheckpointManager:
             "versions": {"spotckpt": __version__, "torch": torch.__version__},
             "on_written": self._progress.mark_written if marks else None,
         }
+
+    def _child_attempt(self, blocking: bool) -> str | None:
+        """The attempt id of a save uploaded by DCP's child process (``async_mode="process"``),
+        drawn here and shared by every rank: the child never hands it back, and a save that
+        fails there must still be known (read back, or discarded). None: the writer draws it."""
+        if blocking or self.settings.async_mode != "process":
+            return None
+        return cast(str, self.collective.broadcast(new_attempt_id()))
 
     def _bucket_save(
         self,
@@ -634,23 +643,39 @@ class CheckpointManager:
            unless `fallback` is off or none is older; a step deleted meanwhile (retention by
            another job) means the next older one.
         4. None when no committed step is left.
+
+        `restorable_step` follows 3 and 4 with a check of every byte in place of the load.
         """
         candidates = self.collective.run_on_coordinator(lambda: self._bucket_candidates(step))
         if self.tier is not None and step is None:
             restored = self._restore_from_tier(state, candidates[0] if candidates else None, strict)
             if restored is not None:
                 return restored
+
+        def load(candidate: int) -> None:
+            self._restore_from_bucket(state, candidate, strict)
+
+        return self._first_usable(candidates, load, explicit=step is not None, fallback=fallback)
+
+    def _first_usable(
+        self, candidates: list[int], use: Callable[[int], None], *, explicit: bool, fallback: bool
+    ) -> int | None:
+        """Steps 3 and 4 of `_restore_in_order`: the first of `candidates` that `use` takes.
+
+        A step deleted meanwhile means the next one; a corrupt one is quarantined, with a
+        warning, before the next one is tried. An `explicit` step's error is raised as it is.
+        """
         for index, candidate in enumerate(candidates):
             try:
-                self._restore_from_bucket(state, candidate, strict)
+                use(candidate)
                 return candidate
             except NoCheckpointError:
-                if step is not None:
+                if explicit:
                     raise
                 log.info("checkpoint step %d was deleted while restoring; trying older", candidate)
             except (CorruptCheckpointError, ManifestError) as error:
                 older = candidates[index + 1 :]
-                if step is not None or not fallback or not older:
+                if explicit or not fallback or not older:
                     raise
                 self._set_aside(candidate, error)
                 log.warning(
@@ -660,6 +685,32 @@ class CheckpointManager:
                     older[0],
                 )
         return None
+
+    def restorable_step(self) -> int | None:
+        """The step that `restore` would load, chosen before there is a state to load it into:
+        for a framework that fixes its starting step first (the Hugging Face Trainer), which
+        then loads it with ``restore(state, step=...)``.
+
+        The bucket's committed steps are checked newest first, every byte against the manifest
+        (read once, on the coordinator); a corrupt step is quarantined and the next older one
+        checked, with a warning, as `restore` does (`_first_usable`). The fast tier is not
+        consulted. None when no committed step is left.
+        """
+        self._check_open()
+        candidates = self.collective.run_on_coordinator(lambda: self._bucket_candidates(None))
+        return self._first_usable(candidates, self._check_whole, explicit=False, fallback=True)
+
+    def _check_whole(self, step: int) -> None:
+        """Raise, on every rank, the error a restore of `step` would meet in its manifest or
+        its bytes (the coordinator reads them all)."""
+
+        def check() -> None:
+            self.catalog.read_manifest(step)  # its own errors, as a restore meets them
+            error = verify_checkpoint(self.store, step).error()
+            if error is not None:
+                raise error
+
+        self.collective.run_on_coordinator(check)
 
     def _bucket_candidates(self, step: int | None) -> list[int]:
         """The committed steps a restore may load, in the order it tries them."""

@@ -21,6 +21,8 @@ from spotckpt.catalog import Catalog, manifest_key, step_folder
 from spotckpt.checksum import crc32c
 from spotckpt.engine.chunks import BlockCheck, ChunkReader, describe
 from spotckpt.errors import (
+    CheckpointError,
+    ChecksumMismatchError,
     InvalidArgumentError,
     ManifestError,
     ObjectMissingError,
@@ -68,6 +70,14 @@ class VerifyReport:
         """True when no problem was found."""
         return not self.problems
 
+    def error(self) -> CheckpointError | None:
+        """The error a restore of this step meets first (None when ok): damage before a value
+        that does not load, since a restore falls back from damage but not from such a value."""
+        if not self.problems:
+            return None
+        first = min(self.problems, key=lambda p: p.kind == "value")
+        return _ERRORS[first.kind](f"checkpoint step {self.step}: {first.message}")
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
         return {
@@ -77,6 +87,17 @@ class VerifyReport:
             "objects_checked": self.objects_checked,
             "problems": [asdict(p) | {"tensors": list(p.tensors)} for p in self.problems],
         }
+
+
+_ERRORS: dict[str, type[CheckpointError]] = {
+    "manifest": ManifestError,
+    "missing": ObjectMissingError,
+    "size": ObjectSizeError,
+    "crc32c": ChecksumMismatchError,
+    "blocks": ChecksumMismatchError,
+    "value": ValueLoadError,
+}
+"""The error of each kind of `Problem`, as a restore that meets it raises it."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 Run as a child process by tests/integrations/test_transformers_integration.py:
 
     python hf_worker.py URI OUT_DIR --steps 14 [--stop-at K] [--workers N] [--no-resume]
+        [--keep-last N]
 
 With ``--stop-at K`` it prints ``REACHED K`` on stdout at the end of optimizer step K and waits
 there for SIGTERM, so that the emergency save is of step K. On completion it writes
@@ -97,6 +98,7 @@ def main() -> int:
     parser.add_argument("--stop-at", type=int)
     parser.add_argument("--workers", type=int, default=0, help="data-loader worker processes")
     parser.add_argument("--no-resume", action="store_true", help="do not pass the resume folder")
+    parser.add_argument("--keep-last", type=int, help="retention (default: the manager's)")
     options = parser.parse_args()
 
     signalled = threading.Event()
@@ -131,7 +133,8 @@ def main() -> int:
         dataloader_num_workers=options.workers,
         disable_tqdm=True,
     )
-    spot = SpotckptCallback(options.uri, interval_steps=options.save_every)
+    keep = {} if options.keep_last is None else {"keep_last": options.keep_last}
+    spot = SpotckptCallback(options.uri, interval_steps=options.save_every, **keep)
     trainer = Trainer(
         model=model,
         args=args,

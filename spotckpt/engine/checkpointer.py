@@ -8,7 +8,8 @@ checkpointer type of ``async_mode="process"``. DCP reports a failure on any rank
 `CheckpointException` (a `BaseException`) holding each rank's error; `save_failure` and the
 restore path turn it into the spotckpt error that says what happened (`SaveFailedError` naming the
 ranks and causes, or the rank's own `CheckpointAlreadyCommittedError`; on a restore the rank's own
-corruption, key or value error), so that callers never see DCP's wrapper.
+corruption, key or value error), so that callers never see DCP's wrapper. In process mode a save
+whose upload process died fails naming it, and the next save starts a new one on every rank.
 
 Call order of a manager's save: `save` (blocking) or `async_save` (returns when staged; the
 upload's future completes later); when either fails, `save_failure` gives the error to raise.
@@ -18,11 +19,13 @@ Of a restore: `load`, with a `spotckpt.engine.reader.ObjectStoreReader` and a
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -41,6 +44,8 @@ from spotckpt.errors import (
     ValueLoadError,
 )
 
+log = logging.getLogger("spotckpt")
+
 _RESTORE_ERRORS = (CorruptCheckpointError, KeyMismatchError, ManifestError, ValueLoadError)
 """A rank's own errors that a failed load reports as they are (restore's fallback acts on them)."""
 
@@ -49,7 +54,7 @@ class Checkpointer:
     """DCP's save, asynchronous save and load for one manager (one process, one rank).
 
     `process_mode` uploads asynchronous saves from a child process that DCP starts once and keeps
-    (``AsyncCheckpointerType.PROCESS``); it needs a process group.
+    (``AsyncCheckpointerType.PROCESS``), and again when it died; it needs a process group.
     """
 
     def __init__(self, collective: Collective, *, process_mode: bool = False) -> None:
@@ -74,6 +79,8 @@ class Checkpointer:
     def async_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> Future[Any]:
         """Stage `state_dict` to CPU memory and return the future of its upload and commit."""
         kind = AsyncCheckpointerType.PROCESS if self.process_mode else AsyncCheckpointerType.THREAD
+        if self.process_mode:
+            self._renew_dead_upload_process()
         response = dcp.async_save(
             state_dict,
             storage_writer=writer,
@@ -117,6 +124,12 @@ class Checkpointer:
         A failed collective (a rank died or hung, so gloo timed out or lost its peer) names the
         ranks that never finished writing, from their `progress` markers.
         """
+        dead = _dead_upload_process() if self.process_mode else None
+        if dead is not None and isinstance(error, (RuntimeError, OSError)):
+            return SaveFailedError(
+                f"save of step {step} failed: DCP's upload process ({dead}) died; nothing was "
+                "committed; the next save starts a new upload process"
+            )
         if isinstance(error, CheckpointException):
             return _save_error(step, error)
         if not isinstance(error, (RuntimeError, TimeoutError)):
@@ -128,6 +141,24 @@ class Checkpointer:
             f"save of step {step} failed: {_who_failed(silent)} did not finish writing "
             f"(process died or hung); nothing was committed"
         )
+
+    def _renew_dead_upload_process(self) -> None:
+        """Before a process-mode save: when DCP's upload process died on any rank, retire it on
+        every rank, so that DCP starts new ones for this save.
+
+        DCP starts that process once and keeps it: after it died, every save would write to
+        its closed pipe (BrokenPipeError) for the rest of the run. Every rank must start its new
+        one at the same save: the processes join a process group of their own, and starting one
+        is a collective of the saves' group.
+        """
+        dead = _dead_upload_process()
+        if self.collective.all(dead is None):
+            return
+        log.warning(
+            "DCP's upload process %s; starting a new one for this save",
+            f"({dead}) died" if dead is not None else "died on another rank",
+        )
+        _retire_upload_process()
 
     def _async_stager(self) -> DefaultStager:
         if self._stager is None:
@@ -141,6 +172,31 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _dead_upload_process() -> str | None:
+    """``pid N, exit code C`` of DCP's process-mode upload process when it died; None when it
+    is alive or was not started.
+
+    torch 2.13 keeps that process in the private module global
+    ``_async_process_executor._CHECKPOINT_PROCESS`` and offers no public way to see or replace
+    it (`dcp.async_save` takes no executor, and every executor it builds uses that global).
+    """
+    kept = _async_process_executor._CHECKPOINT_PROCESS
+    if kept is None or kept._save_process.is_alive():
+        return None
+    return f"pid {kept._save_process.pid}, exit code {kept._save_process.exitcode}"
+
+
+def _retire_upload_process() -> None:
+    """Stop DCP's upload process if it still runs (its peers' died: its process group is
+    broken) and forget it, so that DCP's next process-mode save starts a new one (the private
+    global of `_dead_upload_process`, cleared as DCP would find it before its first save)."""
+    kept = _async_process_executor._CHECKPOINT_PROCESS
+    _async_process_executor._CHECKPOINT_PROCESS = None
+    if kept is not None and kept._save_process.is_alive():
+        kept._save_process.kill()
+        kept._save_process.join()
 
 
 def is_save_failure(error: BaseException) -> bool:

@@ -88,8 +88,10 @@ class ObjectStoreWriter(StorageWriter):
     """Writes one checkpoint step into `store` through DCP; see the module docstring.
 
     It pickles with its store, which rebuilds itself where it is unpickled (DCP's process-mode
-    async save runs the writer in a child process; the caller's copy then keeps ``attempt`` and
-    ``manifest`` at None: read the outcome back from the store).
+    async save runs the writer in a child process; the caller's copy then keeps ``manifest`` at
+    None and ``attempt`` at what it was given: read the outcome back from the store). `attempt`
+    is the attempt id the coordinator uses instead of drawing one, given by a caller that must
+    know it without hearing back from that child (to discard the attempt after a failure).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class ObjectStoreWriter(StorageWriter):
         versions: dict[str, str] | None = None,
         on_written: Callable[[], None] | None = None,
         index_parts: bool | None = None,
+        attempt: str | None = None,
     ) -> None:
         super().__init__()
         self.index_parts = index_parts
@@ -116,11 +119,12 @@ class ObjectStoreWriter(StorageWriter):
         self.on_written = on_written
         self.is_coordinator = False
         self.rank = 0
-        self.attempt: str | None = None
+        self.planned_attempt = attempt
+        self.attempt: str | None = attempt
         self.manifest: Manifest | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        self.attempt = None
+        self.attempt = self.planned_attempt
         self.manifest = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -141,7 +145,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.check_step_free()
-        attempt = new_attempt_id()
+        attempt = self.planned_attempt or new_attempt_id()
         indexed = self.index_parts
         if indexed is None:
             indexed = len(plans) >= INDEX_MIN_RANKS

@@ -14,9 +14,11 @@ Resuming goes through the Trainer's own mechanism, so that it skips the batches 
 on, in the right epoch, with the right gradient-accumulation grouping, exactly as when it resumes
 from one of its own checkpoint folders. The Trainer only resumes from a local folder that holds
 ``trainer_state.json`` and the model weights, so `resume_from_checkpoint` writes one: the
-weights of the latest committed checkpoint (through `spotckpt.export.export_hf`) and its
-`TrainerState` (kept in the manifest's user metadata, without the log history). Once the
-Trainer has prepared its model and optimizer, `on_train_begin` restores the whole checkpoint in
+weights (through `spotckpt.export.export_hf`) and the `TrainerState` (kept in the manifest's user
+metadata, without the log history) of the step a restore would load. The Trainer's starting step
+cannot change once it is fixed, so that step is chosen with every byte checked first
+(`CheckpointManager.restorable_step`: a corrupt newer step is quarantined, as a restore does). Once
+the Trainer has prepared its model and optimizer, `on_train_begin` restores the whole checkpoint in
 place (model, optimizer, scheduler, RNGs, log history) and deletes the folder; the RNG states
 are set again where the Trainer sets its own after skipping batches (before the first step of a
 resumed epoch, or at the start of the epoch when resuming at an epoch boundary).
@@ -87,15 +89,15 @@ class SpotckptCallback(TrainerCallback):
         """A local folder for ``trainer.train(resume_from_checkpoint=...)``; None on a fresh run.
 
         Call it after building the Trainer. The folder (under the Trainer's ``output_dir``)
-        holds the model weights and the `TrainerState` of the latest committed checkpoint; the
-        rest of that checkpoint is restored in place when training begins, and the folder is
-        deleted then.
+        holds the model weights and the `TrainerState` of the newest committed checkpoint that
+        checks out whole (a corrupt newer one is quarantined, with a warning); the rest of that
+        checkpoint is restored in place when training begins, and the folder is deleted then.
         """
         args = self._args
         if args is None:
             raise CheckpointError("call resume_from_checkpoint() after building the Trainer")
         manager = self._manager()
-        step = manager.latest_step()
+        step = manager.restorable_step()
         if step is None:
             return None
         trainer_state = manager.read_manifest(step).user_metadata.get(TRAINER_STATE_KEY)

@@ -10,6 +10,7 @@ tensor equal to an uninterrupted run's (which had no loader workers), byte for b
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager
+from spotckpt.catalog import QUARANTINE_PREFIX, step_folder
 from spotckpt.integrations.transformers import TRAINER_STATE_KEY
 
 from framework_runs import child_env, committed_steps, digest, run, run_preempted, tail
@@ -73,6 +75,47 @@ def test_sigterm_exit_75_and_bit_identical_resume(
     assert result["log_steps"] == expected["log_steps"]  # the log history came back
     assert committed_steps(uri)[-1] == 14  # the last step is saved
     assert not list((out / "trainer").glob("spotckpt-resume-*")), "the resume folder stayed"
+
+
+def test_a_corrupt_newest_checkpoint_is_quarantined_and_the_trainer_resumes_from_the_older(
+    tmp_path: Path, reference: tuple[str, dict[str, Any]]
+) -> None:
+    """Steps 3 and 6 committed; a byte of an optimizer tensor in step 6's object flipped (the
+    weights the Trainer loads stay intact). The restart must choose its step as a restore does:
+    quarantine step 6 with a warning, resume from step 3, and (repeating steps 4 to 6) end bit
+    for bit where an uninterrupted run ends."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path / "spot"
+    keep = ("--keep-last", "10")  # keeps every step: the quarantine record of step 6 stays
+    assert run_preempted("hf_worker.py", uri, out, 6, *keep) == PREEMPTED_EXIT_CODE, tail(out)
+    assert committed_steps(uri) == [3, 6]
+    with CheckpointManager(uri, preemption=False) as manager:
+        manifest = manager.read_manifest(6)
+    damaged = next(n for n in manifest.tensors if n.startswith("optimizer.state."))
+    location = manifest.tensors[damaged].chunks[0].location
+    _flip_byte(tmp_path / "ckpt" / step_folder(6) / location.key, location.offset)
+
+    resumed = run("hf_worker.py", uri, out, *keep)
+    log = out.with_suffix(".log").read_text()
+    assert resumed.returncode == 0, tail(out)
+    assert "checkpoint step 6 is unusable" in log and "falling back to step 3" in log, tail(out)
+    records = list((tmp_path / "ckpt" / step_folder(6)).glob(f"{QUARANTINE_PREFIX}*"))
+    assert len(records) == 1, "step 6 was not quarantined"
+    assert "ChecksumMismatchError" in json.loads((records[0] / "reason.json").read_text())["reason"]
+    result, expected = digest(out), reference[1]
+    assert result["resumed_from"] == "3"
+    different = [
+        name for name, sha in expected["tensors"].items() if result["tensors"][name] != sha
+    ]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:5]}"
+    assert result["global_step"] == expected["global_step"] == 14
+    assert result["log_steps"] == expected["log_steps"]
+    assert committed_steps(uri) == [3, 6, 9, 12, 14]  # step 6 saved again on the way
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_a_trainer_that_ignores_the_checkpoint_is_refused(

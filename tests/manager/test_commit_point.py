@@ -192,6 +192,31 @@ def test_bad_step_is_quarantined_and_saved_again(
     assert any("quarantined for inspection" in kept for kept in report.kept)
 
 
+@pytest.mark.parametrize("damage", ["none", "flipped-byte", "garbage-manifest"])
+def test_restorable_step_chooses_as_restore_does_before_anything_is_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """For a framework that fixes its starting step first: every byte of the newest step is
+    checked, and a bad one is quarantined with a warning before the older one is chosen."""
+    _two_steps(tmp_path)
+    if damage == "flipped-byte":
+        _flip_byte(_shard(tmp_path, 2), 100)  # in a tensor's bytes, not the header
+    elif damage == "garbage-manifest":
+        (tmp_path / manifest_key(2)).write_bytes(b'{"format": "spotckpt/1", "step": 2, ')
+    with _manager(str(tmp_path)) as mgr, caplog.at_level(logging.WARNING, logger="spotckpt"):
+        if damage == "none":
+            assert mgr.restorable_step() == 2
+            assert mgr.steps() == [1, 2] and "quarantined" not in caplog.text
+            return
+        assert mgr.restorable_step() == 1
+        assert "checkpoint step 2 is unusable" in caplog.text
+        assert "quarantined checkpoint step 2" in caplog.text
+        assert mgr.steps() == [1]
+        assert len(list((tmp_path / step_folder(2)).glob(f"{QUARANTINE_PREFIX}*"))) == 1
+        target = _empty()
+        assert mgr.restore(target, step=1) == 1 and _same(target, _state(1))
+
+
 def test_unknown_format_is_skipped_not_quarantined(tmp_path: Path) -> None:
     """A manifest from a newer spotckpt says nothing about the checkpoint's health."""
     _two_steps(tmp_path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from spotckpt.storage.base import check_portable
 from spotckpt.storage.gcs import GCSStore
 from spotckpt.storage.s3 import S3Store
 
+from fault_proxy import INTERNAL, FaultProxy
 from tests_support import REPO, TESTS
 
 WORKER_TIMEOUT_S = 600.0
@@ -203,6 +205,32 @@ def test_manager_async_mode_process_saves_in_the_child_and_restores(
     assert result["bit_identical"] == [True]
 
 
+def test_upload_process_killed_mid_save_fails_that_save_and_the_next_save_starts_a_new_one(
+    tmp_path: Path, s3_uri: str
+) -> None:
+    """DCP's upload process is SIGKILLed while it uploads step 2 (held at its first part by a
+    proxy in front of the S3 server): that save fails with SaveFailedError naming the process,
+    its attempt is discarded (no object, no open multipart upload), and step 3 is uploaded by
+    a new process, committed and restored bit for bit."""
+    result = _run_worker(tmp_path, {"uri": s3_uri, "kill": "mid-save"})
+    assert result["failure_type"] == "SaveFailedError", result
+    assert "upload process" in result["failure"] and "died" in result["failure"], result
+    assert f"pid {result['killed']}" in result["failure"], result
+    assert result["left_of_step_2"] == [], "the failed attempt was not discarded"
+    assert result["new_child"] not in (None, result["killed"]), result
+    assert result["steps"] == [1, 3] and result["restored"] == 3
+    assert result["bit_identical"] == [True]
+
+
+def test_upload_process_killed_between_saves_is_replaced_by_the_next_save(tmp_path: Path) -> None:
+    """DCP's upload process is SIGKILLed while idle: the next save starts a new one and commits
+    (where DCP alone would fail every later save with BrokenPipeError)."""
+    result = _run_worker(tmp_path, {"uri": str(tmp_path / "ck"), "kill": "idle"})
+    assert result["new_child"] not in (None, result["killed"]), result
+    assert result["steps"] == [1, 2] and result["restored"] == 2
+    assert result["bit_identical"] == [True]
+
+
 def test_manager_async_mode_process_is_refused_where_it_cannot_work(memory_uri: str) -> None:
     with pytest.raises(ConfigError, match=r"needs torch\.distributed initialised"):
         CheckpointManager(memory_uri, async_save=True, async_mode="process", preemption=False)
@@ -322,6 +350,86 @@ def _manager_worker(args: dict[str, Any], result: dict[str, Any]) -> None:
     mgr.close()
 
 
+def _upload_child() -> int:
+    """The pid of DCP's upload process, found among this process's children: the one that
+    multiprocessing spawned (the other one is its resource tracker)."""
+    found = []
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+    assert len(found) == 1, f"expected one upload process among the children, found {found}"
+    return found[0]
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL `pid` (a child) and wait until it is dead, leaving it for its parent to reap."""
+    os.kill(pid, signal.SIGKILL)
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+def _process_manager(uri: str, **storage_options: Any) -> CheckpointManager:
+    return CheckpointManager(
+        uri,
+        async_save=True,
+        async_mode="process",
+        preemption=False,
+        keep_last=None,
+        storage_options=storage_options,
+    )
+
+
+def _kill_worker(args: dict[str, Any], result: dict[str, Any]) -> None:
+    """Step 1 committed by DCP's upload process, which is then SIGKILLed: while idle
+    (``kill="idle"``: step 2 must commit) or while it uploads step 2 (``kill="mid-save"``: step
+    2 must fail, step 3 commit). The restore of the last step is compared bit for bit."""
+    stalled, released = threading.Event(), threading.Event()
+    armed = threading.Event()
+
+    def hold_part_uploads(method: str, path: str) -> tuple[int, bytes] | None:
+        """While armed, hold each part upload until released, then fail it."""
+        if not (armed.is_set() and method == "PUT" and "partNumber=" in path):
+            return None
+        stalled.set()
+        released.wait(WORKER_TIMEOUT_S)
+        return 500, INTERNAL
+
+    options: dict[str, Any] = {}
+    if args["kill"] == "mid-save":
+        proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"], rate=0.0, answer=hold_part_uploads)
+        options = {"endpoint_url": proxy.endpoint, "part_size": 5 << 20}
+    mgr = _process_manager(args["uri"], **options)
+    mgr.save(1, _state(1))
+    mgr.wait()
+    result["killed"] = child = _upload_child()
+    last = 2
+    if args["kill"] == "idle":
+        _kill(child)
+    else:
+        armed.set()
+        mgr.save(2, _state(2))
+        assert stalled.wait(WORKER_TIMEOUT_S), "the upload of step 2 never reached the store"
+        armed.clear()
+        _kill(child)
+        released.set()
+        try:
+            mgr.wait()
+        except BaseException as error:  # the test names what it must be
+            result["failure_type"], result["failure"] = type(error).__name__, str(error)
+        step_2 = "step-000000002/"
+        left = [info.key for info in mgr.store.list(step_2)]
+        result["left_of_step_2"] = left + [u.key for u in mgr.store.list_uploads(step_2)]
+        last = 3
+    mgr.save(last, _state(last))
+    mgr.wait()
+    result["new_child"] = _upload_child()
+    result["steps"] = mgr.steps()
+    loaded = _blank(last)
+    result["restored"] = mgr.restore(loaded)
+    result["bit_identical"] = [_same_bits(_state(last), loaded)]
+    mgr.close()
+
+
 def _worker(args: dict[str, Any]) -> None:
     from torch.distributed.checkpoint import _async_process_executor as process_executor
 
@@ -332,8 +440,8 @@ def _worker(args: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))
     uri, options = args["uri"], args.get("options", {})
     result: dict[str, Any] = {"pid": os.getpid(), "bit_identical": []}
-    if args.get("manager"):
-        _manager_worker(args, result)
+    if args.get("manager") or args.get("kill"):
+        (_kill_worker if args.get("kill") else _manager_worker)(args, result)
         Path(args["out"]).write_text(json.dumps(result))
         dist.destroy_process_group()
         return
