@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt.errors import CheckpointError
@@ -82,6 +83,7 @@ class SpotckptCallback(TrainerCallback):
         self._rng: dict[str, Any] | None = None
         self._rng_at = ""  # "epoch" or "step": where the restored RNG states are set again
         self._pending = False  # an optimizer step ended and was not offered to maybe_save yet
+        self._awaits_evaluation = False  # the step is offered after its scheduled evaluation
 
     # Resuming ---------------------------------------------------------------------------
 
@@ -167,9 +169,15 @@ class SpotckptCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Offer the step to `maybe_save` now, or after this step's logging and evaluation."""
+        """Offer the step to `maybe_save` now, or after this step's logging and evaluation.
+
+        The evaluation the Trainer adds after the last step (``max_steps`` reached off its
+        evaluation schedule) is not waited for: a longer run, which a restart with more steps
+        continues as, makes no evaluation there, and its draws from the RNGs must not be saved.
+        """
         self._pending = True
-        if not (control.should_log or control.should_evaluate):
+        self._awaits_evaluation = control.should_evaluate and _evaluates_on_schedule(args, state)
+        if not (control.should_log or self._awaits_evaluation):
             self._offer(state, control)
 
     def on_log(
@@ -180,7 +188,7 @@ class SpotckptCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         """The step's log entry is in the history: offer the step unless an evaluation follows."""
-        if self._pending and not control.should_evaluate:
+        if self._pending and not self._awaits_evaluation:
             self._offer(state, control)
 
     def on_evaluate(
@@ -259,6 +267,17 @@ class SpotckptCallback(TrainerCallback):
         manager, self.manager = self.manager, None
         if manager is not None:
             manager.close()
+
+
+def _evaluates_on_schedule(args: TrainingArguments, state: TrainerState) -> bool:
+    """Whether the Trainer evaluates after this step by its ``eval_steps`` schedule, as its
+    ``DefaultFlowCallback`` decides (which also evaluates once more after the last step)."""
+    return (
+        args.eval_strategy == IntervalStrategy.STEPS
+        and bool(state.eval_steps)
+        and state.global_step % state.eval_steps == 0
+        and args.eval_delay <= state.global_step
+    )
 
 
 def _trainer_state_json(state: TrainerState) -> dict[str, Any]:
