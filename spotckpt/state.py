@@ -27,7 +27,6 @@ import os
 import random
 import re
 import signal
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from types import FrameType
 from typing import Any
@@ -45,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from spotckpt.errors import InvalidArgumentError, InvalidTypeError
 from spotckpt.loader_rng import (
@@ -409,27 +409,30 @@ def release_worker_shields() -> None:
         flag.value = 1
 
 
-_LOADERS: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Multi-worker loaders given to spotckpt, whose workers are shut down in order at exit."""
-
-
 def _shut_down_workers_at_exit() -> None:
-    # multiprocessing's exit hook terminates live workers with SIGTERM, and the DataLoader's
-    # SIGCHLD handler then raises "DataLoader worker is killed by signal" inside that hook (a
-    # traceback at every preempted exit). So first: collect iterators kept alive only by a
-    # reference cycle (a frame held by a traceback is enough), release the shields, and shut
-    # down the workers of the iterators loaders keep (torchdata's always, torch's with
-    # persistent workers) the normal way, as the DataLoader does when an iterator is freed.
+    """Release the shields and shut down every live multi-worker loader iterator, in order.
+
+    multiprocessing's exit hook terminates live workers with SIGTERM, and the DataLoader's SIGCHLD
+    handler then raises "DataLoader worker is killed by signal" inside that hook (a traceback at
+    every preempted exit). So first each live iterator shuts its workers down the normal way, as
+    the DataLoader does when an iterator is freed: a stop message to each, then a join. They are
+    found among all objects, not collected: an iterator kept alive only by a reference cycle (a
+    frame held by a traceback is enough) and freed by the collector has its queues' feeder threads
+    closed (their finalizers run before the iterator's own) before its shutdown sends the stop
+    messages, which then never arrive, and each worker costs a 5 s join timeout: an exit past
+    a launcher's kill deadline turns a preempted job's status 75 into a SIGKILL.
+    """
     release_worker_shields()
-    if _RELEASE_FLAGS:
-        gc.collect()
-    for loader in list(_LOADERS):
-        shut_down = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
-        if callable(shut_down):
-            try:
-                shut_down()
-            except Exception as error:  # at exit: report, and let the other loaders shut down
-                log.warning("could not shut down a data loader's workers at exit: %s", error)
+    if not _RELEASE_FLAGS:
+        return  # spotckpt shielded no multi-worker loader in this process
+    for iterator in [o for o in gc.get_objects() if isinstance(o, _BaseDataLoaderIter)]:
+        shut_down = getattr(iterator, "_shutdown_workers", None)  # a multi-worker iterator's
+        if not callable(shut_down) or getattr(iterator, "_shutdown", True):
+            continue
+        try:
+            shut_down()
+        except Exception as error:  # at exit: report, and let the other loaders shut down
+            log.warning("could not shut down a data loader's workers at exit: %s", error)
 
 
 # Registered after multiprocessing's own exit hook (imported above), so it runs first.
@@ -447,7 +450,6 @@ def shield_workers(
     current = getattr(loader, "worker_init_fn", None)
     if getattr(loader, "num_workers", 0) > 0 and not isinstance(current, ShieldedWorkerInit):
         loader.worker_init_fn = ShieldedWorkerInit(current, signals)
-        _LOADERS.add(loader)
         discard_unused_iterator(loader)
 
 
