@@ -46,6 +46,7 @@ from spotckpt.errors import (
     ManifestError,
     NoCheckpointError,
     ObjectNotFoundError,
+    SaveFailedError,
     StorageError,
 )
 from spotckpt.format.index import (
@@ -81,6 +82,10 @@ STEP_LISTING_DELIMITER = f"/{ATTEMPT_PREFIX}"
 """Lists step folders without their attempt objects: ``step-N/a-...`` rolls up as ``step-N/a-``."""
 PART_READS = 16
 """Index parts of an indexed manifest are read this many at a time."""
+REFERENCE_CHECKS = 16
+"""A commit checks the objects its manifest references this many at a time (a HEAD each)."""
+MISSING_NAMED = 5
+"""A failed commit names at most this many of the objects it found missing or resized."""
 RETIRE_FOLDER_LISTINGS = 16
 """Up to this many retired folders, `Catalog.retire` lists each on its own."""
 _STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
@@ -191,6 +196,13 @@ def attempt_folders(manifest: Manifest) -> set[str]:
 
 def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def _described(key: str, size: int, found: ObjectInfo | None) -> str:
+    """What is wrong with a referenced object, for `Catalog.check_referenced`'s error."""
+    if found is None:
+        return f"object {key} is missing"
+    return f"object {key} is {found.size} bytes, not the {size} written"
 
 
 @dataclass
@@ -456,17 +468,24 @@ class Catalog:
     # Committing -------------------------------------------------------------------------------
 
     def commit(self, manifest: Manifest, data: bytes) -> None:
-        """`commit_bytes` for an encoded `manifest`."""
-        self.commit_bytes(manifest.step, manifest.attempt, data)
+        """`commit_bytes` for an encoded `manifest`, which references its objects."""
+        sizes = {key: record.size for key, record in manifest.objects.items()}
+        self.commit_bytes(manifest.step, manifest.attempt, data, sizes)
 
-    def commit_bytes(self, step: int, attempt: str, data: bytes) -> None:
-        """Write `data` (the encoded `manifest`) create-only: the commit point of a save.
+    def commit_bytes(
+        self, step: int, attempt: str, data: bytes, referenced: Mapping[str, int]
+    ) -> None:
+        """Write `data` (an encoded manifest or indexed root) create-only: the commit point of
+        a save, so that a committed manifest never references a missing object.
 
-        When the put's outcome is ambiguous (a 412 after a retried put whose first answer was
-        lost, or an error after the request may have reached the store), the manifest is read
-        back: if it names this attempt the save is committed. Raises
+        First every object it references (`referenced`: key relative to the step folder, and
+        size) is checked (`check_referenced`): one missing or of another size fails the save
+        before anything is written. When the put's outcome is ambiguous (a 412 after a retried
+        put whose first answer was lost, or an error after the request may have reached the
+        store), the manifest is read back: if it names this attempt the save is committed. Raises
         CheckpointAlreadyCommittedError when another writer's manifest is there.
         """
+        self.check_referenced(step, referenced)
         key = manifest_key(step)
         try:
             self.store.put(key, data, create_only=True)
@@ -487,6 +506,31 @@ class Catalog:
                 )
                 return
             raise
+
+    def check_referenced(self, step: int, referenced: Mapping[str, int]) -> None:
+        """SaveFailedError naming the objects of `referenced` (key relative to the step folder,
+        and size) that are missing or of another size; one HEAD each, `REFERENCE_CHECKS` at a
+        time. Something deleted or rewrote them after their rank wrote them (a gc whose safety
+        age is too short, a lifecycle rule, a person): a manifest must not point at them.
+        """
+        keys = sorted(referenced)
+        if not keys:
+            return
+        with ThreadPoolExecutor(min(REFERENCE_CHECKS, len(keys))) as pool:
+            found = pool.map(lambda key: self.store.head(step_key(step, key)), keys)
+            wrong = [
+                _described(step_key(step, key), referenced[key], info)
+                for key, info in zip(keys, found, strict=True)
+                if info is None or info.size != referenced[key]
+            ]
+        if wrong:
+            more = f" and {len(wrong) - MISSING_NAMED} more" if len(wrong) > MISSING_NAMED else ""
+            raise SaveFailedError(
+                f"the manifest of step {step} is not written: {'; '.join(wrong[:MISSING_NAMED])}"
+                f"{more} under {self.uri} (deleted or rewritten after its rank wrote it); save "
+                "again, and look for what deletes objects under the root (a gc with a short "
+                "--safety-age, a bucket lifecycle rule)"
+            )
 
     def check_not_committed(self, step: int) -> None:
         """CheckpointAlreadyCommittedError if `step` has a manifest already."""
