@@ -10,6 +10,7 @@
   events/                                what saves, preemptions and restores cost (goodput)
     <stamp>-<kind>-<writer>-<n>.json     one small JSON event, create-only, by rank 0 only
     summary.json                         older events compacted: counts, sums, recent values
+  gc/clock-<id>                          gc's clock probe: an empty object, deleted at once
 ```
 Event names sort by their UTC stamp (``20260102T030405.123456Z``); `kind` is ``save``,
 ``preemption`` or ``restore``; `writer` is the id of the coordinator's manager and `n` its
@@ -20,6 +21,10 @@ is the canonical spelling of N. Look-alike folders (``step-0000000012``, other d
 newline) are other names: never listed as committed, restored, or deleted by retention, only
 reported. Everything else that reads or changes the layout (the DCP writer and reader, the
 manager, gc, verify, export, the CLI) goes through this module.
+
+gc learns the store's time from its clock probe (`Catalog.store_time`): object times are the
+store's, and a host's own clock may be hours off. A probe left behind by a gc that died is
+collected by a later one.
 
 Older checkpoints may carry a ``latest.json`` hint at the root; nothing reads it any more, and it
 is left alone.
@@ -48,6 +53,7 @@ from spotckpt.errors import (
     ObjectNotFoundError,
     SaveFailedError,
     StorageError,
+    StoreClockError,
 )
 from spotckpt.format.index import (
     INDEXED_FORMAT,
@@ -88,6 +94,8 @@ MISSING_NAMED = 5
 """A failed commit names at most this many of the objects it found missing or resized."""
 RETIRE_FOLDER_LISTINGS = 16
 """Up to this many retired folders, `Catalog.retire` lists each on its own."""
+CLOCK_PROBE_PREFIX = "gc/clock-"
+"""gc's clock probes (`Catalog.store_time`) are written under this prefix of the root."""
 _STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
 _EVENT_NAME = re.compile(
     r"events/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z)-([a-z]{1,32})-[0-9a-f]{1,32}-[0-9]{1,12}\.json"
@@ -141,6 +149,11 @@ def parse_event_key(key: str) -> tuple[str, str] | None:
     """``(stamp, kind)`` of a key made by `event_key`, or None for any other key."""
     match = _EVENT_NAME.fullmatch(key)
     return None if match is None else (match.group(1), match.group(2))
+
+
+def clock_probe_key() -> str:
+    """A new key for gc's clock probe: unique, so that two gc runs never share one."""
+    return f"{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
 
 
 def new_attempt_id() -> str:
@@ -464,6 +477,42 @@ class Catalog:
                 self.uri,
                 STEP_DIGITS,
             )
+
+    # The store's clock -------------------------------------------------------------------------
+
+    def store_time(self) -> datetime:
+        """The store's current time: a probe object is written, its time read back, and the
+        probe deleted (three requests).
+
+        Object times come from the store's clock, so their ages must be judged by it, not by
+        this host's, which may be hours off. StoreClockError when the probe cannot be written
+        or the store gives it no time.
+        """
+        key = clock_probe_key()
+        try:
+            self.store.put(key, b"")
+        except StorageError as error:
+            raise StoreClockError(
+                f"gc could not write its clock probe {self.uri}/{key} ({error}); it learns the "
+                f"store's time from that object and does not run without it (a dry run too): "
+                f"allow writes and deletes under {self.uri}/{CLOCK_PROBE_PREFIX}*"
+            ) from error
+        try:
+            info = self.store.head(key)
+        finally:
+            self.store.delete_many([key])
+        if info is None or info.last_modified is None:
+            raise StoreClockError(
+                f"{self.uri} gave its clock probe {key} no time, so gc cannot tell how old "
+                "anything is by the store's clock and deletes nothing; the store must report "
+                "when objects were written (S3 Last-Modified, GCS updated, a file's mtime)"
+            )
+        return _aware(info.last_modified)
+
+    def clock_probes(self) -> list[ObjectInfo]:
+        """Clock probes still in the store: another gc's, in flight, or one that a gc that died
+        left behind."""
+        return list(self.store.list(CLOCK_PROBE_PREFIX))
 
     # Committing -------------------------------------------------------------------------------
 
