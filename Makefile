@@ -14,7 +14,7 @@ CHECKOV_VENV := .venv-checkov
 CHECKOV := $(CHECKOV_VENV)/bin/checkov
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: help setup demo test test-all lint bench bench-smoke
+.PHONY: help setup demo test test-all lint bench bench-smoke faketime
 
 help:
 	@echo "make setup        create .venv (unless a virtual environment is active), install"
@@ -52,7 +52,14 @@ $(CHECKOV):
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup $(CHECKOV)
+# gc's clock tests run `spotckpt gc` under libfaketime, from Debian's faketime package: installed
+# here when it is missing and apt-get can (as root, as CI runs); without it those tests say so.
+faketime:
+	@command -v faketime >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null; } || \
+		echo "make: could not install faketime (apt-get install faketime); gc's clock tests need it" >&2
+
+test: setup $(CHECKOV) faketime
 	CHECKOV=$(CURDIR)/$(CHECKOV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: PYTEST_ARGS :=

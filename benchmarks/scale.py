@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from spotckpt.catalog import Catalog, index_part_key, manifest_key, rank_object_key, step_key
-from spotckpt.engine.manifests import WrittenItem, build_root, index_part
+from spotckpt.engine.manifests import WrittenItem, build_root, index_part, indexed_references
 from spotckpt.engine.planners import wanted_boxes
 from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.engine.writer import ObjectStoreWriter, RankAssignment, _item_name
@@ -154,6 +154,8 @@ def rank_phase(
     key = index_part_key(attempt, rank)
     data, summary = index_part(writer.header(), rank, results, items, key)
     store.put(step_key(step, key), data, create_only=True)
+    record = summary.storage_data.record
+    store.stand_in(step_key(step, record.key), record.size)  # its data object, written before
     return [summary]
 
 
@@ -161,13 +163,14 @@ def commit_phase(
     store: ObjectStore, step: int, attempt: str, metadata: Metadata, gathered: list[Any]
 ) -> CommitOutcome:
     """The coordinator's commit from DCP's global metadata and every rank's gathered output:
-    the root manifest (parts, tilings, writer runs, values) built, encoded, put create-only."""
+    the root manifest (parts, tilings, writer runs, values) built, encoded, and committed: every
+    referenced object checked (a HEAD each), then the root put create-only."""
     writer = ObjectStoreWriter(store, step)
     writer.attempt = attempt
     started = clock()
     _summary, data = build_root(writer.header(), metadata, gathered)
     built = clock()
-    writer.catalog.commit_bytes(step, attempt, data)
+    writer.catalog.commit_bytes(step, attempt, data, indexed_references(gathered))
     parts = sum(r[0].storage_data.part.size for r in gathered if r)  # written by the ranks
     return CommitOutcome(built - started, 0.0, clock() - built, len(data), parts)
 
@@ -248,13 +251,19 @@ class CountingStore:
     """In-process object store with a sorted key index, counting requests as S3 bills them:
     one list request per page of 1,000 keys (1,000 keys and common prefixes for a delimited
     listing; at least one per listing), one delete request per 1,000 keys, one request per put,
-    get, ranged get and head."""
+    get, ranged get and head. The ranks' data objects are stand-ins, known by their size only
+    (`stand_in`): HEAD answers for them, nothing else sees them."""
 
     def __init__(self, name: str = "scale") -> None:
         self._name = name
         self._objects: dict[str, bytes] = {}
         self._keys: list[str] = []
         self._counts: dict[str, int] = {}
+        self._stand_ins: dict[str, int] = {}
+
+    def stand_in(self, key: str, size: int) -> None:
+        """A data object of `size` bytes that a simulated rank wrote (no bytes are kept)."""
+        self._stand_ins[check_key(key)] = size
 
     @property
     def uri(self) -> str:
@@ -311,7 +320,10 @@ class CountingStore:
         """Size of an object, or None."""
         self._count("head")
         data = self._objects.get(key)
-        return None if data is None else ObjectInfo(key, len(data), None)
+        if data is None:
+            size = self._stand_ins.get(key)
+            return None if size is None else ObjectInfo(key, size, None)
+        return ObjectInfo(key, len(data), None)
 
     def exists(self, key: str) -> bool:
         """Whether the object exists (one HEAD)."""
@@ -731,8 +743,11 @@ def measure_commit(
     )
     report.mark("commit")
     gc.collect()
+    traced = CountingStore("traced")
+    for key, size in indexed_references(gathered).items():
+        traced.stand_in(step_key(step, key), size)
     tracemalloc.start()
-    commit_phase(CountingStore("traced"), step, attempt, metadata, gathered)
+    commit_phase(traced, step, attempt, metadata, gathered)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     report.add(peak_coordinator_mib=peak / MIB)

@@ -10,6 +10,7 @@
   events/                                what saves, preemptions and restores cost (goodput)
     <stamp>-<kind>-<writer>-<n>.json     one small JSON event, create-only, by rank 0 only
     summary.json                         older events compacted: counts, sums, recent values
+  gc/clock-<id>                          gc's clock probe: an empty object, deleted at once
 ```
 Event names sort by their UTC stamp (``20260102T030405.123456Z``); `kind` is ``save``,
 ``preemption`` or ``restore``; `writer` is the id of the coordinator's manager and `n` its
@@ -20,6 +21,10 @@ is the canonical spelling of N. Look-alike folders (``step-0000000012``, other d
 newline) are other names: never listed as committed, restored, or deleted by retention, only
 reported. Everything else that reads or changes the layout (the DCP writer and reader, the
 manager, gc, verify, export, the CLI) goes through this module.
+
+gc learns the store's time from its clock probe (`Catalog.store_time`): object times are the
+store's, and a host's own clock may be hours off. A probe left behind by a gc that died is
+collected by a later one.
 
 Older checkpoints may carry a ``latest.json`` hint at the root; nothing reads it any more, and it
 is left alone.
@@ -46,7 +51,9 @@ from spotckpt.errors import (
     ManifestError,
     NoCheckpointError,
     ObjectNotFoundError,
+    SaveFailedError,
     StorageError,
+    StoreClockError,
 )
 from spotckpt.format.index import (
     INDEXED_FORMAT,
@@ -81,8 +88,14 @@ STEP_LISTING_DELIMITER = f"/{ATTEMPT_PREFIX}"
 """Lists step folders without their attempt objects: ``step-N/a-...`` rolls up as ``step-N/a-``."""
 PART_READS = 16
 """Index parts of an indexed manifest are read this many at a time."""
+REFERENCE_CHECKS = 16
+"""A commit checks the objects its manifest references this many at a time (a HEAD each)."""
+MISSING_NAMED = 5
+"""A failed commit names at most this many of the objects it found missing or resized."""
 RETIRE_FOLDER_LISTINGS = 16
 """Up to this many retired folders, `Catalog.retire` lists each on its own."""
+CLOCK_PROBE_PREFIX = "gc/clock-"
+"""gc's clock probes (`Catalog.store_time`) are written under this prefix of the root."""
 _STEP_FOLDER = re.compile(r"step-([0-9]{9,19})")
 _EVENT_NAME = re.compile(
     r"events/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z)-([a-z]{1,32})-[0-9a-f]{1,32}-[0-9]{1,12}\.json"
@@ -138,6 +151,11 @@ def parse_event_key(key: str) -> tuple[str, str] | None:
     return None if match is None else (match.group(1), match.group(2))
 
 
+def clock_probe_key() -> str:
+    """A new key for gc's clock probe: unique, so that two gc runs never share one."""
+    return f"{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
+
+
 def new_attempt_id() -> str:
     """A unique id for one save attempt."""
     return uuid.uuid4().hex[:16]
@@ -191,6 +209,13 @@ def attempt_folders(manifest: Manifest) -> set[str]:
 
 def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def _described(key: str, size: int, found: ObjectInfo | None) -> str:
+    """What is wrong with a referenced object, for `Catalog.check_referenced`'s error."""
+    if found is None:
+        return f"object {key} is missing"
+    return f"object {key} is {found.size} bytes, not the {size} written"
 
 
 @dataclass
@@ -453,20 +478,63 @@ class Catalog:
                 STEP_DIGITS,
             )
 
+    # The store's clock -------------------------------------------------------------------------
+
+    def store_time(self) -> datetime:
+        """The store's current time: a probe object is written, its time read back, and the
+        probe deleted (three requests).
+
+        Object times come from the store's clock, so their ages must be judged by it, not by
+        this host's, which may be hours off. StoreClockError when the probe cannot be written
+        or the store gives it no time.
+        """
+        key = clock_probe_key()
+        try:
+            self.store.put(key, b"")
+        except StorageError as error:
+            raise StoreClockError(
+                f"gc could not write its clock probe {self.uri}/{key} ({error}); it learns the "
+                f"store's time from that object and does not run without it (a dry run too): "
+                f"allow writes and deletes under {self.uri}/{CLOCK_PROBE_PREFIX}*"
+            ) from error
+        try:
+            info = self.store.head(key)
+        finally:
+            self.store.delete_many([key])
+        if info is None or info.last_modified is None:
+            raise StoreClockError(
+                f"{self.uri} gave its clock probe {key} no time, so gc cannot tell how old "
+                "anything is by the store's clock and deletes nothing; the store must report "
+                "when objects were written (S3 Last-Modified, GCS updated, a file's mtime)"
+            )
+        return _aware(info.last_modified)
+
+    def clock_probes(self) -> list[ObjectInfo]:
+        """Clock probes still in the store: another gc's, in flight, or one that a gc that died
+        left behind."""
+        return list(self.store.list(CLOCK_PROBE_PREFIX))
+
     # Committing -------------------------------------------------------------------------------
 
     def commit(self, manifest: Manifest, data: bytes) -> None:
-        """`commit_bytes` for an encoded `manifest`."""
-        self.commit_bytes(manifest.step, manifest.attempt, data)
+        """`commit_bytes` for an encoded `manifest`, which references its objects."""
+        sizes = {key: record.size for key, record in manifest.objects.items()}
+        self.commit_bytes(manifest.step, manifest.attempt, data, sizes)
 
-    def commit_bytes(self, step: int, attempt: str, data: bytes) -> None:
-        """Write `data` (the encoded `manifest`) create-only: the commit point of a save.
+    def commit_bytes(
+        self, step: int, attempt: str, data: bytes, referenced: Mapping[str, int]
+    ) -> None:
+        """Write `data` (an encoded manifest or indexed root) create-only: the commit point of
+        a save, so that a committed manifest never references a missing object.
 
-        When the put's outcome is ambiguous (a 412 after a retried put whose first answer was
-        lost, or an error after the request may have reached the store), the manifest is read
-        back: if it names this attempt the save is committed. Raises
+        First every object it references (`referenced`: key relative to the step folder, and
+        size) is checked (`check_referenced`): one missing or of another size fails the save
+        before anything is written. When the put's outcome is ambiguous (a 412 after a retried
+        put whose first answer was lost, or an error after the request may have reached the
+        store), the manifest is read back: if it names this attempt the save is committed. Raises
         CheckpointAlreadyCommittedError when another writer's manifest is there.
         """
+        self.check_referenced(step, referenced)
         key = manifest_key(step)
         try:
             self.store.put(key, data, create_only=True)
@@ -487,6 +555,31 @@ class Catalog:
                 )
                 return
             raise
+
+    def check_referenced(self, step: int, referenced: Mapping[str, int]) -> None:
+        """SaveFailedError naming the objects of `referenced` (key relative to the step folder,
+        and size) that are missing or of another size; one HEAD each, `REFERENCE_CHECKS` at a
+        time. Something deleted or rewrote them after their rank wrote them (a gc whose safety
+        age is too short, a lifecycle rule, a person): a manifest must not point at them.
+        """
+        keys = sorted(referenced)
+        if not keys:
+            return
+        with ThreadPoolExecutor(min(REFERENCE_CHECKS, len(keys))) as pool:
+            found = pool.map(lambda key: self.store.head(step_key(step, key)), keys)
+            wrong = [
+                _described(step_key(step, key), referenced[key], info)
+                for key, info in zip(keys, found, strict=True)
+                if info is None or info.size != referenced[key]
+            ]
+        if wrong:
+            more = f" and {len(wrong) - MISSING_NAMED} more" if len(wrong) > MISSING_NAMED else ""
+            raise SaveFailedError(
+                f"the manifest of step {step} is not written: {'; '.join(wrong[:MISSING_NAMED])}"
+                f"{more} under {self.uri} (deleted or rewritten after its rank wrote it); save "
+                "again, and look for what deletes objects under the root (a gc with a short "
+                "--safety-age, a bucket lifecycle rule)"
+            )
 
     def check_not_committed(self, step: int) -> None:
         """CheckpointAlreadyCommittedError if `step` has a manifest already."""

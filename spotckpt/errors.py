@@ -72,6 +72,11 @@ class SymlinkError(StorageError):
     """A key is, or lies under, a symbolic link inside the root; links are never followed."""
 
 
+class StoreClockError(StorageError):
+    """The store gave no usable time for a probe object, so gc cannot tell how old anything
+    is by the store's clock (the only one it trusts)."""
+
+
 class CheckpointAlreadyCommittedError(AlreadyExistsError):
     """A manifest for this step exists already: the step was committed by an earlier save."""
 

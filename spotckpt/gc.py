@@ -5,13 +5,18 @@ What is collected, from one listing of the checkpoint root:
 - step folders that have no manifest at all (saves that never committed);
 - unfinished multipart uploads (for local folders: leftover temporary files);
 - with `keep_last`, committed checkpoints older than the newest `keep_last` ones (the manifest is
-  deleted first, so a checkpoint is never half-visible; the newest committed one never goes).
+  deleted first, so a checkpoint is never half-visible; the newest committed one never goes);
+- clock probes that a gc which died left behind.
 
-Anything whose newest activity (an object's write, an open upload's latest part) is younger
-than `safety_age_s` is left alone: it may belong to a save that is still writing, however long
-ago it started. Just before an uncommitted attempt is deleted its step's manifest is looked for
-again, so a save that commits meanwhile keeps its objects. Never touched: quarantined records and
-the attempts they hold, look-alike folders (reported), the newest committed checkpoint.
+Ages are judged by the store's clock, never this host's: the times of objects and uploads are
+the store's, and a host whose clock runs ahead would see a live save as old. "Now" is the time
+the store gives a probe object written for it (`Catalog.store_time`); gc refuses to run when
+the store gives none. Anything whose newest activity (an object's write, an open upload's
+latest part) is younger than `safety_age_s` is left alone: it may belong to a save that is still
+writing, however long ago it started. Just before an uncommitted attempt is deleted its step's
+manifest is looked for again, so a save that commits meanwhile keeps its objects. Never
+touched: quarantined records and the attempts they hold, look-alike folders (reported), the
+newest committed checkpoint.
 The layout itself is the catalog's (`spotckpt.catalog`).
 """
 
@@ -34,8 +39,9 @@ class GcAction:
     """One thing deleted (or, in a dry run, that would be).
 
     `kind` is ``attempt`` (unreferenced attempt folder of a committed step), ``uncommitted`` (step
-    folder without a manifest), ``upload`` (unfinished upload) or ``retention`` (a committed
-    checkpoint beyond `keep_last`). `target` is a folder prefix or a key, relative to the root.
+    folder without a manifest), ``upload`` (unfinished upload), ``retention`` (a committed
+    checkpoint beyond `keep_last`) or ``probe`` (a clock probe left behind by a gc that died).
+    `target` is a folder prefix or a key, relative to the root.
     """
 
     kind: str
@@ -83,16 +89,20 @@ def collect_garbage(
     dry_run: bool = False,
     now: datetime | None = None,
 ) -> GcReport:
-    """Collect garbage under `store`'s root; see the module docstring. Returns the report."""
+    """Collect garbage under `store`'s root; see the module docstring. Returns the report.
+
+    `now` is the store's current time when the caller already knows it; by default the store
+    is asked (StoreClockError when it gives no time).
+    """
     if keep_last is not None and keep_last < 1:
         raise InvalidArgumentError(
             "keep_last must be at least 1: the newest checkpoint is never deleted"
         )
     if safety_age_s < 0:
         raise InvalidArgumentError("safety_age_s must not be negative")
-    now = _aware(now) if now is not None else datetime.now(timezone.utc)
     report = GcReport(dry_run=dry_run)
     catalog = Catalog(store)
+    now = _aware(now) if now is not None else catalog.store_time()
     scan = catalog.scan()
     report.kept.extend(f"{name}/ (not a canonical step folder)" for name in scan.look_alikes)
     committed = scan.committed
@@ -109,6 +119,7 @@ def collect_garbage(
         else:
             _collect_uncommitted(catalog, info, now, safety_age_s, report)
     _abort_uploads(store, scan.uploads, now, safety_age_s, report)
+    _collect_probes(catalog, now, safety_age_s, report)
     return report
 
 
@@ -232,6 +243,18 @@ def _abort_uploads(
             store.abort_upload(upload)
         step = parse_step_folder(upload.key.partition("/")[0])
         _record(report, GcAction("upload", upload.key, 0, 0, age, step))
+
+
+def _collect_probes(catalog: Catalog, now: datetime, safety_age_s: float, report: GcReport) -> None:
+    """Delete clock probes older than the safety age (a younger one may be another gc's)."""
+    for probe in catalog.clock_probes():
+        written = probe.last_modified
+        age = None if written is None else (now - _aware(written)).total_seconds()
+        if not _old_enough(age, safety_age_s):
+            continue
+        if not report.dry_run:
+            catalog.store.delete_many([probe.key])
+        _record(report, GcAction("probe", probe.key, 1, probe.size, age))
 
 
 def _record(report: GcReport, action: GcAction) -> None:

@@ -425,7 +425,7 @@ def _shut_down_workers_at_exit() -> None:
     release_worker_shields()
     if not _RELEASE_FLAGS:
         return  # spotckpt shielded no multi-worker loader in this process
-    for iterator in [o for o in gc.get_objects() if isinstance(o, _BaseDataLoaderIter)]:
+    for iterator in [o for o in gc.get_objects() if issubclass(type(o), _BaseDataLoaderIter)]:
         shut_down = getattr(iterator, "_shutdown_workers", None)  # a multi-worker iterator's
         if not callable(shut_down) or getattr(iterator, "_shutdown", True):
             continue

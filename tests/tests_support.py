@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -131,6 +131,44 @@ class FailingStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class HookedWriter(FailingWriter):
+    """A writer that runs `hook` right after its object became visible in the store."""
+
+    def __init__(self, inner: ObjectWriter, store: FailingStore, hook: Callable[[], None]) -> None:
+        super().__init__(inner, store)
+        self.hook = hook
+
+    def commit(self) -> ObjectInfo:
+        info = self.inner.commit()
+        self.hook()
+        return info
+
+
+class AfterWrite(FailingStore):
+    """A real store where something happens the moment a streamed object is written.
+
+    The first streamed object whose key ends with `suffix` runs ``then(key)`` right after it
+    became visible, before the writer returns: another process deleting or rewriting it, or
+    a gc running, between a rank's write and the save's commit. `fired` keeps the key.
+    """
+
+    def __init__(self, inner: ObjectStore, suffix: str, then: Callable[[str], None]) -> None:
+        super().__init__(inner, fail_after_bytes=1 << 62)
+        self.suffix = suffix
+        self.then = then
+        self.fired: list[str] = []
+
+    def open_writer(self, key: str, *, create_only: bool = False) -> FailingWriter:
+        inner = self.inner.open_writer(key, create_only=create_only)
+        if self.fired or not key.endswith(self.suffix):
+            return FailingWriter(inner, self)
+        return HookedWriter(inner, self, lambda: self._fire(key))
+
+    def _fire(self, key: str) -> None:
+        self.fired.append(key)
+        self.then(key)
 
 
 PAGE = 1000

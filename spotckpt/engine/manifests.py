@@ -172,6 +172,15 @@ def build_root(
     return summary, data
 
 
+def indexed_references(results: list[list[WriteResult]]) -> dict[str, int]:
+    """Every object an indexed root references, by key (relative to the step folder) with its
+    size: each rank's index part, and the object that part describes."""
+    summaries = [r[0].storage_data for r in results if r]
+    return {s.part.key: s.part.size for s in summaries} | {
+        s.record.key: s.record.size for s in summaries
+    }
+
+
 def build_manifest(
     header: ManifestHeader, metadata: Metadata, results: list[list[WriteResult]]
 ) -> Manifest:

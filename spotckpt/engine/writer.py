@@ -6,7 +6,8 @@ id, assigns each rank its object key) -> ``write_data`` (every rank streams one 
 of its own items: header first, then each item's bytes, through a multipart upload with
 part-sized buffers; block CRC32Cs as it goes; from `INDEX_MIN_RANKS` ranks on, also an index part
 of its own) -> ``finish`` (coordinator, after every rank succeeded: builds the manifest,
-`spotckpt.engine.manifests`, and writes it create-only: the commit point).
+`spotckpt.engine.manifests`, and commits it through the catalog, which first checks that every
+object it references is there, then writes it create-only: the commit point).
 
 A value (non-tensor state) is refused at save time unless it loads back with
 ``torch.load(weights_only=True)``.
@@ -41,6 +42,7 @@ from spotckpt.engine.manifests import (
     build_manifest,
     build_root,
     index_part,
+    indexed_references,
     is_indexed,
 )
 from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
@@ -263,7 +265,8 @@ class ObjectStoreWriter(StorageWriter):
         """On the coordinator, after every rank wrote: commit the manifest (or indexed root)."""
         if is_indexed(results):
             summary, data = build_root(self.header(), metadata, results)
-            self.catalog.commit_bytes(self.step, summary.attempt, data)
+            referenced = indexed_references(results)
+            self.catalog.commit_bytes(self.step, summary.attempt, data, referenced)
             self.manifest = summary  # committed: nothing after this point may undo it
             return
         manifest = self.build_manifest(metadata, results)

@@ -281,8 +281,11 @@ class FastTier:
         return TierRecord(manifest.step, manifest.attempt, str(self.redundancy), groups)
 
     def _commit(self, manifest: Manifest, data: bytes, record: TierRecord) -> None:
+        """Commit in this node's tier. A node holds only its share of the objects (its ranks',
+        replicas, parity), which every rank has just agreed is written, so the manifest's other
+        objects are not looked for here (the bucket's commit checks them all)."""
         self.store.put(tier_record_key(manifest.step), record.to_json(), create_only=True)
-        self.catalog.commit(manifest, data)
+        self.catalog.commit_bytes(manifest.step, manifest.attempt, data, referenced={})
         self._retain(manifest.step)
 
     def _retain(self, newest: int) -> None:

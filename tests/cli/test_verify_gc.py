@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -16,7 +19,8 @@ import torch
 from torch import nn
 
 from spotckpt import CheckpointManager, NoCheckpointError, TrainState
-from spotckpt.catalog import manifest_key, step_folder
+from spotckpt.catalog import CLOCK_PROBE_PREFIX, manifest_key, step_folder
+from spotckpt.errors import PermissionDeniedError, StoreClockError
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import collect_garbage
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
@@ -24,7 +28,7 @@ from spotckpt.storage.local import TEMP_MARKER
 from spotckpt.verify import verify_checkpoint
 
 from fsdp_checkpoints import STEP, fsdp_checkpoint
-from tests_support import FailingStore
+from tests_support import SCRIPT, AfterWrite, FailingStore
 
 HOUR = 3600.0
 
@@ -310,3 +314,97 @@ def test_s3_old_uploads_and_attempts(s3_uri: str, s3_client: Any, s3_bucket: str
     keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
     assert not any("step-000000001" in k or "a-dead" in k for k in keys)
     assert verify_checkpoint(store, 2).ok
+
+
+# gc judges age by the store's clock --------------------------------------------------------------
+
+
+def _faketime() -> str:
+    found = shutil.which("faketime")
+    assert found, "gc's clock tests run it under libfaketime: apt-get install faketime (make does)"
+    return found
+
+
+AHEAD = ["-f", "+2h"]
+"""faketime's offset: the process's clock runs 2 h ahead. ``NO_FAKE_STAT`` (set below) keeps
+file times real: a local folder's clock is the kernel's, like a bucket's is the server's."""
+
+
+def _ahead(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """`command` in a child process whose clock runs 2 h ahead of the store's."""
+    env = {**os.environ, "NO_FAKE_STAT": "1"}
+    return subprocess.run(
+        [_faketime(), *AHEAD, *command], env=env, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_gc_on_a_host_two_hours_ahead_keeps_a_live_save(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """gc runs (a real child process, its clock 2 h ahead) after a rank wrote its object and
+    before the save commits: the save's objects stay and the checkpoint restores."""
+    uri = str(tmp_path / "ckpt") if where == "local" else request.getfixturevalue("s3_uri")
+    clock = _ahead([sys.executable, "-c", "import time; print(time.time())"])
+    assert float(clock.stdout) > time.time() + 1.9 * HOUR, clock.stderr  # the shift is real
+    runs: list[subprocess.CompletedProcess[str]] = []
+    store = AfterWrite(
+        open_store(uri),
+        ".safetensors",
+        lambda key: runs.append(_ahead([str(SCRIPT), "gc", uri, "--json"])),
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with CheckpointManager(uri, store=store, preemption=False) as manager:  # type: ignore[arg-type]
+        manager.save(1, TrainState(model=model, rng=False))
+    assert len(runs) == 1 and runs[0].returncode == 0, runs[0].stderr
+    report = json.loads(runs[0].stdout)
+    assert report["actions"] == []
+    assert any("a-" in kept and "may still be writing" in kept for kept in report["kept"])
+    assert verify_checkpoint(open_store(uri), 1).ok
+    assert list(open_store(uri).list(CLOCK_PROBE_PREFIX)) == []  # gc deleted its probe
+
+
+class NoClock(FailingStore):
+    """A real store that gives gc's clock probe no usable time: it refuses to write it, or
+    reports it without a time."""
+
+    def __init__(self, inner: ObjectStore, fault: str) -> None:
+        super().__init__(inner, fail_after_bytes=1 << 40)
+        self.fault = fault
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        if self.fault == "refused" and key.startswith(CLOCK_PROBE_PREFIX):
+            raise PermissionDeniedError(f"put {key}: 403 Forbidden")
+        return super().put(key, data, create_only=create_only)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        info = super().head(key)
+        if self.fault == "timeless" and info is not None:
+            return replace(info, last_modified=None)
+        return info
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [("refused", "could not write its clock probe"), ("timeless", "gave its clock probe")],
+)
+def test_gc_refuses_to_run_without_the_store_s_time(messy: Path, fault: str, message: str) -> None:
+    before = _files(messy)
+    with pytest.raises(StoreClockError, match=message):
+        collect_garbage(NoClock(open_store(str(messy)), fault), keep_last=1)
+    assert _files(messy) == before  # nothing deleted, no probe left
+
+
+def test_gc_cleans_up_its_clock_probes(messy: Path) -> None:
+    stale = _put(messy, f"{CLOCK_PROBE_PREFIX}left-by-a-gc-that-died", b"")
+    _age(stale, 2 * HOUR)
+    fresh = _put(messy, f"{CLOCK_PROBE_PREFIX}another-gc-s", b"")
+    dry = collect_garbage(open_store(str(messy)), dry_run=True)
+    assert ("probe", f"{CLOCK_PROBE_PREFIX}left-by-a-gc-that-died") in {
+        (a.kind, a.target) for a in dry.actions
+    }
+    assert stale.exists()
+    collect_garbage(open_store(str(messy)))
+    probes = [f for f in _files(messy) if f.startswith(CLOCK_PROBE_PREFIX)]
+    assert probes == [f"{CLOCK_PROBE_PREFIX}another-gc-s"] and fresh.exists()

@@ -2,6 +2,8 @@
 
 - the commit point is final: lost answers, failures after the put and a coordinator killed right
   after it never undo a committed checkpoint or report "nothing was committed";
+- a commit never references a missing object: one deleted or rewritten after its rank wrote it
+  fails the save, and nothing is committed;
 - a bad checkpoint never blocks progress: it is quarantined (bytes kept), and the step saves again;
 - only canonical step folders count; retention and gc never take the newest checkpoint;
 - gc judges an upload by its latest part, not by when it started;
@@ -15,7 +17,7 @@ import logging
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -23,15 +25,18 @@ from typing import Any
 import boto3
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError
+from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, SaveFailedError
 from spotckpt.catalog import QUARANTINE_PREFIX, Catalog, manifest_key, step_folder
+from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.gc import collect_garbage
-from spotckpt.storage import ObjectInfo, RetryPolicy, StorageError, open_store
+from spotckpt.storage import ObjectInfo, ObjectStore, RetryPolicy, StorageError, open_store
 
 from dist_worker import launch_ranks
 from fault_proxy import FaultProxy
-from tests_support import SCRIPT, FailingStore
+from tests_support import SCRIPT, AfterWrite, FailingStore
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
@@ -134,6 +139,49 @@ def test_coordinator_killed_right_after_the_commit(s3_uri: str, tmp_path: Path) 
     with _manager(s3_uri) as mgr:
         assert mgr.restore(target) == 5
     assert torch.equal(target["w1"], torch.full((1 << 18,), 1.0))
+
+
+# A commit never references a missing object ---------------------------------------------------
+
+
+def _damage(store: ObjectStore, fault: str) -> Callable[[str], None]:
+    """What happens to a rank's object after it was written, behind the save's back."""
+    if fault == "deleted":
+        return lambda key: store.delete_many([key])
+    return lambda key: store.put(key, store.get(key)[:-1])  # rewritten one byte shorter
+
+
+@pytest.mark.parametrize("fault", ["deleted", "truncated"])
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_object_gone_before_the_commit_fails_the_save(
+    where: str, fault: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    uri = str(tmp_path / "ckpt") if where == "local" else request.getfixturevalue("s3_uri")
+    inner = open_store(uri)
+    store = AfterWrite(inner, ".safetensors", _damage(inner, fault))
+    with _manager(uri, store=store) as mgr:  # type: ignore[arg-type]
+        with pytest.raises(SaveFailedError) as failed:
+            mgr.save(1, _state(1))
+        assert len(store.fired) == 1 and store.fired[0] in str(failed.value)
+        assert "nothing was committed" in str(failed.value)
+        assert mgr.steps() == [] and not mgr.catalog.is_committed(1)
+        assert list(inner.list(f"{step_folder(1)}/")) == []  # the attempt was discarded
+        mgr.save(1, _state(1))  # nothing happens behind its back this time
+        target = _empty()
+        assert mgr.restore(target) == 1 and _same(target, _state(1))
+        assert mgr.verify(1).ok
+
+
+def test_an_indexed_root_is_not_committed_over_a_missing_object(tmp_path: Path) -> None:
+    inner = open_store(str(tmp_path))
+    store = AfterWrite(inner, ".safetensors", _damage(inner, "deleted"))
+    writer = ObjectStoreWriter(store, 1, index_parts=True)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointException) as failed:
+        dcp.save(_state(1), storage_writer=writer, planner=writer.save_planner(1), no_dist=True)
+    causes = [f[0] if isinstance(f, tuple) else f for f in failed.value.failures.values()]
+    assert [type(c) for c in causes] == [SaveFailedError]
+    assert len(store.fired) == 1 and store.fired[0] in str(causes[0])
+    assert not Catalog(inner).is_committed(1)
 
 
 # A bad checkpoint never blocks progress --------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,16 @@ def test_put_get_head_exists(store: ObjectStore) -> None:
     assert store.head("a/missing.bin") is None
     with pytest.raises(ObjectNotFoundError):
         store.get("a/missing.bin")
+
+
+def test_head_tells_when_the_store_wrote_the_object(store: ObjectStore) -> None:
+    """gc judges ages by these times, and learns "now" from one (its clock probe)."""
+    before = datetime.now(timezone.utc)
+    store.put("stamped", b"x")
+    written = store.head("stamped").last_modified  # type: ignore[union-attr]
+    assert written is not None
+    written = written if written.tzinfo is not None else written.replace(tzinfo=timezone.utc)
+    assert abs((written - before).total_seconds()) < 60  # the servers share this host's clock
 
 
 def test_empty_object(store: ObjectStore) -> None:
