@@ -155,9 +155,20 @@ class SpotckptCallback(TrainerCallback):
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Set the restored RNG states again where the Trainer sets its own (epoch boundary)."""
+        """Set the restored RNG states again where the Trainer sets its own (epoch boundary); in
+        an epoch resumed midway, tell the training dataset its epoch.
+
+        The Trainer resumes an epoch through Accelerate's loader that skips the trained batches,
+        whose ``set_epoch`` reaches the sampler but not the dataset: a `spotckpt.SeededDataset`
+        would seed the rest of the epoch as epoch 0's samples.
+        """
         if self._rng_at == "epoch":
             self._set_rng()
+        elif self._rng_at == "step":
+            loader = kwargs.get("train_dataloader")
+            set_epoch = getattr(getattr(loader, "dataset", None), "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(int(state.epoch or 0))
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
