@@ -90,6 +90,8 @@ PART_READS = 16
 """Index parts of an indexed manifest are read this many at a time."""
 REFERENCE_CHECKS = 16
 """A commit checks the objects its manifest references this many at a time (a HEAD each)."""
+LISTED_FROM = 32
+"""From this many objects in one attempt folder on, a commit checks them with one listing."""
 MISSING_NAMED = 5
 """A failed commit names at most this many of the objects it found missing or resized."""
 RETIRE_FOLDER_LISTINGS = 16
@@ -558,20 +560,19 @@ class Catalog:
 
     def check_referenced(self, step: int, referenced: Mapping[str, int]) -> None:
         """SaveFailedError naming the objects of `referenced` (key relative to the step folder,
-        and size) that are missing or of another size; one HEAD each, `REFERENCE_CHECKS` at a
-        time. Something deleted or rewrote them after their rank wrote them (a gc whose safety
-        age is too short, a lifecycle rule, a person): a manifest must not point at them.
+        and size) that are missing or of another size. Something deleted or rewrote them after
+        their rank wrote them (a gc whose safety age is too short, a lifecycle rule, a person):
+        a manifest must not point at them.
         """
         keys = sorted(referenced)
         if not keys:
             return
-        with ThreadPoolExecutor(min(REFERENCE_CHECKS, len(keys))) as pool:
-            found = pool.map(lambda key: self.store.head(step_key(step, key)), keys)
-            wrong = [
-                _described(step_key(step, key), referenced[key], info)
-                for key, info in zip(keys, found, strict=True)
-                if info is None or info.size != referenced[key]
-            ]
+        found = self._found(step, keys)
+        wrong = []
+        for key in keys:
+            info = found[key]
+            if info is None or info.size != referenced[key]:
+                wrong.append(_described(step_key(step, key), referenced[key], info))
         if wrong:
             more = f" and {len(wrong) - MISSING_NAMED} more" if len(wrong) > MISSING_NAMED else ""
             raise SaveFailedError(
@@ -580,6 +581,19 @@ class Catalog:
                 "again, and look for what deletes objects under the root (a gc with a short "
                 "--safety-age, a bucket lifecycle rule)"
             )
+
+    def _found(self, step: int, keys: list[str]) -> dict[str, ObjectInfo | None]:
+        """What the store holds at each of `keys` (relative to the step folder): one listing
+        of their folder when there are `LISTED_FROM` or more in one (a request per thousand
+        keys), else one HEAD each, `REFERENCE_CHECKS` at a time."""
+        folders = {key.partition("/")[0] for key in keys}
+        if len(keys) >= LISTED_FROM and len(folders) == 1 and "/" in keys[0]:
+            prefix = step_key(step, f"{folders.pop()}/")
+            listed = {info.key: info for info in self.store.list(prefix)}
+            return {key: listed.get(step_key(step, key)) for key in keys}
+        with ThreadPoolExecutor(min(REFERENCE_CHECKS, len(keys))) as pool:
+            found = pool.map(lambda key: self.store.head(step_key(step, key)), keys)
+            return dict(zip(keys, found, strict=True))
 
     def check_not_committed(self, step: int) -> None:
         """CheckpointAlreadyCommittedError if `step` has a manifest already."""

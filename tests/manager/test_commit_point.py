@@ -29,14 +29,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, SaveFailedError
-from spotckpt.catalog import QUARANTINE_PREFIX, Catalog, manifest_key, step_folder
+from spotckpt.catalog import (
+    LISTED_FROM,
+    QUARANTINE_PREFIX,
+    Catalog,
+    manifest_key,
+    rank_object_key,
+    step_folder,
+    step_key,
+)
 from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.gc import collect_garbage
 from spotckpt.storage import ObjectInfo, ObjectStore, RetryPolicy, StorageError, open_store
 
 from dist_worker import launch_ranks
 from fault_proxy import FaultProxy
-from tests_support import SCRIPT, AfterWrite, FailingStore
+from tests_support import SCRIPT, AfterWrite, CountingStore, FailingStore
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
@@ -394,3 +402,24 @@ def test_restore_racing_retention_moves_on(tmp_path: Path, when: str) -> None:
         assert mgr.restore(target) == 2 and _same(target, _state(2))
     assert store.fired
     assert not (tmp_path / step_folder(3)).exists()  # retired, not quarantined
+
+
+@pytest.mark.parametrize("objects", [3, 40], ids=["head-each", "one-listing"])
+def test_the_commit_check_names_what_is_gone_by_heads_or_one_listing(
+    tmp_path: Path, objects: int
+) -> None:
+    """Few objects are checked with a HEAD each; many in one attempt folder with one listing."""
+    inner = open_store(str(tmp_path))
+    referenced = {}
+    for rank in range(objects):
+        key = rank_object_key("feed", rank)
+        inner.put(step_key(1, key), b"x" * (rank + 1))
+        referenced[key] = rank + 1
+    gone = rank_object_key("feed", objects - 1)
+    inner.delete_many([step_key(1, gone)])
+    store = CountingStore(inner)
+    with pytest.raises(SaveFailedError, match=rf"object {step_key(1, gone)} is missing"):
+        Catalog(store).check_referenced(1, referenced)  # type: ignore[arg-type]
+    assert store.list_requests == (0 if objects < LISTED_FROM else 1)
+    del referenced[gone]
+    Catalog(store).check_referenced(1, referenced)  # type: ignore[arg-type]
