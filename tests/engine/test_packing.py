@@ -285,12 +285,12 @@ def test_a_large_run_is_read_in_pieces_cut_between_members(
 ) -> None:
     import functools
 
-    import spotckpt.manager
+    import spotckpt.restore
 
     monkeypatch.setattr(
-        spotckpt.manager,
+        spotckpt.restore,
         "ObjectStoreReader",
-        functools.partial(spotckpt.manager.ObjectStoreReader, max_read_bytes=1 << 20),
+        functools.partial(spotckpt.restore.ObjectStoreReader, max_read_bytes=1 << 20),
     )
     root = tmp_path / "ck"
     state = {f"w{i:04d}": torch.randn(5000) for i in range(400)}  # 20,000 bytes each, 7.6 MiB

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-import spotckpt.manager
+import spotckpt.restore
 from spotckpt import CheckpointManager, CorruptCheckpointError
 from spotckpt.catalog import step_folder
 from spotckpt.engine.reader import IN_PLACE_SHARE
@@ -69,9 +69,9 @@ def _manager(uri: str, store: ObjectStore | None = None) -> CheckpointManager:
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """The manager's readers fetch pieces of at most `PIECE` bytes (16 MiB by default)."""
     monkeypatch.setattr(
-        spotckpt.manager,
+        spotckpt.restore,
         "ObjectStoreReader",
-        functools.partial(spotckpt.manager.ObjectStoreReader, max_read_bytes=PIECE),
+        functools.partial(spotckpt.restore.ObjectStoreReader, max_read_bytes=PIECE),
     )
 
 
