@@ -4,7 +4,7 @@ bounded.
 Four forked gloo ranks save an FSDP2 model as steps 1 and 2 with the indexed manifest (its
 threshold lowered to one rank); each test forges step 2's root or one of its index parts on
 disk. The command line runs as child processes under a 3 GiB address-space limit; the restore
-runs in this process.
+runs in this process (one rank), and on four ranks where only one of them needs the damaged part.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from spotckpt import CheckpointManager, TrainState
 from spotckpt.catalog import manifest_key, step_folder
@@ -319,3 +320,30 @@ def test_a_forged_indexed_step_is_reported_and_restore_falls_back(copy: Path, na
     forge(copy)
     _assert_reported(copy, match)
     _restores_step_1(copy)
+
+
+# Four ranks, of which one needs the missing part --------------------------------------------------
+
+
+def _restore_on_ranks(rank: int, uri: str, out: str) -> None:
+    model = _sharded(0)
+    with CheckpointManager(uri, preemption=False) as mgr:
+        step = mgr.restore(TrainState(model=model, rng=False))
+    steps: list[Any] = [None] * WORLD
+    dist.all_gather_object(steps, step)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if rank == 0:
+        torch.save({"steps": steps, "state": state}, out)
+
+
+def test_every_rank_falls_back_when_one_finds_its_part_missing(copy: Path, tmp_path: Path) -> None:
+    """Each rank reads only its own part; rank 1's is gone. Every rank restores step 1, whole,
+    never rank 1 step 1 and the others step 2."""
+    _part_deleted(copy)
+    out = tmp_path / "restored.pt"
+    _on_ranks(_restore_on_ranks, str(copy), str(out))
+    restored = torch.load(out, weights_only=True)
+    assert restored["steps"] == [1] * WORLD
+    for name, tensor in make_model(1).state_dict().items():
+        assert torch.equal(restored["state"][name], tensor), name
