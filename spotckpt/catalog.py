@@ -47,9 +47,11 @@ from spotckpt.errors import (
     AlreadyExistsError,
     CheckpointAlreadyCommittedError,
     CheckpointError,
+    CorruptCheckpointError,
     InvalidArgumentError,
     ManifestError,
     NoCheckpointError,
+    ObjectMissingError,
     ObjectNotFoundError,
     SaveFailedError,
     StorageError,
@@ -60,6 +62,7 @@ from spotckpt.format.index import (
     Box,
     Part,
     Root,
+    Wanted,
     check_part_size,
     every_chunk,
     manifest_format,
@@ -94,6 +97,10 @@ LISTED_FROM = 32
 """From this many objects in one attempt folder on, a commit checks them with one listing."""
 MISSING_NAMED = 5
 """A failed commit names at most this many of the objects it found missing or resized."""
+PART_READ_UNCHECKED = 8 << 20
+"""An index part the root claims to be larger than this is first looked up (HEAD), so that a
+forged root's claim is never the size of a read before the store confirms it; smaller parts
+(nearly all) are read at once, with at most `PART_READS` times this many bytes unconfirmed."""
 RETIRE_FOLDER_LISTINGS = 16
 """Up to this many retired folders, `Catalog.retire` lists each on its own."""
 CLOCK_PROBE_PREFIX = "gc/clock-"
@@ -364,9 +371,10 @@ class Catalog:
         if isinstance(header, Manifest):
             return header
         if wanted is None:
-            return self._from_parts(header, every_chunk(header), header.values)
+            return self._from_parts(header, every_chunk(header), header.values, set(header.parts))
         boxes, values = wanted(header)
-        return self._from_parts(header, overlapping_chunks(header, boxes), values)
+        chunks = overlapping_chunks(header, boxes)
+        return self._from_parts(header, chunks, values, part_ranks(header, chunks))
 
     def _parse(self, data: bytes, step: int) -> Manifest | Root:
         """A flat manifest whole, or an indexed one's root."""
@@ -375,20 +383,48 @@ class Catalog:
         return Manifest.from_json(data, expected_step=step)
 
     def _from_parts(
-        self, root: Root, wanted: dict[str, list[int]], values: Iterable[str]
+        self, root: Root, wanted: Wanted, values: Iterable[str], ranks: set[int]
     ) -> Manifest:
-        ranks = sorted(part_ranks(root, wanted))
-        with ThreadPoolExecutor(max(1, min(PART_READS, len(ranks)))) as pool:
+        """The manifest of `wanted` from the index parts of `ranks` (all of them for a full read,
+        so that every part is checked)."""
+        ordered = sorted(ranks)
+        with ThreadPoolExecutor(max(1, min(PART_READS, len(ordered)))) as pool:
             parts = dict(
-                zip(ranks, pool.map(lambda r: self._read_part(root, r), ranks), strict=True)
+                zip(ordered, pool.map(lambda r: self._read_part(root, r), ordered), strict=True)
             )
         return manifest_from_parts(root, wanted, values, parts)
 
     def _read_part(self, root: Root, rank: int) -> Part:
+        """Rank `rank`'s index part, checked: ObjectMissingError when it is gone,
+        CorruptCheckpointError when it does not match the root, ManifestError when it is
+        forged (among others, when its object is not its rank's own)."""
         record = check_part_size(root, rank)
         folder = step_folder(root.step)
-        data = self.store.get_range(f"{folder}/{record.key}", 0, record.size)
-        return parse_part(data, root, rank, folder)
+        key = f"{folder}/{record.key}"
+        try:
+            if record.size > PART_READ_UNCHECKED:
+                self._check_part_size(key, record.size)
+            data = self.store.get_range(key, 0, record.size)
+        except ObjectNotFoundError:
+            raise ObjectMissingError(f"index part {key} of rank {rank} is missing") from None
+        part = parse_part(data, root, rank, folder)
+        own = {rank_object_key(root.attempt, rank, spread) for spread in (False, True)}
+        if part.record.key not in own:
+            raise ManifestError(
+                f"index part {key} locates its chunks in object {part.record.key!r}, which is "
+                f"not rank {rank}'s own"
+            )
+        return part
+
+    def _check_part_size(self, key: str, size: int) -> None:
+        """CorruptCheckpointError unless the part at `key` has the `size` the root claims."""
+        info = self.store.head(key)
+        if info is None:
+            raise ObjectNotFoundError(key)
+        if info.size != size:
+            raise CorruptCheckpointError(
+                f"index part {key} has {info.size} bytes, the manifest says {size}"
+            )
 
     def committed_attempt(self, step: int) -> str | None:
         """The attempt id a step's manifest names; None if it has none or it does not parse."""

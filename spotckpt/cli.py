@@ -366,7 +366,7 @@ def _committed_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
     for step in scan.committed:
         try:
             manifest = catalog.read_manifest(step)
-        except ManifestError as error:
+        except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
             rows.append(_row(step, "invalid", None, None, None, None, None, _redact(str(error))))
             continue
         rows.append(
@@ -390,7 +390,7 @@ def _uncommitted_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
         if folder.has_manifest:
             try:
                 referenced = attempt_folders(catalog.read_manifest(step))
-            except (ManifestError, NoCheckpointError):
+            except (ManifestError, CorruptCheckpointError, NoCheckpointError):
                 continue
         if folder.quarantined:
             referenced |= catalog.quarantined_attempts(step)

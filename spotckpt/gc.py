@@ -28,7 +28,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, parse_step_folder
-from spotckpt.errors import InvalidArgumentError, ManifestError, ObjectNotFoundError
+from spotckpt.errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    ManifestError,
+    ObjectNotFoundError,
+)
 from spotckpt.storage.base import ObjectStore, UploadInfo
 
 log = logging.getLogger("spotckpt")
@@ -141,7 +146,7 @@ def _collect_attempts(
 ) -> None:
     try:
         referenced = catalog.referenced_attempts(info.step)
-    except ManifestError as error:
+    except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
         report.kept.append(f"{info.folder}/ (manifest does not validate: {error})")
         log.warning(
             "gc: leaving step %d alone, its manifest does not validate: %s", info.step, error

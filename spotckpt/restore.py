@@ -23,6 +23,7 @@ from spotckpt.engine.checkpointer import Checkpointer
 from spotckpt.engine.packing import Run
 from spotckpt.engine.planners import CheckedLoadPlanner, local_plan, plain_state, wanted_boxes
 from spotckpt.engine.reader import ObjectStoreReader, ReadStats
+from spotckpt.errors import CheckpointError
 from spotckpt.format.index import Box, Root
 from spotckpt.format.manifest import Manifest
 from spotckpt.state import (
@@ -52,14 +53,28 @@ class StateLoader:
 
     def manifest(self, state: State, step: int) -> Manifest:
         """The manifest of committed `step` as far as loading `state` needs it (the coordinator
-        reads the bytes once for every rank)."""
+        reads the bytes once for every rank).
+
+        Each rank reads only the index parts its shards need, so one rank may find a part
+        missing or forged where the others find nothing wrong. The ranks agree: when any
+        fails, every rank raises the first failing rank's error, so that a restore's fallback
+        moves all of them to the same older step (never a mix of two steps).
+        """
         data = self.collective.run_on_coordinator(lambda: self.catalog.manifest_bytes(step))
 
         def wanted(root: Root) -> tuple[Mapping[str, list[Box]], Iterable[str]]:
             with self._restoring(state, root):
                 return wanted_boxes(plain_state(as_dcp_state(state)))
 
-        return self.catalog.read_manifest(step, wanted, data=data)
+        failure: CheckpointError | None = None
+        try:
+            manifest = self.catalog.read_manifest(step, wanted, data=data)
+        except CheckpointError as error:  # raised below, on every rank alike
+            failure = error
+        first = next((f for f in self.collective.gather(failure) if f is not None), None)
+        if first is not None:
+            raise first
+        return manifest
 
     def byte_ranges(
         self, state: State, manifest: Manifest, store: ObjectStore, strict: bool

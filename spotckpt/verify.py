@@ -23,6 +23,7 @@ from spotckpt.engine.chunks import BlockCheck, ChunkReader, describe
 from spotckpt.errors import (
     CheckpointError,
     ChecksumMismatchError,
+    CorruptCheckpointError,
     InvalidArgumentError,
     ManifestError,
     ObjectMissingError,
@@ -43,10 +44,11 @@ ProgressFn = Callable[[int, int], None]
 class Problem:
     """One thing wrong with a checkpoint.
 
-    `kind` is ``manifest`` (does not parse or validate), ``missing`` (object absent), ``size``
-    (object size differs), ``crc32c`` (object checksum differs), ``blocks`` (a tensor chunk's
-    block checksums differ while the object's matches: the manifest disagrees with itself) or
-    ``value`` (a stored value's bytes are intact but do not load with weights_only=True).
+    `kind` is ``manifest`` (does not parse or validate, or one of its index parts is missing or
+    damaged), ``missing`` (object absent), ``size`` (object size differs), ``crc32c`` (object
+    checksum differs), ``blocks`` (a tensor chunk's block checksums differ while the object's
+    matches: the manifest disagrees with itself) or ``value`` (a stored value's bytes are intact
+    but do not load with weights_only=True).
     `key` is relative to the checkpoint root; `tensors` names what is stored in the damaged part.
     """
 
@@ -145,7 +147,7 @@ def verify_checkpoint(
     key = manifest_key(step)
     try:
         manifest = Catalog(store).read_manifest(step)
-    except ManifestError as error:
+    except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
         report.problems.append(Problem("manifest", key, str(error)))
         return report
     _check_objects(store, manifest, report, progress, piece_size, max_workers)

@@ -31,7 +31,7 @@ import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,17 +48,23 @@ from spotckpt.format.manifest import (
     ChunkLocation,
     Manifest,
     ObjectRecord,
+    Stored,
     TensorChunk,
     TensorRecord,
+    check_disjoint,
     check_tiling,
     manifest_document,
     parse_location,
+    stored_values,
 )
 from spotckpt.storage.base import InvalidKeyError, check_key
 
 INDEXED_FORMAT = "spotckpt/2"
 PART_FORMAT = "spotckpt-index/1"
 MAX_PART_BYTES = 256 << 20
+MIN_CHUNK_ENTRY_BYTES = len("[[],0,0,[0]]")
+"""The fewest bytes in which an index part can locate one chunk: a root that names a rank the
+writer of more chunks than its part's size can hold is forged."""
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A chunk or shard: (offsets, sizes)."""
 
@@ -414,6 +420,8 @@ def parse_root(data: bytes, expected_step: int | None = None) -> Root:
         return _root(document, expected_step)
     except InvalidKeyError as error:
         raise _fail(f"manifest holds an unsafe object key: {error}") from None
+    except ManifestError:
+        raise  # names its problem already (and is a ValueError)
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise _fail(f"manifest is malformed: {type(error).__name__}: {error}") from None
 
@@ -440,15 +448,19 @@ def _root(document: dict[str, Any], expected_step: int | None) -> Root:
         if rank >= world_size or rank in parts or "/" not in key or crc >= 1 << 32:
             raise _fail(f"manifest part {key!r}: bad rank, key or crc32c")
         parts[rank] = PartRecord(key, _count(entry["size"], "part size"), crc, rank)
+    claimed: dict[int, int] = {}
     tensors = {
-        str(fqn): _tensor(str(fqn), entry, parts) for fqn, entry in document["tensors"].items()
+        str(fqn): _tensor(str(fqn), entry, parts, claimed)
+        for fqn, entry in document["tensors"].items()
     }
+    _check_claims(claimed, parts)
     values = {
         str(fqn): _value(str(fqn), entry, document["attempt"], world_size, block_size)
         for fqn, entry in document["values"].items()
     }
     if tensors.keys() & values.keys():
         raise _fail("manifest lists a name both as a tensor and as a value")
+    check_disjoint(stored_values((fqn, location) for fqn, (_, location) in values.items()))
     planner_data = document.get("planner_data", {})
     user_metadata = document.get("user_metadata", {})
     versions = document.get("versions", {})
@@ -494,13 +506,15 @@ def _object(entry: dict[str, Any], attempt: Any, where: str) -> ObjectRecord:
     return ObjectRecord(key=key, size=_count(entry["size"], "object size"), crc32c=crc, rank=rank)
 
 
-def _writer(rank: Any, parts: dict[int, PartRecord], where: str) -> int:
+def _writer(rank: Any, parts: Mapping[int, Any], where: str) -> int:
     if type(rank) is not int or rank not in parts:
         raise _fail(f"{where}: written by rank {rank!r}, which has no index part")
     return rank
 
 
-def _tensor(fqn: str, entry: dict[str, Any], parts: dict[int, PartRecord]) -> IndexedTensor:
+def _tensor(
+    fqn: str, entry: dict[str, Any], parts: dict[int, PartRecord], claimed: dict[int, int]
+) -> IndexedTensor:
     where = f"tensor {fqn!r}"
     dtype = str(entry["dtype"])
     if dtype not in BY_NAME:
@@ -508,17 +522,7 @@ def _tensor(fqn: str, entry: dict[str, Any], parts: dict[int, PartRecord]) -> In
     shape = tuple(_count(d, f"{where} shape") for d in entry["shape"])
     if len(shape) > MAX_DIMS or math.prod(shape) > MAX_INT:
         raise _fail(f"{where}: shape {list(shape)} is too large")
-    runs = []
-    begin = 0
-    for first, count, stride in entry["writers"]:
-        first, count = _count(first, "writer"), _count(count, "writer count")
-        if type(stride) is not int or count < 1:
-            raise _fail(f"{where}: bad writer run")
-        for rank in (first, first + (count - 1) * stride):
-            _writer(rank, parts, where)
-        runs.append((begin, first, count, stride))
-        begin += count
-    writers = Runs(tuple(runs))
+    writers = _writers(entry["writers"], parts, claimed, where)
     if "grid" in entry:
         tensor = IndexedTensor(dtype, shape, writers, grid=_grid(entry["grid"], shape, where))
     else:
@@ -528,6 +532,49 @@ def _tensor(fqn: str, entry: dict[str, Any], parts: dict[int, PartRecord]) -> In
     if writers.total != tensor.chunk_count:
         raise _fail(f"{where}: {writers.total} writers for {tensor.chunk_count} chunks")
     return tensor
+
+
+def _writers(
+    entries: list[Any], parts: dict[int, PartRecord], claimed: dict[int, int], where: str
+) -> Runs:
+    """A tensor's writer runs, counting in `claimed` how many chunks each rank is said to write.
+
+    A strided run names as many distinct ranks as chunks, so never more than there are parts;
+    its first and last rank are checked here, the others where their chunks are used
+    (`part_ranks`, `manifest_from_parts`), which keeps a root's checks linear in its size. A run
+    of stride 0 gives all its chunks to one rank, whose part must be large enough to locate them
+    (`_check_claims`).
+    """
+    runs = []
+    begin = 0
+    for first, count, stride in entries:
+        first, count = _count(first, "writer"), _count(count, "writer count")
+        if type(stride) is not int or count < 1:
+            raise _fail(f"{where}: bad writer run")
+        if stride and count > len(parts):
+            raise _fail(
+                f"{where}: writer run {[first, count, stride]} names {count} ranks, more than "
+                f"the {len(parts)} with an index part"
+            )
+        for rank in (first, first + (count - 1) * stride):
+            _writer(rank, parts, where)
+        if not stride:
+            claimed[first] = claimed.get(first, 0) + count
+        runs.append((begin, first, count, stride))
+        begin += count
+    return Runs(tuple(runs))
+
+
+def _check_claims(claimed: dict[int, int], parts: dict[int, PartRecord]) -> None:
+    """ManifestError when a rank is said to write more chunks than its index part can locate:
+    checked before anything is allocated per chunk (a 500-byte root may claim 2**40 chunks)."""
+    for rank, chunks in claimed.items():
+        part = parts[rank]
+        if chunks > part.size // MIN_CHUNK_ENTRY_BYTES:
+            raise _fail(
+                f"manifest names rank {rank} the writer of {chunks} chunks, more than its "
+                f"{part.size}-byte index part {part.key!r} can locate"
+            )
 
 
 def _grid(entry: list[Any], shape: tuple[int, ...], where: str) -> tuple[Cuts, ...]:
@@ -593,6 +640,8 @@ def parse_part(data: bytes, root: Root, rank: int, folder: str) -> Part:
         return _parse_part(data, root, rank)
     except InvalidKeyError as error:
         raise _fail(f"index part of rank {rank} holds an unsafe key: {error}") from None
+    except ManifestError:
+        raise  # names its problem already (and is a ValueError)
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise _fail(
             f"index part of rank {rank} is malformed: {type(error).__name__}: {error}"
@@ -627,19 +676,28 @@ def _parse_part(data: bytes, root: Root, rank: int) -> Part:
         }
         for fqn, entries in document["chunks"].items()
     }
+    values = ((f, v) for f, (_, v) in root.values.items() if v.key == key)
+    check_disjoint(itertools.chain(_stored_chunks(chunks), stored_values(values)))
     return Part(record, chunks)
+
+
+def _stored_chunks(chunks: dict[str, dict[tuple[int, ...], ChunkLocation]]) -> Iterator[Stored]:
+    for fqn, located in chunks.items():
+        for offsets, at in located.items():
+            yield at.key, at.offset, at.offset + at.length, "tensor", fqn, offsets
 
 
 # Manifests from a root ------------------------------------------------------------------------
 
 
-Wanted = dict[str, list[int]]
+Wanted = dict[str, Sequence[int]]
 """Chunk numbers by tensor name: the chunks of a root a reader needs."""
 
 
 def every_chunk(root: Root) -> Wanted:
-    """Every chunk of every tensor (verify, gc and export read the whole checkpoint)."""
-    return {fqn: list(range(t.chunk_count)) for fqn, t in root.tensors.items()}
+    """Every chunk of every tensor (verify, gc and export read the whole checkpoint, and so every
+    part), as ranges: nothing is allocated per chunk before the parts that locate them are read."""
+    return {fqn: range(t.chunk_count) for fqn, t in root.tensors.items()}
 
 
 def overlapping_chunks(root: Root, boxes: Mapping[str, list[Box]]) -> Wanted:
@@ -652,22 +710,28 @@ def overlapping_chunks(root: Root, boxes: Mapping[str, list[Box]]) -> Wanted:
 
 
 def part_ranks(root: Root, wanted: Wanted) -> set[int]:
-    """The ranks whose index parts locate the `wanted` chunks."""
-    return {root.tensors[fqn].writers.rank(n) for fqn, numbers in wanted.items() for n in numbers}
+    """The ranks whose index parts locate the `wanted` chunks (ManifestError for a writer
+    without a part)."""
+    return {
+        _writer(root.tensors[fqn].writers.rank(n), root.parts, f"tensor {fqn!r}")
+        for fqn, numbers in wanted.items()
+        for n in numbers
+    }
 
 
 def manifest_from_parts(
     root: Root, wanted: Wanted, values: Iterable[str], parts: Mapping[int, Part]
 ) -> Manifest:
     """A `Manifest` of the `wanted` chunks and the named `values` of `root`, located by `parts`
-    (at least those of `part_ranks`)."""
+    (at least those of `part_ranks`; every part for `every_chunk`)."""
     tensors = {}
     for fqn, numbers in wanted.items():
         tensor = root.tensors[fqn]
         chunks = []
         for number in numbers:
             offsets, sizes = tensor.chunk(number)
-            location = parts[tensor.writers.rank(number)].chunks.get(fqn, {}).get(offsets)
+            part = parts[_writer(tensor.writers.rank(number), parts, f"tensor {fqn!r}")]
+            location = part.chunks.get(fqn, {}).get(offsets)
             if location is None:
                 raise _fail(f"tensor {fqn!r}: no location for its chunk at {list(offsets)}")
             if location.length != math.prod(sizes) * BY_NAME[tensor.dtype].itemsize:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -264,6 +265,7 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         fqn: parse_location(entry, objects, block_size, f"value {fqn!r}")
         for fqn, entry in values_json.items()
     }
+    check_disjoint(itertools.chain(stored_chunks(tensors.items()), stored_values(values.items())))
     planner_data = document.get("planner_data", {})
     if not isinstance(planner_data, dict) or not all(
         isinstance(p, list) and all(isinstance(x, (str, int)) for x in p)
@@ -454,3 +456,50 @@ def _tiles(
             itertools.product(*[(offsets[d], offsets[d] + sizes[d]) for d in split])
         )
     return odd == set(itertools.product(*[(0, shape[d]) for d in split]))
+
+
+# Byte ranges: every stored item has bytes of its own ------------------------------------------
+
+Stored = tuple[str, int, int, str, str, tuple[int, ...]]
+"""One stored item's bytes: object key, start, end, then what it is (``tensor`` or ``value``),
+its name and, for a tensor chunk, its offsets in the tensor."""
+
+
+def stored_chunks(tensors: Iterable[tuple[str, TensorRecord]]) -> Iterator[Stored]:
+    """The byte range of every chunk of `tensors`."""
+    for fqn, tensor in tensors:
+        for chunk in tensor.chunks:
+            location = chunk.location
+            end = location.offset + location.length
+            yield location.key, location.offset, end, "tensor", fqn, chunk.offsets
+
+
+def stored_values(values: Iterable[tuple[str, ChunkLocation]]) -> Iterator[Stored]:
+    """The byte range of every value of `values`."""
+    for fqn, location in values:
+        yield location.key, location.offset, location.offset + location.length, "value", fqn, ()
+
+
+def check_disjoint(stored: Iterable[Stored]) -> None:
+    """ManifestError if two stored items' bytes overlap inside one object (sorted: n log n).
+
+    Within one step a writer stores each tensor chunk and value once, in bytes of its own: DCP
+    writes a replicated item once (the manifest lists one location for it), a pack's members lie
+    back to back, and an empty item holds no bytes. Bytes claimed twice can only be a forgery that
+    points one item at another's bytes with their CRC32Cs copied, which every checksum passes.
+    (References into an earlier step's objects, once a manifest may hold them, are outside this
+    rule: they are checked against the step that wrote those bytes.)
+    """
+    ranges = sorted(item for item in stored if item[2] > item[1])
+    for before, after in itertools.pairwise(ranges):
+        if before[0] == after[0] and after[1] < before[2]:
+            raise _fail(
+                f"object {after[0]!r}: bytes {after[1]}..{after[2]} of {_describe(after)} overlap "
+                f"bytes {before[1]}..{before[2]} of {_describe(before)}; every tensor chunk and "
+                "value of a step has bytes of its own"
+            )
+
+
+def _describe(item: Stored) -> str:
+    _key, _start, _end, kind, fqn, offsets = item
+    return f"{kind} {fqn!r}" + (f" (chunk at {list(offsets)})" if any(offsets) else "")

@@ -142,13 +142,15 @@ def test_damage_gives_the_same_clear_error_from_restore_export_and_verify(
     assert torch.equal(target["model"]["w"], _state(1)["model"]["w"])
 
 
-def _forge(root: Path, name: str) -> None:
-    """Claim 2**40 bytes for the object of step 2 and for the chunk of `name` (at offset 0).
+def _forge(root: Path, name: str) -> int:
+    """Claim 2**40 bytes for the chunk of `name`, past the object's real bytes (where it
+    overlaps nothing), and an object of step 2 that large; returns the claimed object size.
 
     Every other CRC is recomputed for a 1 GiB block size, so that only the sizes are forged.
     """
     path, _key = _object(root)
     data = path.read_bytes()
+    start, size = len(data), len(data) + FORGED
     manifest = _manifest(root)
 
     def honest(location: ChunkLocation) -> ChunkLocation:
@@ -162,36 +164,37 @@ def _forge(root: Path, name: str) -> None:
     manifest.values = {fqn: honest(location) for fqn, location in manifest.values.items()}
     if name in manifest.values:
         manifest.values[name] = dataclasses.replace(
-            manifest.values[name], offset=0, length=FORGED, block_crc32c=forged_crcs
+            manifest.values[name], offset=start, length=FORGED, block_crc32c=forged_crcs
         )
     else:
         record = manifest.tensors[name]
         location = dataclasses.replace(
-            record.chunks[0].location, offset=0, length=FORGED, block_crc32c=forged_crcs
+            record.chunks[0].location, offset=start, length=FORGED, block_crc32c=forged_crcs
         )
         elements = FORGED // 4
         chunk = dataclasses.replace(record.chunks[0], sizes=(elements,), location=location)
         manifest.tensors[name] = dataclasses.replace(record, shape=(elements,), chunks=(chunk,))
     (record,) = manifest.objects.values()
-    manifest.objects[record.key] = dataclasses.replace(record, size=FORGED)
+    manifest.objects[record.key] = dataclasses.replace(record, size=size)
     manifest.block_size = FORGED_BLOCK_SIZE
     (root / manifest_key(2)).write_bytes(manifest.to_json())
+    return size
 
 
 FORGED_MESSAGE = (
-    r"object {key} is truncated: bytes 0\.\.1099511627776 \({name}\) are asked, "
-    r"the object has \d+ bytes and the manifest says 1099511627776"
+    r"object {key} is truncated: bytes {start}\.\.{size} \({name}\) are asked, "
+    r"the object has {start} bytes and the manifest says {size}"
 )
 
 
 def test_forged_sizes_are_refused_by_restore_before_reading(root: Path) -> None:
-    _forge(root, "meta.epoch")  # restore reads a value whole: its claimed length is the read
+    size = _forge(root, "meta.epoch")  # restore reads a value whole: its length is the read
     _path, key = _object(root)
     store = RecordingStore(open_store(str(root)))
     # Every read of the object is refused; which one's error surfaces first depends on threads.
     message = (
         rf"object {re.escape(key)} is truncated: bytes \d+\.\.\d+ \(.+\) are asked, the object "
-        rf"has \d+ bytes and the manifest says {FORGED}"
+        rf"has \d+ bytes and the manifest says {size}"
     )
     with pytest.raises(CorruptCheckpointError, match=message):
         _restore(root, store)  # type: ignore[arg-type]
@@ -199,10 +202,11 @@ def test_forged_sizes_are_refused_by_restore_before_reading(root: Path) -> None:
 
 
 def test_forged_sizes_are_refused_by_export_before_allocating(root: Path, tmp_path: Path) -> None:
-    _forge(root, "model.w")
+    size = _forge(root, "model.w")
     _path, key = _object(root)
     store = RecordingStore(open_store(str(root)))
-    message = FORGED_MESSAGE.format(key=re.escape(key), name=r"'model\.w'")
+    start = size - FORGED
+    message = FORGED_MESSAGE.format(key=re.escape(key), name=r"'model\.w'", start=start, size=size)
     with pytest.raises(CorruptCheckpointError, match=message):
         _export(root, tmp_path / "out", store)  # type: ignore[arg-type]
     assert max(store.lengths, default=0) < 1 << 20
@@ -210,13 +214,13 @@ def test_forged_sizes_are_refused_by_export_before_allocating(root: Path, tmp_pa
 
 @pytest.mark.parametrize("name", ["meta.epoch", "model.w"])
 def test_forged_sizes_are_a_verify_problem(root: Path, name: str) -> None:
-    _forge(root, name)
+    size = _forge(root, name)
     _path, key = _object(root)
     store = RecordingStore(open_store(str(root)))
     report = verify_checkpoint(store, 2)  # type: ignore[arg-type]
     (problem,) = report.problems
     assert (problem.kind, problem.key) == ("size", key)
-    assert f"the manifest says {FORGED}" in problem.message
+    assert f"the manifest says {size}" in problem.message
     assert max(store.lengths) < 1 << 20
 
 

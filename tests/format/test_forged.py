@@ -35,6 +35,7 @@ from spotckpt.format.manifest import (
 )
 from spotckpt.format.safetensors_io import SafetensorsFormatError, block_crcs, read_header
 from spotckpt.storage import ObjectStore, open_store
+from spotckpt.verify import verify_checkpoint
 
 Document = dict[str, Any]
 
@@ -353,11 +354,14 @@ def test_tiling_check_agrees_with_counting_every_element() -> None:
         location = ChunkLocation(
             key="a-x/r00000-000.safetensors", offset=0, length=0, block_crc32c=(0,)
         )
-        chunks = tuple(
+        starts = itertools.accumulate((math.prod(n) for _o, n in boxes), initial=0)
+        chunks = tuple(  # back to back, as a writer stores them
             TensorChunk(
-                offsets=o, sizes=n, location=dataclasses.replace(location, length=math.prod(n))
+                offsets=o,
+                sizes=n,
+                location=dataclasses.replace(location, offset=start, length=math.prod(n)),
             )
-            for o, n in boxes
+            for (o, n), start in zip(boxes, starts, strict=False)
         )
         manifest = Manifest(
             step=1,
@@ -376,6 +380,107 @@ def test_tiling_check_agrees_with_counting_every_element() -> None:
             verdicts.append((False, _covered_once(shape, boxes)))
     assert all(accepted == expected for accepted, expected in verdicts)
     assert 50 < sum(accepted for accepted, _ in verdicts) < 350
+
+
+# Byte ranges: no two stored items share a byte ------------------------------------------------
+
+MEMBERS = 20  # small tensors, more than PACK_MIN_TENSORS: saved as one pack
+
+
+def _packed_state(step: int) -> dict[str, Any]:
+    model = {f"b{i}": torch.full((4,), 100.0 * step + i) for i in range(MEMBERS)}
+    model["empty"] = torch.zeros(0)  # packed too: no bytes, where a neighbour's bytes end
+    return {"model": model, "meta": {"epoch": step, "seen": step + 10}}
+
+
+def _packed_target() -> dict[str, Any]:
+    target = _packed_state(0)
+    for tensor in target["model"].values():
+        tensor.zero_()
+    return target
+
+
+@pytest.fixture
+def packed_root(tmp_path: Path) -> Path:
+    """Steps 1 and 2 of a state whose small tensors (an empty one among them) share one pack."""
+    path = tmp_path / "packed"
+    with CheckpointManager(str(path), preemption=False) as mgr:
+        mgr.save(1, _packed_state(1))
+        mgr.save(2, _packed_state(2))
+    return path
+
+
+def _entry(document: Document, name: str) -> dict[str, Any]:
+    if name in document["values"]:
+        return dict(document["values"][name])
+    (chunk,) = document["tensors"][name]["chunks"]
+    return dict(chunk)
+
+
+def _point(root: Path, document: Document, name: str, offset: int) -> None:
+    """Point `name`'s one location at `offset` of its object, CRC32Cs made right for the bytes
+    found there (anyone who can read the object can compute them)."""
+    entry = _entry(document, name)
+    data = (root / step_folder(2) / entry["key"]).read_bytes()
+    piece = data[offset : offset + entry["length"]]
+    update = {"offset": offset, "block_crc32c": list(block_crcs(piece, document["block_size"]))}
+    if name in document["values"]:
+        document["values"][name].update(update)
+    else:
+        document["tensors"][name]["chunks"][0].update(update)
+
+
+def _onto(name: str, other: str, shift: int = 0) -> Callable[[Path, Document], None]:
+    return lambda root, document: _point(
+        root, document, name, _entry(document, other)["offset"] + shift
+    )
+
+
+OVERLAPS: dict[str, Callable[[Path, Document], None]] = {
+    "member-onto-member": _onto("model.b4", "model.b3"),
+    "member-half-over-member": _onto("model.b4", "model.b3", shift=8),
+    "value-onto-value": _onto("meta.seen", "meta.epoch"),
+}
+
+
+@pytest.mark.parametrize("name", list(OVERLAPS))
+def test_an_item_pointed_at_another_items_bytes_is_refused_and_restore_falls_back(
+    packed_root: Path, name: str
+) -> None:
+    """A forged location onto bytes that another tensor or value owns, its CRC32Cs copied, passes
+    every checksum: the overlap itself is refused, by restore (which falls back) and verify."""
+    document = _document(packed_root)
+    assert _entry(document, "meta.seen")["length"] == _entry(document, "meta.epoch")["length"]
+    OVERLAPS[name](packed_root, document)
+    _forge(packed_root, json.dumps(document).encode())
+    with pytest.raises(ManifestError, match=r"object '.+': bytes \d+\.\.\d+ of .+ overlap bytes"):
+        Catalog(open_store(str(packed_root))).read_manifest(2)
+    (problem,) = verify_checkpoint(open_store(str(packed_root)), 2).problems
+    assert problem.kind == "manifest" and "overlap" in problem.message
+    target = _packed_target()
+    with CheckpointManager(str(packed_root), preemption=False) as mgr:
+        assert mgr.restore(target) == 1
+    assert all(torch.equal(target["model"][k], v) for k, v in _packed_state(1)["model"].items())
+    assert target["meta"] == {"epoch": 1, "seen": 11}
+
+
+def test_members_back_to_back_and_empty_ones_are_valid(packed_root: Path) -> None:
+    """The control: the real pack's members touch, the empty one lies where a neighbour's bytes
+    end, and the checkpoint verifies and restores."""
+    manifest = Catalog(open_store(str(packed_root))).read_manifest(2)
+    ranges = sorted(
+        (t.chunks[0].location.offset, t.chunks[0].location.length)
+        for t in manifest.tensors.values()
+    )
+    empty = [offset for offset, length in ranges if not length]
+    held = [(offset, length) for offset, length in ranges if length]
+    assert len(held) == MEMBERS and all(a + n == b for (a, n), (b, _) in itertools.pairwise(held))
+    assert len(empty) == 1 and empty[0] in [offset + length for offset, length in held]
+    assert verify_checkpoint(open_store(str(packed_root)), 2).ok
+    target = _packed_target()
+    with CheckpointManager(str(packed_root), preemption=False) as mgr:
+        assert mgr.restore(target) == 2
+    assert target["meta"] == {"epoch": 2, "seen": 12}
 
 
 # Step folders: only the canonical spelling is a step ----------------------------------------

@@ -92,9 +92,10 @@ def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
     rows, itemsize = ranks * 8, 4
     chunk_bytes = 8 * 16 * itemsize
     parts = []
+    values_at = tensors * chunk_bytes  # the chunks, then 4 bytes for the value
     for rank in range(ranks):
         key = f"a-{attempt}/r{rank:05d}-000.safetensors"
-        record = ObjectRecord(key=key, size=tensors * chunk_bytes, crc32c=0, rank=rank)
+        record = ObjectRecord(key=key, size=values_at + 4, crc32c=0, rank=rank)
         chunks = {
             f"t{t}": [
                 (
@@ -107,7 +108,7 @@ def _fsdp_checkpoint(ranks: int, tensors: int) -> tuple[CountingStore, bytes]:
             for t in range(tensors)
         }
         if rank == 0:
-            value = (record, ChunkLocation(key=key, offset=0, length=4, block_crc32c=(0,)))
+            value = (record, ChunkLocation(key=key, offset=values_at, length=4, block_crc32c=(0,)))
         data = part_json(step, attempt, rank, record, chunks)
         part_key = index_part_key(attempt, rank)
         store.put(f"{step_folder(step)}/{part_key}", data)
