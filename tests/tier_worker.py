@@ -2,12 +2,17 @@
 
 `launch_nodes` starts one process per rank with ``SPOTCKPT_NODE`` (and ``SPOTCKPT_ZONE``) of its
 own, like torchrun on separate machines would; results come back as files in the test's folder.
+Each rank runs in a private mount namespace (``unshare -m``) in which the base of `local_dir`
+(the part before ``{node}``) is its machine's own folder, ``machines/<machine>`` beside it (or a
+disk of its own): a rank can never read another machine's disk, and two machines may even use
+the same node id. The folders outlive the processes (`node_folder` finds them).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,13 +30,42 @@ from dist_worker import _perturbed, free_port, fsdp, full_state, make_model, tra
 HERE = Path(__file__).resolve().parent
 
 
+def tier_base(args: dict[str, Any]) -> Path:
+    """The folder that `local_dir` names before ``{node}`` (each rank sees its machine's)."""
+    return Path(args["local_dir"].partition("{node}")[0])
+
+
+def machine_folder(args: dict[str, Any], machine: str) -> Path:
+    """The real folder that is `tier_base` on `machine`."""
+    return tier_base(args).parent / "machines" / machine
+
+
+def node_folder(args: dict[str, Any], node: str, machine: str | None = None) -> Path:
+    """The real folder of `node`'s tier on `machine` (by default the machine named `node`)."""
+    return machine_folder(args, machine or node) / node
+
+
 def launch_nodes(
-    nodes: list[str], scenario: str, args: dict[str, Any], *, zones: list[str] | None = None
+    nodes: list[str],
+    scenario: str,
+    args: dict[str, Any],
+    *,
+    zones: list[str] | None = None,
+    machines: list[str] | None = None,
+    disks: dict[str, Path] | None = None,
 ) -> list[subprocess.Popen[str]]:
-    """Start `scenario` on one rank per entry of `nodes` (the rank's node id)."""
+    """Start `scenario` on one rank per entry of `nodes` (the rank's node id), each on its
+    machine (`machines`, by default the node id) whose tier base is its own folder, or the
+    disk that `disks` gives for the machine."""
+    assert shutil.which("unshare"), "the node tests need unshare (util-linux) and root"
     port = str(free_port())
+    base = tier_base(args)
+    base.mkdir(parents=True, exist_ok=True)
     processes = []
     for rank, node in enumerate(nodes):
+        machine = machines[rank] if machines is not None else node
+        disk = (disks or {}).get(machine) or machine_folder(args, machine)
+        disk.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
@@ -39,7 +73,9 @@ def launch_nodes(
         }
         if zones is not None:
             env["SPOTCKPT_ZONE"] = zones[rank]
-        command = [sys.executable, __file__, scenario, str(rank), str(len(nodes)), port]
+        private = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNT, "sh"]
+        command = [*private, str(disk), str(base), sys.executable, __file__, scenario]
+        command += [str(rank), str(len(nodes)), port]
         processes.append(
             subprocess.Popen(
                 [*command, json.dumps(args)],
@@ -51,6 +87,11 @@ def launch_nodes(
             )
         )
     return processes
+
+
+_MOUNT = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+"""In the rank's own mount namespace: its machine's folder becomes the tier base, then the
+rank starts (``exec``: the process id stays the launched one)."""
 
 
 def finish(processes: list[subprocess.Popen[str]], timeout: float = 300) -> list[tuple[int, str]]:
@@ -75,7 +116,7 @@ def _manager(args: dict[str, Any], **kwargs: Any) -> CheckpointManager:
         local_interval_steps=args.get("local_interval_steps"),
         interval_steps=args.get("interval_steps"),
         async_save=args.get("async_save", False),
-        collective_timeout_s=120,
+        collective_timeout_s=args.get("collective_timeout_s", 120),
         **kwargs,
     )
 

@@ -1,7 +1,8 @@
 """The fast tier: placement, erasure coding, and restores from the nearest surviving copy.
 
-"Nodes" are gloo rank processes, each with its own ``SPOTCKPT_NODE`` and its own folder under
-one temporary root; a lost node is a rank killed by SIGKILL whose folder is then deleted. The
+"Nodes" are gloo rank processes, each with its own ``SPOTCKPT_NODE`` and its own machine folder
+(`tier_worker`: a private mount namespace per rank, so no rank can read another machine's disk);
+a lost node is a rank killed by SIGKILL whose folder is then deleted. The
 bucket's rank objects are deleted before a restore that must not touch the bucket, so a read
 of one would fail the restore rather than only show in a counter.
 """
@@ -28,7 +29,7 @@ from spotckpt.tiers.record import TierRecord
 from spotckpt.tiers.recovery import HeldStep, NodeReport, choose_step, merge_ranges
 from spotckpt.tiers.redundancy import Placement, parse_redundancy
 
-from tier_worker import finish, launch_nodes, run_nodes
+from tier_worker import finish, launch_nodes, node_folder, run_nodes
 
 NODES = [f"node{i}" for i in range(4)]
 
@@ -224,9 +225,9 @@ def _args(tmp_path: Path, uri: str, redundancy: str | None, **extra: Any) -> dic
     }
 
 
-def _lose(tmp_path: Path, nodes: list[str]) -> None:
+def _lose(args: dict[str, Any], nodes: list[str]) -> None:
     for node in nodes:
-        shutil.rmtree(tmp_path / "fast" / node)
+        shutil.rmtree(node_folder(args, node))
 
 
 def _drop_bucket_objects(bucket: Path) -> None:
@@ -279,7 +280,7 @@ def test_lost_nodes_restore_from_peers_without_the_bucket(
     nodes = NODES[:count]
     args = _args(tmp_path, str(tmp_path / "bucket"), redundancy, kill=lost)
     _save_and_kill(nodes, args)
-    _lose(tmp_path, [nodes[i] for i in lost])
+    _lose(args, [nodes[i] for i in lost])
     _drop_bucket_objects(tmp_path / "bucket")
     run_nodes(nodes, "restore", args)
     found = _sources(tmp_path, count)
@@ -291,7 +292,7 @@ def test_lost_nodes_restore_from_peers_without_the_bucket(
 def test_too_many_lost_nodes_fall_back_to_the_durable_step_and_say_why(tmp_path: Path) -> None:
     args = _args(tmp_path, str(tmp_path / "bucket"), "replicate:2", kill=[1, 2])
     _save_and_kill(NODES, args)
-    _lose(tmp_path, ["node1", "node2"])  # rank 1's object lived on nodes 1 and 2 only
+    _lose(args, ["node1", "node2"])  # rank 1's object lived on nodes 1 and 2 only
     outputs = run_nodes(NODES, "restore", args)
     assert "fast-tier step 6: no intact copy survives of" in outputs[0]
     assert "r00001-000.safetensors" in outputs[0]
@@ -305,7 +306,7 @@ def test_corrupt_copies_are_skipped_for_intact_ones_then_for_an_older_step(tmp_p
     run_nodes(NODES, "save_then_die", args)
 
     def corrupt(node: str) -> None:
-        (path,) = (tmp_path / "fast" / node).glob("step-000000006/a-*/r00000-000.safetensors")
+        (path,) = node_folder(args, node).glob("step-000000006/a-*/r00000-000.safetensors")
         with path.open("r+b") as file:
             file.seek(path.stat().st_size // 2)
             file.write(b"\xff" * 64)
@@ -353,7 +354,7 @@ def test_sigterm_saves_to_the_tier_and_peers_then_resumes_at_that_step(
     for rank, (status, output) in enumerate(results):
         assert status == 75, f"rank {rank} exited {status}:\n{output[-6000:]}"
     evicted_at = int((tmp_path / "out" / "evicted-at.txt").read_text())
-    _lose(tmp_path, ["node1"])  # the evicted machine's disk is gone
+    _lose(args, ["node1"])  # the evicted machine's disk is gone
     run_nodes(NODES[:2], "restore", args)
     found = _sources(tmp_path, 2)
     assert found["step"] == evicted_at and found["sources"]["store"] == 0
