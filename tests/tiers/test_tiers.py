@@ -9,6 +9,7 @@ of one would fail the restore rather than only show in a counter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,8 +26,8 @@ from spotckpt import CheckpointManager, Config
 from spotckpt.errors import InvalidArgumentError, ManifestError
 from spotckpt.tiers.erasure import data_block, parity_block
 from spotckpt.tiers.node import NodeIdentity, node_identity
-from spotckpt.tiers.record import TierRecord
-from spotckpt.tiers.recovery import HeldStep, NodeReport, choose_step, merge_ranges
+from spotckpt.tiers.record import GroupRecord, ParityRecord, TierRecord
+from spotckpt.tiers.recovery import HeldStep, NodeReport, Scope, choose_step, merge_ranges
 from spotckpt.tiers.redundancy import Placement, parse_redundancy
 
 from tier_worker import finish, launch_nodes, node_folder, run_nodes
@@ -134,15 +135,88 @@ def test_ranges_merge() -> None:
     assert merge_ranges([(5, 9), (0, 2), (2, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]
 
 
+JOB = "0123456789abcdef0123456789abcdef"
+
+
 def test_forged_tier_records_are_refused() -> None:
-    good = TierRecord(5, "abc", "ec:2+1").to_json()
-    assert TierRecord.from_json(good, step=5, attempt="abc").redundancy == "ec:2+1"
+    good = TierRecord(5, "abc", "ec:2+1", job=JOB).to_json()
+    assert TierRecord.from_json(good, step=5, attempt="abc").job == JOB
     with pytest.raises(ManifestError, match="not the manifest"):
         TierRecord.from_json(good, step=6, attempt="abc")
     forged = json.loads(good)
     forged["groups"] = [{"data": ["../../etc/passwd"], "parity": [], "block_size": 1}]
     with pytest.raises(ManifestError, match="malformed"):
         TierRecord.from_json(json.dumps(forged).encode(), step=5, attempt="abc")
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda d: b"", "not valid JSON"),
+        (lambda d: d[: len(d) // 2], "not valid JSON"),
+        (lambda d: b"\xff" + d, "not UTF-8"),
+        (lambda d: d.replace(b'"groups": []', b'"groups": [' + b"[" * 100 + b"]" * 100), "nests"),
+        (lambda d: d.replace(b'"step": 5', b'"step": ' + b"9" * 5000), "digits"),
+        (lambda d: d.replace(JOB.encode(), b"../x"), "not a job id"),
+        (lambda d: d.replace(b'"replicate:2"', b'"raid5"'), "malformed"),
+        (lambda d: d.replace(b'"groups": []', b'"groups": [7]'), "malformed"),
+        (lambda d: d.replace(b'"groups": []', b'"groups": [{"data": []}]'), "malformed"),
+    ],
+)
+def test_damaged_tier_records_are_manifest_errors(damage: Any, why: str) -> None:
+    """Whatever a crash or a forger leaves, a record is a ManifestError (the tier step is then
+    unusable), never another exception."""
+    good = TierRecord(5, "abc", "replicate:2", job=JOB).to_json()
+    with pytest.raises(ManifestError, match=why):
+        TierRecord.from_json(damage(good), step=5, attempt="abc")
+
+
+def test_record_numbers_must_fit_the_manifest_before_use() -> None:
+    sizes = {"a-abc/r00000-000.safetensors": 100, "a-abc/r00001-000.safetensors": 70}
+    parity = ParityRecord("a-abc/parity-g00000-p000.ec", 100, 7)
+    group = GroupRecord(tuple(sizes), (parity,), 100)
+    TierRecord(5, "abc", "ec:2+1", (group,), JOB).check(sizes)
+    forged = [
+        dataclasses.replace(group, block_size=10**17),
+        dataclasses.replace(group, parity=(dataclasses.replace(parity, size=10**17),)),
+        dataclasses.replace(group, parity=(dataclasses.replace(parity, key="a-abc/other"),)),
+        dataclasses.replace(group, data=("a-abc/r00000-000.safetensors", "a-abc/elsewhere")),
+    ]
+    for bad in forged:
+        with pytest.raises(ManifestError, match="tier record of step 5"):
+            TierRecord(5, "abc", "ec:2+1", (bad,), JOB).check(sizes)
+    huge = json.loads(TierRecord(5, "abc", "ec:2+1", (group,), JOB).to_json())
+    huge["groups"][0]["block_size"] = 2**63
+    with pytest.raises(ManifestError, match="malformed"):
+        TierRecord.from_json(json.dumps(huge).encode(), step=5, attempt="abc")
+
+
+def test_a_scope_admits_only_this_jobs_steps_and_never_another_commit_of_the_durable_step() -> None:
+    scope = Scope(JOB, durable=4, durable_attempt="bucket")
+    assert scope.refusal(6, "later", JOB) is None
+    assert scope.refusal(4, "bucket", JOB) is None  # the very commit the bucket holds
+    assert "another commit" in str(scope.refusal(4, "other", JOB))
+    assert "older than" in str(scope.refusal(3, "bucket", JOB))
+    assert "another job" in str(scope.refusal(6, "later", "f" * 32))
+    assert "names no job" in str(scope.refusal(6, "later", None))
+    assert "no job identity" in str(Scope(None).refusal(6, "later", JOB))
+    assert Scope(JOB).refusal(6, "later", JOB) is None  # nothing durable yet
+
+
+def test_a_step_damaged_on_one_node_or_recorded_differently_is_unusable_everywhere() -> None:
+    objects = {"a/r0": 10, "a/r1": 10}
+    reports = [
+        NodeReport("n0", "", 0, (_held(6, {"a/r0", "a/r1"}, objects),)),
+        NodeReport("n1", "", 1, (_held(6, {"a/r1"}, objects),), ((8, "truncated"),)),
+    ]
+    assert choose_step(reports, None)[0] is not None
+    damaged = [reports[0], dataclasses.replace(reports[1], damaged=((6, "truncated"),))]
+    choice, reasons = choose_step(damaged, None)
+    assert choice is None and reasons == ["fast-tier step 6 is damaged on node n1: truncated"]
+    other = dataclasses.replace(reports[1].steps[0], record=TierRecord(6, "a", "replicate:3"))
+    disagreeing = [reports[0], dataclasses.replace(reports[1], steps=(other,))]
+    choice, reasons = choose_step(disagreeing, None)
+    assert choice is None and reasons == ["fast-tier step 6: its nodes hold different tier records"]
 
 
 # One process: the tier alone ----------------------------------------------------------------
