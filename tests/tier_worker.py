@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotckpt import CheckpointManager, TrainState
+from spotckpt import CheckpointError, CheckpointManager, TrainState
 
 from dist_worker import _perturbed, free_port, fsdp, full_state, make_model, train, wait_all
 
@@ -147,12 +147,18 @@ def save_then_die(rank: int, world: int, args: dict[str, Any]) -> None:
 
 
 def restore(rank: int, world: int, args: dict[str, Any]) -> None:
-    """Restore into perturbed FSDP2 shards; write the gathered state and where bytes came from."""
+    """Restore into perturbed FSDP2 shards; write the gathered state and where bytes came from
+    (or, when the restore raised a CheckpointError, which one, per rank)."""
     out = Path(args["out"])
     model = fsdp(_perturbed())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mgr = _manager(args, preemption=False)
-    step = mgr.restore(TrainState(model=model, optimizer=optimizer, rng=False))
+    try:
+        step = mgr.restore(TrainState(model=model, optimizer=optimizer, rng=False))
+    except CheckpointError as error:
+        _result(out, f"restore-{rank}", error=type(error).__name__, message=str(error))
+        return
+    _result(out, f"restore-{rank}", step=step)
     _snapshot(model, optimizer, out / f"restored-{world}.pt")
     if rank == 0:
         (out / f"sources-{world}.json").write_text(
@@ -185,7 +191,66 @@ def evicted(rank: int, world: int, args: dict[str, Any]) -> None:
     raise SystemExit("never evicted")
 
 
-SCENARIOS = {"save_then_die": save_then_die, "restore": restore, "evicted": evicted}
+def _result(out: Path, name: str, **fields: Any) -> None:
+    (out / f"{name}.json").write_text(json.dumps(fields))
+
+
+def _die_on_open(name: str) -> None:
+    """SIGKILL this process the moment it opens `name` for writing: a node lost at that point
+    (for a fast-tier copy, mid copy phase), with no cleanup of any kind."""
+
+    def hook(event: str, arguments: tuple[Any, ...]) -> None:
+        writing = event == "open" and isinstance(arguments[2], int)
+        if writing and arguments[0] == name and arguments[2] & (os.O_WRONLY | os.O_RDWR):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
+
+
+def save_loop(rank: int, world: int, args: dict[str, Any]) -> None:
+    """`maybe_save` of a plain state every step (a tensor and, if asked, a text of `blob_bytes`
+    that the free-space estimate does not count, both per rank: every rank writes an object of
+    its own); writes what each step did or the
+    CheckpointError that stopped the loop. `die` = {"rank", "name"}: that rank is lost when it
+    opens that file for writing."""
+    out = Path(args["out"])
+    die = args.get("die")
+    if die is not None and die["rank"] == rank:
+        _die_on_open(die["name"])
+    mgr = _manager(args, preemption=False)
+    steps: list[int] = []
+    try:
+        for step in range(1, args["steps"] + 1):
+            state: dict[str, Any] = {f"w{rank}": torch.full((64,), float(100 * step + rank))}
+            if args.get("blob_bytes"):
+                state[f"blob{rank}"] = "x" * args["blob_bytes"]
+            mgr.maybe_save(step, state)
+            mgr.wait()
+            steps.append(step)
+        mgr.close()
+    except CheckpointError as error:
+        _result(out, f"loop-{rank}", steps=steps, error=type(error).__name__, message=str(error))
+        os._exit(0)  # the process group is broken: leave without its teardown
+    _result(out, f"loop-{rank}", steps=steps)
+
+
+def start(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Build a manager with a fast tier; write the CheckpointError it raised, if any."""
+    try:
+        _manager(args, preemption=False).close()
+    except CheckpointError as error:
+        _result(Path(args["out"]), f"start-{rank}", error=type(error).__name__, message=str(error))
+        return
+    _result(Path(args["out"]), f"start-{rank}")
+
+
+SCENARIOS = {
+    "save_then_die": save_then_die,
+    "restore": restore,
+    "evicted": evicted,
+    "save_loop": save_loop,
+    "start": start,
+}
 
 
 def main() -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+from spotckpt import CheckpointManager
 from spotckpt.catalog import JOB_KEY, MAX_JOB_BYTES, Catalog, JobIdentity, is_job_id
 from spotckpt.errors import ManifestError
 from spotckpt.storage import open_store
@@ -61,3 +64,48 @@ def test_a_damaged_identity_is_a_manifest_error_and_never_overwritten(
     with pytest.raises(ManifestError, match="job identity"):
         catalog.ensure_job()
     assert (tmp_path / JOB_KEY).read_bytes() == content
+
+
+# The manager ----------------------------------------------------------------------------------
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(16.0)}
+
+
+def test_the_first_save_of_any_kind_creates_it_and_a_restore_never_does(tmp_path: Path) -> None:
+    catalog = Catalog(open_store(str(tmp_path / "b")))
+    with CheckpointManager(str(tmp_path / "b"), preemption=False) as mgr:
+        assert mgr.restore(_state()) is None
+        assert catalog.job() is None
+        mgr.save(1, _state())
+    job = catalog.job()
+    assert job is not None
+    with CheckpointManager(str(tmp_path / "b"), preemption=False) as again:
+        again.save(2, _state())
+    assert catalog.job() == job  # a restart of the job keeps its identity
+    (tmp_path / "fast").mkdir()
+    options = {"local_dir": str(tmp_path / "fast" / "{node}"), "local_interval_steps": 1}
+    with CheckpointManager(str(tmp_path / "tier-only"), preemption=False, **options) as fast:
+        fast.maybe_save(1, _state())  # a fast-tier save only
+        assert fast.steps() == []
+    assert Catalog(open_store(str(tmp_path / "tier-only"))).job() is not None
+
+
+def test_saves_go_on_past_a_damaged_identity_without_the_fast_tier(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "b"
+    root.mkdir()
+    (root / JOB_KEY).write_bytes(b"{")
+    (tmp_path / "fast").mkdir()
+    options = {"local_dir": str(tmp_path / "fast" / "{node}"), "preemption": False}
+    with (
+        caplog.at_level(logging.WARNING, logger="spotckpt"),
+        CheckpointManager(str(root), **options) as mgr,
+    ):
+        mgr.save(1, _state())  # straight to the bucket: the fast tier needs the identity
+        assert mgr.steps() == [1]
+    assert "no job identity at" in caplog.text and "move a damaged job.json aside" in caplog.text
+    assert (root / JOB_KEY).read_bytes() == b"{"
+    assert not list((tmp_path / "fast").glob("*/step-*"))
