@@ -2,6 +2,7 @@
 
 ```
 <root>/
+  job.json                               the job identity: a random id, create-only, first save
   step-000001200/                        one folder per step, zero-padded (lexical = numeric)
     manifest.json                        the commit point: written last, create-only
     a-<attempt>/r00000-000.safetensors   the objects of one save attempt, one or more per rank
@@ -26,6 +27,12 @@ gc learns the store's time from its clock probe (`Catalog.store_time`): object t
 store's, and a host's own clock may be hours off. A probe left behind by a gc that died is
 collected by a later one.
 
+The job identity (`JobIdentity`, ``job.json``) tells this job's steps from another job's: the
+coordinator creates it, create-only, at the job's first save of any kind (`Catalog.ensure_job`)
+and every rank holds it; a copy goes into every record that must be tied to this job (a fast-tier
+step's `spotckpt.tiers.record.TierRecord`). A root without one (written by an older version, or
+never saved to) has no identity: nothing that needs one is trusted there.
+
 Older checkpoints may carry a ``latest.json`` hint at the root; nothing reads it any more, and it
 is left alone.
 """
@@ -45,6 +52,7 @@ from typing import Any
 
 from spotckpt.errors import (
     AlreadyExistsError,
+    BoundedJSONError,
     CheckpointAlreadyCommittedError,
     CheckpointError,
     CorruptCheckpointError,
@@ -57,6 +65,7 @@ from spotckpt.errors import (
     StorageError,
     StoreClockError,
 )
+from spotckpt.format.bounded_json import loads
 from spotckpt.format.index import (
     INDEXED_FORMAT,
     Box,
@@ -85,6 +94,9 @@ ATTEMPT_PREFIX = "a-"
 QUARANTINE_PREFIX = "quarantined-"
 REASON_NAME = "reason.json"
 COPY_PIECE = 512 << 10
+JOB_KEY = "job.json"
+JOB_FORMAT = "spotckpt-job/1"
+MAX_JOB_BYTES = 4096
 EVENTS_PREFIX = "events/"
 EVENT_SUMMARY_KEY = f"{EVENTS_PREFIX}summary.json"
 STEP_LISTING_DELIMITER = f"/{ATTEMPT_PREFIX}"
@@ -110,6 +122,7 @@ _EVENT_NAME = re.compile(
     r"events/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z)-([a-z]{1,32})-[0-9a-f]{1,32}-[0-9]{1,12}\.json"
 )
 _LOOKS_LIKE_STEP = re.compile(r"step-\w", re.UNICODE)
+_JOB_ID = re.compile(r"[0-9a-f]{32}")
 
 WantedFromRoot = Callable[[Root], tuple[Mapping[str, list[Box]], Iterable[str]]]
 """What a reader needs of an indexed checkpoint, given its root: boxes by tensor, value names."""
@@ -214,6 +227,47 @@ def step_key(step: int, relative: str) -> str:
 def attempt_folders(manifest: Manifest) -> set[str]:
     """The attempt folders (``a-<id>``) whose objects a manifest references."""
     return {key.partition("/")[0] for key in manifest.objects} | {attempt_folder(manifest.attempt)}
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """One job's identity: ``job.json`` at the checkpoint root (see the module docstring).
+
+    `id` is 32 lowercase hex digits (128 random bits), `created_at` the UTC stamp of its creation.
+    Records tied to this job carry `id`; `is_job_id` checks the spelling of a copied one.
+    """
+
+    id: str
+    created_at: str
+
+    @classmethod
+    def new(cls) -> JobIdentity:
+        """A fresh identity (not yet stored: `Catalog.ensure_job` stores it)."""
+        return cls(uuid.uuid4().hex, event_stamp(datetime.now(timezone.utc)))
+
+    def to_json(self) -> bytes:
+        """Encoded for ``job.json``."""
+        document = {"format": JOB_FORMAT, "id": self.id, "created_at": self.created_at}
+        return json.dumps(document, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> JobIdentity:
+        """Parse and check ``job.json`` (found at `where`); ManifestError names what is wrong."""
+        try:
+            document = loads(data, f"job identity {where}")
+        except BoundedJSONError as error:
+            raise ManifestError(str(error)) from None
+        if not isinstance(document, dict) or document.get("format") != JOB_FORMAT:
+            raise ManifestError(f"job identity {where} is not a {JOB_FORMAT} document")
+        job_id, created = document.get("id"), document.get("created_at")
+        if not (is_job_id(job_id) and isinstance(created, str) and len(created) <= 64):
+            raise ManifestError(f"job identity {where} has no valid id or creation time")
+        return cls(str(job_id), created)
+
+
+def is_job_id(value: object) -> bool:
+    """Whether `value` is spelled like a `JobIdentity.id`."""
+    return isinstance(value, str) and _JOB_ID.fullmatch(value) is not None
 
 
 def _aware(moment: datetime) -> datetime:
@@ -432,6 +486,41 @@ class Catalog:
             return self._parse(self.manifest_bytes(step), step).attempt
         except (NoCheckpointError, ManifestError):
             return None
+
+    def job(self) -> JobIdentity | None:
+        """The root's job identity; None when it has none (an older root, or never saved to).
+
+        A damaged ``job.json`` is a ManifestError: callers decide what an unknown job costs."""
+        info = self.store.head(JOB_KEY)
+        if info is None:
+            return None
+        where = f"{self.uri}/{JOB_KEY}"
+        if info.size > MAX_JOB_BYTES:
+            raise ManifestError(f"job identity {where} is {info.size} bytes: too large")
+        try:
+            data = self.store.get_range(JOB_KEY, 0, info.size)
+        except ObjectNotFoundError:
+            return None
+        return JobIdentity.from_json(data, where)
+
+    def ensure_job(self) -> JobIdentity:
+        """The root's job identity, created (create-only) if it has none yet.
+
+        Of two creators exactly one wins; both return the winner's identity. ManifestError when
+        a ``job.json`` is there but damaged: it is never overwritten (it may be another job's).
+        """
+        found = self.job()
+        if found is not None:
+            return found
+        created = JobIdentity.new()
+        try:
+            self.store.put(JOB_KEY, created.to_json(), create_only=True)
+        except AlreadyExistsError:
+            winner = self.job()
+            if winner is None:
+                raise StorageError(f"{self.uri}/{JOB_KEY} vanished while it was created") from None
+            return winner
+        return created
 
     def scan(self, *, with_uploads: bool = True) -> Scan:
         """Step folders by step from one listing, and (if asked) the unfinished uploads."""

@@ -151,6 +151,16 @@ class RankProgress:
         if kv is not None:
             kv.set(self._key(dist.get_rank(), "written"), "1")
 
+    def clear(self) -> None:
+        """Remove this rank's ``written`` marker once it is no longer needed (the store keeps
+        every key until the job ends)."""
+        kv = _kv_store()
+        if kv is not None:
+            try:
+                kv.delete_key(self._key(dist.get_rank(), "written"))
+            except (RuntimeError, NotImplementedError) as error:
+                log.debug("rank marker not removed: %s", error)
+
     def silent_ranks(self) -> list[int] | None:
         """Mark this rank as failed; return the ranks that left no marker in time.
 

@@ -133,6 +133,17 @@ class TierSaveError(CheckpointError):
     """A fast-tier save failed on some rank; nothing was committed in the tier."""
 
 
+class PeerLostError(CheckpointError):
+    """A rank of the job died or stopped answering while the others exchanged fast-tier bytes
+    with it: the process group is broken, so the job must be restarted (it resumes from the
+    newest step that survives). The message names the lost rank(s) where they can be told."""
+
+
+class IncompleteRestoreError(CheckpointError):
+    """A restore failed after it had written part of a checkpoint into the state, and no other
+    source could complete it: the state is neither the old one nor a checkpoint's."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value in the state cannot be stored so that it restores; the save is refused."""
 

@@ -34,10 +34,13 @@ from spotckpt.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    IncompleteRestoreError,
     KeyMismatchError,
     ManifestError,
     NoCheckpointError,
+    PeerLostError,
     StorageError,
+    TierSaveError,
     UnknownFormatError,
 )
 from spotckpt.format.manifest import Manifest
@@ -52,6 +55,7 @@ from spotckpt.state import (
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.storage.base import check_portable
 from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
+from spotckpt.tiers.recovery import Scope
 from spotckpt.tiers.redundancy import parse_redundancy
 from spotckpt.verify import VerifyReport, verify_checkpoint
 from spotckpt.version import __version__
@@ -75,6 +79,15 @@ class PendingSave:
     durable: bool
     started: float
     stall_s: float
+
+
+@dataclasses.dataclass
+class _Restoring:
+    """One restore's progress: whether a load has written into the caller's state yet, and
+    the last failure (what an incomplete restore reports)."""
+
+    written: bool = False
+    failure: str = ""
 
 
 class CheckpointManager:
@@ -122,6 +135,7 @@ class CheckpointManager:
         self._drain_seconds: float | None = None
         self._deadline: float | None = None
         self._continuation_pool: ThreadPoolExecutor | None = None
+        self._job: str | None = None
 
     def _open_tier(self) -> FastTier | None:
         settings = self.settings
@@ -316,8 +330,13 @@ class CheckpointManager:
             self._saves += 1
             self._progress = RankProgress(f"spotckpt/save-{self._saves}-{step}", self.world_size)
             state_dict = as_dcp_state(state, step)
-            if self.tier is not None and self._tier_has_room(step, state_dict):
-                self._tier_save(step, state_dict, user_metadata, blocking, durable, emergency)
+            job = self._job_of_saves()
+            if (
+                self.tier is not None
+                and job is not None
+                and self._tier_has_room(step, state_dict, job)
+            ):
+                self._tier_save(step, state_dict, user_metadata, blocking, durable, emergency, job)
             elif durable:
                 writer = ObjectStoreWriter(
                     self.store,
@@ -327,6 +346,27 @@ class CheckpointManager:
                     **self._writer_options(user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
+
+    def _job_of_saves(self) -> str | None:
+        """This job's identity (`spotckpt.catalog.JobIdentity`), created by the coordinator at
+        the first save and shared with every rank; None (and the fast tier skipped, with a
+        warning) while the bucket's ``job.json`` cannot be read or created."""
+        if self._job is None:
+            self._job = self.collective.run_on_coordinator(self._ensure_job)
+        return self._job
+
+    def _ensure_job(self) -> str | None:
+        try:
+            return self.catalog.ensure_job().id
+        except (ManifestError, StorageError) as error:
+            log.warning(
+                "no job identity at %s (%s): fast-tier saves are skipped until there is one; "
+                "move a damaged job.json aside by hand (fast-tier copies written under it are "
+                "then no longer used)",
+                self.uri,
+                error,
+            )
+            return None
 
     def _writer_options(
         self, user_metadata: Mapping[str, Any] | None, blocking: bool
@@ -374,9 +414,11 @@ class CheckpointManager:
         )
         self.goodput.stalled(pending.step, pending.stall_s, emergency=emergency)
 
-    def _tier_has_room(self, step: int, state_dict: dict[str, Any]) -> bool:
-        """Whether every node's tier has room for this save (agreed); warns when not."""
+    def _tier_has_room(self, step: int, state_dict: dict[str, Any], job: str) -> bool:
+        """Whether every node's tier has room for this save (agreed), once each has let go of
+        what it need not keep (`FastTier.prune`); warns when not."""
         tier = cast(FastTier, self.tier)
+        tier.prune(job)
         room = self.collective.all(tier.has_room(state_bytes(state_dict)))
         if not room:
             log.warning(
@@ -395,6 +437,7 @@ class CheckpointManager:
         blocking: bool,
         durable: bool,
         emergency: bool,
+        job: str,
     ) -> None:
         """A save through the fast tier: stage once, copy to peers, then (`durable`) drain."""
         tier = cast(FastTier, self.tier)
@@ -402,7 +445,7 @@ class CheckpointManager:
         started = time.monotonic()
 
         def finish() -> None:
-            self._finish_tier_save(step, writer, durable, emergency, started)
+            self._finish_tier_save(step, writer, durable, emergency, started, job)
 
         if not blocking:
             upload = self.checkpointer.async_save(state_dict, writer)
@@ -427,36 +470,72 @@ class CheckpointManager:
             self._run_fast(step, run)
 
     def _finish_tier_save(
-        self, step: int, writer: TierWriter, durable: bool, emergency: bool, started: float
+        self,
+        step: int,
+        writer: TierWriter,
+        durable: bool,
+        emergency: bool,
+        started: float,
+        job: str,
     ) -> None:
-        """After DCP wrote the tier: copies and commit on every node, then the drain."""
+        """After DCP wrote the tier: copies and commit on every node, then the drain.
+
+        When the copies fail (a full disk, a read error on some node: every rank learns it
+        from the collective), nothing is committed in the tier; a durable save still uploads
+        each rank's own object from its tier and commits in the bucket, a fast-only one fails
+        (`_run_fast` warns)."""
         tier = cast(FastTier, self.tier)
         saves = self.collective.for_saves()
-        manifest, data = tier.complete(step, writer, saves)
-        self._fast_save_seconds = time.monotonic() - started
-        log.info(
-            "fast tier: step %d committed on every node in %.2f s", step, self._fast_save_seconds
-        )
+        saved = tier.complete(step, writer, saves, job)
+        if saved.failure is None:
+            self._fast_save_seconds = time.monotonic() - started
+            log.info(
+                "fast tier: step %d committed on every node in %.2f s",
+                step,
+                self._fast_save_seconds,
+            )
+        elif not durable:
+            tier.discard(step)
+            raise TierSaveError(saved.failure)
+        else:
+            log.warning("%s; uploading it to the store from each rank's own copy", saved.failure)
         if not durable:
             return
-        if emergency and not saves.all(self._time_for(self._drain_seconds)):
-            log.warning(
-                "no time left to upload step %d to the store; resuming will use the fast-tier "
-                "copies on the surviving nodes",
-                step,
-            )
-            return
-        drain_started = time.monotonic()
-        tier.drain(manifest, self.catalog, saves, data)
-        writer.manifest = manifest
-        self._drain_seconds = time.monotonic() - drain_started
+        try:
+            if emergency and not saves.all(self._time_for(self._drain_seconds)):
+                log.warning(
+                    "no time left to upload step %d to the store; %s",
+                    step,
+                    "resuming will use the fast-tier copies on the surviving nodes"
+                    if saved.failure is None
+                    else "it has no copy anywhere: resuming starts from an older step",
+                )
+                return
+            drain_started = time.monotonic()
+            tier.drain(saved.manifest, self.catalog, saves, saved.data)
+            writer.manifest = saved.manifest
+            self._drain_seconds = time.monotonic() - drain_started
+        finally:
+            if saved.failure is not None:
+                tier.discard(step)
 
     def _run_fast(self, step: int, run: Callable[[], Any]) -> None:
-        """A fast-only save: its failure costs the cached copy, never the training run."""
+        """A fast-only save: its failure costs the cached copy, never the training run.
+
+        Except when the failure broke the process group (a rank died or hung): then every
+        later collective would fail too, so the error is raised, naming the ranks
+        (`PeerLostError`, or `SaveFailedError` from the rank markers), never a raw gloo one."""
         try:
             run()
         except BaseException as error:
-            if not (is_save_failure(error) or isinstance(error, (CheckpointError, OSError))):
+            if isinstance(error, (RuntimeError, TimeoutError)) and self.group is not None:
+                failure = self.checkpointer.save_failure(step, error, self._progress)
+                if failure is None or failure is error:
+                    raise
+                raise failure from error
+            if isinstance(error, PeerLostError) or not (
+                is_save_failure(error) or isinstance(error, (CheckpointError, OSError))
+            ):
                 raise
             log.warning(
                 "fast-tier save of step %d failed; training goes on, the tier keeps its older "
@@ -634,28 +713,52 @@ class CheckpointManager:
 
         1. An explicit `step` is loaded from the bucket only (never the fast tier); if it does
            not load, its error is raised: no fallback.
-        2. Otherwise the fast tier comes first, with the newest step its nodes can give whole,
-           used only when it is at least as new as the newest step committed in the bucket (the
-           bucket is the source of truth for "committed"); a tier copy that does not load falls
-           through to the bucket.
+        2. Otherwise the fast tier comes first, with the newest step its nodes can give whole
+           among those a `Scope` admits: written by this job (its tier record names the job
+           identity in the bucket's ``job.json``; no identity in the bucket or none in the
+           record: not used) and newer than the newest step committed in the bucket, or that
+           very step only when it is the same commit (the bucket's manifest names its attempt).
+           The bucket is the source of truth for "committed": a tier step never shadows a
+           committed step of another save. A tier step that does not load falls through to
+           the bucket.
         3. Then the bucket's committed steps, newest first. A step that turns out corrupt (bad
            bytes or a bad manifest) is quarantined and the next older one tried, with a warning,
            unless `fallback` is off or none is older; a step deleted meanwhile (retention by
            another job) means the next older one.
-        4. None when no committed step is left.
+        4. None when no committed step is left, if nothing was written into the state. Once a
+           load has written into it (a tier or bucket step that then failed), the restore either
+           completes from another source or raises `IncompleteRestoreError`: never None over a
+           modified state. Every rank takes the same path (the coordinator's listing and scope,
+           collective verdicts on the tier, DCP's load raising on every rank).
 
         `restorable_step` follows 3 and 4 with a check of every byte in place of the load.
         """
-        candidates = self.collective.run_on_coordinator(lambda: self._bucket_candidates(step))
-        if self.tier is not None and step is None:
-            restored = self._restore_from_tier(state, candidates[0] if candidates else None, strict)
+        candidates, scope = self.collective.run_on_coordinator(lambda: self._restore_plan(step))
+        restoring = _Restoring()
+        if scope is not None:
+            restored = self._restore_from_tier(state, scope, strict, restoring)
             if restored is not None:
                 return restored
 
         def load(candidate: int) -> None:
-            self._restore_from_bucket(state, candidate, strict)
+            try:
+                self._restore_from_bucket(state, candidate, strict, restoring)
+            except (CorruptCheckpointError, ManifestError) as error:
+                restoring.failure = f"step {candidate}: {type(error).__name__}: {error}"
+                raise
 
-        return self._first_usable(candidates, load, explicit=step is not None, fallback=fallback)
+        restored = self._first_usable(
+            candidates, load, explicit=step is not None, fallback=fallback
+        )
+        if restored is None and restoring.written:
+            raise IncompleteRestoreError(
+                f"restore failed after part of a checkpoint was loaded into the state "
+                f"({restoring.failure}), and {self.uri} holds no committed step to complete it "
+                "from: the state is neither what it was nor a checkpoint. Rebuild the model and "
+                "optimizer before training from scratch, or repair the checkpoint and restore "
+                "again"
+            )
+        return restored
 
     def _first_usable(
         self, candidates: list[int], use: Callable[[int], None], *, explicit: bool, fallback: bool
@@ -712,6 +815,26 @@ class CheckpointManager:
 
         self.collective.run_on_coordinator(check)
 
+    def _restore_plan(self, step: int | None) -> tuple[list[int], Scope | None]:
+        """On the coordinator: the committed steps a restore may load, in the order it tries
+        them, and which fast-tier steps it may use (None: not the tier)."""
+        candidates = self._bucket_candidates(step)
+        if self.tier is None or step is not None:
+            return candidates, None
+        durable = candidates[0] if candidates else None
+        attempt = self.catalog.committed_attempt(durable) if durable is not None else None
+        return candidates, Scope(self._bucket_job(), durable, attempt)
+
+    def _bucket_job(self) -> str | None:
+        """The bucket's job identity, read (never created) for a restore; None if it has none
+        or it is damaged (then no fast-tier step is used, with a warning)."""
+        try:
+            job = self.catalog.job()
+        except ManifestError as error:
+            log.warning("%s; fast-tier copies are not used", error)
+            return None
+        return job.id if job is not None else None
+
     def _bucket_candidates(self, step: int | None) -> list[int]:
         """The committed steps a restore may load, in the order it tries them."""
         if step is not None:
@@ -730,25 +853,33 @@ class CheckpointManager:
         except StorageError as failure:
             log.warning("could not quarantine step %d: %s", step, failure)
 
-    def _restore_from_bucket(self, state: State, step: int, strict: bool) -> None:
+    def _restore_from_bucket(
+        self, state: State, step: int, strict: bool, restoring: _Restoring
+    ) -> None:
         manifest = self.loader.manifest(state, step)
+        restoring.written = True  # from here on, a failure may leave part of it in `state`
         self.last_read_stats = stats = self.loader.load(state, manifest, self.store, strict)
         self.last_restore_sources = {"local": 0, "peer": 0, "store": stats.bytes_read}
 
-    def _restore_from_tier(self, state: State, durable: int | None, strict: bool) -> int | None:
-        """Restore the newest step the fast tiers can give whole (not older than `durable`)."""
+    def _restore_from_tier(
+        self, state: State, scope: Scope, strict: bool, restoring: _Restoring
+    ) -> int | None:
+        """Restore the newest step of `scope` the fast tiers can give whole; None if none can
+        or it did not load (then `restoring` tells whether the state was written)."""
         tier = cast(FastTier, self.tier)
 
         def needs(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
             return self.loader.byte_ranges(state, manifest, tier.store, strict)
 
-        found = tier.recover(self.collective, durable, needs)
+        found = tier.recover(self.collective, scope, needs)
         if found is None:
             return None
         manifest, moved = found
+        restoring.written = True
         try:
             self.last_read_stats = stats = self.loader.load(state, manifest, tier.store, strict)
         except (CorruptCheckpointError, ManifestError) as error:
+            restoring.failure = f"fast-tier step {manifest.step}: {type(error).__name__}: {error}"
             log.warning(
                 "the fast-tier copy of step %d did not load (%s); restoring from the store",
                 manifest.step,

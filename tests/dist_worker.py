@@ -29,7 +29,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from spotckpt import CheckpointManager, ResumableSampler, SaveFailedError, TrainState, track_batches
+from spotckpt import (
+    CheckpointError,
+    CheckpointManager,
+    ResumableSampler,
+    SaveFailedError,
+    TrainState,
+    track_batches,
+)
 from spotckpt.state import RNGState
 from spotckpt.storage import open_store
 
@@ -219,6 +226,32 @@ def ddp_save(rank: int, world: int, args: dict[str, Any]) -> None:
         (Path(args["out"]) / "ddp-restore-stats.json").write_text(
             json.dumps({"read": stats.bytes_read, "requests": stats.requests, "seconds": seconds})
         )
+    mgr.close()
+
+
+def ddp_save_twice(rank: int, world: int, args: dict[str, Any]) -> None:
+    """DDP replicas save steps 1 and 2 (every piece is then read by one rank on restore)."""
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = _manager(args)
+    for step in (1, 2):
+        train(model, optimizer, 1, rank)
+        mgr.save(step, TrainState(model=model, optimizer=optimizer, rng=False))
+    mgr.close()
+
+
+def ddp_restore_outcome(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Restore DDP replicas; write the step restored, or the CheckpointError, per rank."""
+    model = DistributedDataParallel(_perturbed())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = _manager(args)
+    try:
+        outcome: dict[str, Any] = {
+            "step": mgr.restore(TrainState(model=model, optimizer=optimizer, rng=False))
+        }
+    except CheckpointError as error:
+        outcome = {"error": type(error).__name__, "message": str(error)}
+    (Path(args["out"]) / f"outcome-{rank}.json").write_text(json.dumps(outcome))
     mgr.close()
 
 
@@ -431,6 +464,8 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "fsdp_save": fsdp_save,
     "fsdp_restore": fsdp_restore,
     "ddp_save": ddp_save,
+    "ddp_save_twice": ddp_save_twice,
+    "ddp_restore_outcome": ddp_restore_outcome,
     "failing_rank": failing_rank,
     "killed_rank": killed_rank,
     "coordinator_dies_after_commit": coordinator_dies_after_commit,

@@ -259,3 +259,45 @@ FORGED_GOODPUT: dict[str, tuple[str, bytes]] = {
     ),
 }
 """One forged goodput object each (key, bytes) that broke a JSON parse or a float conversion."""
+
+
+def corrupt_keeping_crc32c(path: Path, distance: int = 70_000) -> None:
+    """Damage a stored object so that its whole CRC32C (what a node checks before it uses or
+    serves a copy) stays the same while the CRC32Cs of two of its 64 KiB blocks (what a load
+    checks) change: a byte in the middle is flipped, and four bytes `distance` further on are
+    set to cancel it out of the object's CRC32C. CRC32C is affine over GF(2), so those four
+    bytes are the solution of a 32 x 32 linear system."""
+    data = bytearray(path.read_bytes())
+    flip = len(data) // 2
+    fix = flip + distance
+    assert fix + 4 <= len(data), f"{path} is too small to damage this way"
+    target = crc32c(bytes(data))
+    data[flip] ^= 0xFF
+
+    def crc_with(value: int) -> int:
+        data[fix : fix + 4] = value.to_bytes(4, "little")
+        return crc32c(bytes(data))
+
+    base = crc_with(0)
+    columns = [crc_with(1 << bit) ^ base for bit in range(32)]
+    crc_with(_solve_gf2(columns, target ^ base))
+    assert crc32c(bytes(data)) == target
+    path.write_bytes(bytes(data))
+
+
+def _solve_gf2(columns: list[int], target: int) -> int:
+    """The bits x with the XOR of the columns[i] where bit i of x is set equal to `target`."""
+    basis: list[tuple[int, int]] = []  # (value, which columns make it), distinct top bits
+    for index, column in enumerate(columns):
+        value, mask = column, 1 << index
+        for pivot, combination in basis:
+            if value ^ pivot < value:
+                value, mask = value ^ pivot, mask ^ combination
+        if value:
+            basis = sorted([*basis, (value, mask)], reverse=True)
+    solution = 0
+    for pivot, combination in basis:
+        if target ^ pivot < target:
+            target, solution = target ^ pivot, solution ^ combination
+    assert target == 0, "the columns do not span the target"
+    return solution

@@ -2,12 +2,17 @@
 
 `launch_nodes` starts one process per rank with ``SPOTCKPT_NODE`` (and ``SPOTCKPT_ZONE``) of its
 own, like torchrun on separate machines would; results come back as files in the test's folder.
+Each rank runs in a private mount namespace (``unshare -m``) in which the base of `local_dir`
+(the part before ``{node}``) is its machine's own folder, ``machines/<machine>`` beside it (or a
+disk of its own): a rank can never read another machine's disk, and two machines may even use
+the same node id. The folders outlive the processes (`node_folder` finds them).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,20 +23,49 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotckpt import CheckpointManager, TrainState
+from spotckpt import CheckpointError, CheckpointManager, TrainState
 
 from dist_worker import _perturbed, free_port, fsdp, full_state, make_model, train, wait_all
 
 HERE = Path(__file__).resolve().parent
 
 
+def tier_base(args: dict[str, Any]) -> Path:
+    """The folder that `local_dir` names before ``{node}`` (each rank sees its machine's)."""
+    return Path(args["local_dir"].partition("{node}")[0])
+
+
+def machine_folder(args: dict[str, Any], machine: str) -> Path:
+    """The real folder that is `tier_base` on `machine`."""
+    return tier_base(args).parent / "machines" / machine
+
+
+def node_folder(args: dict[str, Any], node: str, machine: str | None = None) -> Path:
+    """The real folder of `node`'s tier on `machine` (by default the machine named `node`)."""
+    return machine_folder(args, machine or node) / node
+
+
 def launch_nodes(
-    nodes: list[str], scenario: str, args: dict[str, Any], *, zones: list[str] | None = None
+    nodes: list[str],
+    scenario: str,
+    args: dict[str, Any],
+    *,
+    zones: list[str] | None = None,
+    machines: list[str] | None = None,
+    disks: dict[str, Path] | None = None,
 ) -> list[subprocess.Popen[str]]:
-    """Start `scenario` on one rank per entry of `nodes` (the rank's node id)."""
+    """Start `scenario` on one rank per entry of `nodes` (the rank's node id), each on its
+    machine (`machines`, by default the node id) whose tier base is its own folder, or the
+    disk that `disks` gives for the machine."""
+    assert shutil.which("unshare"), "the node tests need unshare (util-linux) and root"
     port = str(free_port())
+    base = tier_base(args)
+    base.mkdir(parents=True, exist_ok=True)
     processes = []
     for rank, node in enumerate(nodes):
+        machine = machines[rank] if machines is not None else node
+        disk = (disks or {}).get(machine) or machine_folder(args, machine)
+        disk.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
@@ -39,7 +73,9 @@ def launch_nodes(
         }
         if zones is not None:
             env["SPOTCKPT_ZONE"] = zones[rank]
-        command = [sys.executable, __file__, scenario, str(rank), str(len(nodes)), port]
+        private = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNT, "sh"]
+        command = [*private, str(disk), str(base), sys.executable, __file__, scenario]
+        command += [str(rank), str(len(nodes)), port]
         processes.append(
             subprocess.Popen(
                 [*command, json.dumps(args)],
@@ -51,6 +87,11 @@ def launch_nodes(
             )
         )
     return processes
+
+
+_MOUNT = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+"""In the rank's own mount namespace: its machine's folder becomes the tier base, then the
+rank starts (``exec``: the process id stays the launched one)."""
 
 
 def finish(processes: list[subprocess.Popen[str]], timeout: float = 300) -> list[tuple[int, str]]:
@@ -75,7 +116,7 @@ def _manager(args: dict[str, Any], **kwargs: Any) -> CheckpointManager:
         local_interval_steps=args.get("local_interval_steps"),
         interval_steps=args.get("interval_steps"),
         async_save=args.get("async_save", False),
-        collective_timeout_s=120,
+        collective_timeout_s=args.get("collective_timeout_s", 120),
         **kwargs,
     )
 
@@ -106,12 +147,18 @@ def save_then_die(rank: int, world: int, args: dict[str, Any]) -> None:
 
 
 def restore(rank: int, world: int, args: dict[str, Any]) -> None:
-    """Restore into perturbed FSDP2 shards; write the gathered state and where bytes came from."""
+    """Restore into perturbed FSDP2 shards; write the gathered state and where bytes came from
+    (or, when the restore raised a CheckpointError, which one, per rank)."""
     out = Path(args["out"])
     model = fsdp(_perturbed())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mgr = _manager(args, preemption=False)
-    step = mgr.restore(TrainState(model=model, optimizer=optimizer, rng=False))
+    try:
+        step = mgr.restore(TrainState(model=model, optimizer=optimizer, rng=False))
+    except CheckpointError as error:
+        _result(out, f"restore-{rank}", error=type(error).__name__, message=str(error))
+        return
+    _result(out, f"restore-{rank}", step=step)
     _snapshot(model, optimizer, out / f"restored-{world}.pt")
     if rank == 0:
         (out / f"sources-{world}.json").write_text(
@@ -144,7 +191,66 @@ def evicted(rank: int, world: int, args: dict[str, Any]) -> None:
     raise SystemExit("never evicted")
 
 
-SCENARIOS = {"save_then_die": save_then_die, "restore": restore, "evicted": evicted}
+def _result(out: Path, name: str, **fields: Any) -> None:
+    (out / f"{name}.json").write_text(json.dumps(fields))
+
+
+def _die_on_open(name: str) -> None:
+    """SIGKILL this process the moment it opens `name` for writing: a node lost at that point
+    (for a fast-tier copy, mid copy phase), with no cleanup of any kind."""
+
+    def hook(event: str, arguments: tuple[Any, ...]) -> None:
+        writing = event == "open" and isinstance(arguments[2], int)
+        if writing and arguments[0] == name and arguments[2] & (os.O_WRONLY | os.O_RDWR):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
+
+
+def save_loop(rank: int, world: int, args: dict[str, Any]) -> None:
+    """`maybe_save` of a plain state every step (a tensor and, if asked, a text of `blob_bytes`
+    that the free-space estimate does not count, both per rank: every rank writes an object of
+    its own); writes what each step did or the
+    CheckpointError that stopped the loop. `die` = {"rank", "name"}: that rank is lost when it
+    opens that file for writing."""
+    out = Path(args["out"])
+    die = args.get("die")
+    if die is not None and die["rank"] == rank:
+        _die_on_open(die["name"])
+    mgr = _manager(args, preemption=False)
+    steps: list[int] = []
+    try:
+        for step in range(1, args["steps"] + 1):
+            state: dict[str, Any] = {f"w{rank}": torch.full((64,), float(100 * step + rank))}
+            if args.get("blob_bytes"):
+                state[f"blob{rank}"] = "x" * args["blob_bytes"]
+            mgr.maybe_save(step, state)
+            mgr.wait()
+            steps.append(step)
+        mgr.close()
+    except CheckpointError as error:
+        _result(out, f"loop-{rank}", steps=steps, error=type(error).__name__, message=str(error))
+        os._exit(0)  # the process group is broken: leave without its teardown
+    _result(out, f"loop-{rank}", steps=steps)
+
+
+def start(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Build a manager with a fast tier; write the CheckpointError it raised, if any."""
+    try:
+        _manager(args, preemption=False).close()
+    except CheckpointError as error:
+        _result(Path(args["out"]), f"start-{rank}", error=type(error).__name__, message=str(error))
+        return
+    _result(Path(args["out"]), f"start-{rank}")
+
+
+SCENARIOS = {
+    "save_then_die": save_then_die,
+    "restore": restore,
+    "evicted": evicted,
+    "save_loop": save_loop,
+    "start": start,
+}
 
 
 def main() -> None:

@@ -227,9 +227,15 @@ class ObjectStoreReader(StorageReader):
         return ranges
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self._read_own(plan, planner)
+        failure: Exception | None = None
+        try:
+            self._read_own(plan, planner)
+        except Exception as error:  # raised once the peers know it (`exchange`)
+            failure = error
         if isinstance(plan.storage_data, SharedReads):
-            exchange(plan, plan.storage_data, planner, self.group)
+            exchange(plan, plan.storage_data, planner, self.group, failed=failure is not None)
+        if failure is not None:
+            raise failure
         done_future: Future[None] = Future()
         done_future.set_result(None)
         return done_future

@@ -5,7 +5,10 @@ the coordinator plans the load (`plan_shared_reads`, from the reader's ``prepare
 each piece wanted by more than one rank goes to one of them (the least loaded so far, for
 balance); in ``read_data`` that rank reads it and broadcasts it to the others (`exchange`), so a
 restart reads the checkpoint about once, whatever the number of replicas. Every rank takes part
-in every broadcast, in the same order: the plan lists them identically on all ranks.
+in every broadcast, in the same order: the plan lists them identically on all ranks. A rank whose
+own reads failed still takes part in the agreement before them: then no rank broadcasts, every
+rank returns, and DCP reports the failure on every rank (a source that left the broadcasts
+would hold its peers until the group's timeout).
 """
 
 from __future__ import annotations
@@ -89,8 +92,17 @@ def plan_shared_reads(
     ]
 
 
-def exchange(plan: LoadPlan, shared: SharedReads, planner: LoadPlanner, group: Any) -> None:
-    """Broadcast each shared piece from its reader; every rank takes part in every one."""
+def exchange(
+    plan: LoadPlan, shared: SharedReads, planner: LoadPlanner, group: Any, *, failed: bool
+) -> None:
+    """Broadcast each shared piece from its reader; every rank takes part in every one, unless
+    some rank's own reads `failed` (agreed first: then none does)."""
+    if not shared.reads:
+        return
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        return
     rank = dist.get_rank(group)
     mine = {_read_key(i): i for i in plan.items}
     for read in shared.reads:

@@ -14,20 +14,32 @@ A fast save, on every rank (the manager calls these in order; collectives run on
    manifest to the bucket. The state is staged once, for the tier.
 
 A restore (`recover`): node leaders verify what their tier holds (size and CRC32C of every
-object), all ranks share those reports and their load plans' needs, choose the newest step the
-union can restore (`spotckpt.tiers.recovery`), bring each node the objects it lacks from peers
-or by rebuilding them from parity, and load it from the node's folder. Files are written
-without fsync: the tier outlives a killed process, not a lost machine, which counts as lost.
+object) among the steps a `Scope` admits (this job's, as new as the bucket), all ranks share
+those reports and their load plans' needs, choose the newest step the union can restore
+(`spotckpt.tiers.recovery`), bring each node the objects it lacks from peers or by rebuilding
+them from parity, and load it from the node's folder.
+
+Failures: a rank's own trouble (a full disk, an unreadable file, a damaged record) is shared
+through the collectives, so every rank reaches the same verdict; a peer lost in the middle (its
+connection broke) is a `PeerLostError` naming it, on every rank. The tier record and the
+manifest are written to a temporary name, fsynced, renamed and their folder fsynced; objects are
+not fsynced (a restore checks their CRC32Cs). Each node's folder holds this job's steps only:
+retention removes any other step folder (uncommitted, another job's, stale), never the one a
+save is writing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +56,16 @@ from spotckpt.catalog import (
     tier_record_key,
 )
 from spotckpt.checksum import crc32c
-from spotckpt.distributed import Collective
+from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
+    AlreadyExistsError,
     CheckpointError,
     CorruptCheckpointError,
+    DiskFullError,
     InvalidArgumentError,
     ManifestError,
+    PeerLostError,
     StorageError,
     TierSaveError,
 )
@@ -58,9 +73,9 @@ from spotckpt.format.manifest import Manifest
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.local import LocalStore
 from spotckpt.tiers.erasure import data_block, parity_block
-from spotckpt.tiers.exchange import PIECE_BYTES, Job, Piece, pieces_of, run_jobs
+from spotckpt.tiers.exchange import PIECE_BYTES, Job, Outcome, Piece, pieces_of, run_jobs
 from spotckpt.tiers.node import NodeIdentity, node_identity
-from spotckpt.tiers.record import GroupRecord, ParityRecord, TierRecord
+from spotckpt.tiers.record import MAX_RECORD_BYTES, GroupRecord, ParityRecord, TierRecord
 from spotckpt.tiers.recovery import (
     Choice,
     Code,
@@ -68,6 +83,7 @@ from spotckpt.tiers.recovery import (
     HeldStep,
     NodeReport,
     Ranges,
+    Scope,
     choose_step,
     restore_jobs,
 )
@@ -130,13 +146,16 @@ class _Sink:
         self.crcs: dict[str, tuple[int, int]] = {}  # key -> (bytes written in order, CRC32C)
 
     def write(self, key: str, size: int, offset: int, data: bytes) -> None:
-        fd = self.files.get(key)
-        if fd is None:
-            fd = self._open(key, size)
-        view, at = memoryview(data), offset
-        while view:  # a regular file takes it all at once; a short write is continued
-            written = os.pwrite(fd, view, at)
-            view, at = view[written:], at + written
+        try:
+            fd = self.files.get(key)
+            if fd is None:
+                fd = self._open(key, size)
+            view, at = memoryview(data), offset
+            while view:  # a regular file takes it all at once; a short write is continued
+                written = os.pwrite(fd, view, at)
+                view, at = view[written:], at + written
+        except OSError as error:
+            raise _write_failure(self.store, step_key(self.step, key), error) from None
         done, crc = self.crcs.get(key, (0, 0))
         if done == offset:
             self.crcs[key] = (done + len(data), crc32c(data, crc))
@@ -164,6 +183,71 @@ class _Sink:
         self.files.clear()
 
 
+@dataclass(frozen=True)
+class FastSave:
+    """A fast save after its copy phase: the manifest (and its encoding, what the bucket's
+    commit writes unchanged), and why the copies failed (None: committed in the tier)."""
+
+    manifest: Manifest
+    data: bytes
+    failure: str | None = None
+
+
+class _Peers:
+    """The collectives of one tier operation (`what`), with rank markers that name a rank lost
+    on the way: a broken connection (gloo's RuntimeError) becomes a `PeerLostError` on every
+    rank that meets it, never a raw error."""
+
+    def __init__(
+        self, tier: FastTier, collective: Collective, what: str, progress: RankProgress
+    ) -> None:
+        self.tier = tier
+        self.collective = collective
+        self.what = what
+        self.progress = progress
+
+    def gather(self, value: Any) -> list[Any]:
+        """`Collective.gather`, or PeerLostError."""
+        try:
+            return self.collective.gather(value)
+        except RuntimeError as error:
+            raise self.lost(error) from None
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        """`Collective.broadcast`, or PeerLostError."""
+        try:
+            return self.collective.broadcast(value, src=src)
+        except RuntimeError as error:
+            raise self.lost(error) from None
+
+    def walk(self, jobs: list[Job], read: Any, complete: Any) -> Outcome:
+        """This rank's part of `jobs` (`run_jobs`), marked done for the lost-rank markers."""
+        outcome = run_jobs(jobs, self.tier.rank, self.collective.group, read, complete)
+        self.progress.mark_written()
+        return outcome
+
+    def check_lost(self, lost: set[int]) -> None:
+        """After the walk's outcomes were shared: PeerLostError on every rank if any rank lost
+        a peer during its walk; else this rank's marker is no longer needed (cleared)."""
+        if lost:
+            raise self.lost(None, lost)
+        self.progress.clear()
+
+    def lost(self, error: BaseException | None, seen: set[int] | None = None) -> PeerLostError:
+        """The error of a lost peer, naming it: from the rank markers (every rank that is still
+        there leaves one), else from the connections this rank saw break."""
+        silent = self.progress.silent_ranks() if error is not None else None
+        ranks = sorted(silent or seen or ())
+        placement = self.tier.placement
+        named = ", ".join(f"{r} (node {placement.node_of(r)})" for r in ranks)
+        cause = f" ({str(error).splitlines()[0][:200]})" if error is not None else ""
+        return PeerLostError(
+            f"{self.what}: rank(s) {named or '(which could not be told)'} left the job (the "
+            f"process died or stopped answering){cause}; the process group is broken: restart "
+            "the job, which resumes from the newest step that survives"
+        )
+
+
 class FastTier:
     """This node's fast tier and the protocol with the other nodes'; see the module docstring."""
 
@@ -176,24 +260,34 @@ class FastTier:
         collective: Collective,
         prefix_spread: bool = False,
     ) -> None:
-        self.identity: NodeIdentity = node_identity()
         self.rank = collective.rank
+        identity, problem = None, None
         try:
-            self.root: Path = resolve_local_dir(local_dir, self.identity.node)
-            problem = None
+            identity = node_identity()
+            self.root: Path = resolve_local_dir(local_dir, identity.node)
         except InvalidArgumentError as error:
-            problem = f"rank {self.rank} on node {self.identity.node}: {error}"
-        shared = collective.gather((self.identity, problem))  # every rank fails, or none
-        problems = [p for _, p in shared if p is not None]
+            problem = f"rank {self.rank}: {error}"
+        shared = collective.gather((identity, problem, uuid.uuid4().hex))  # all fail, or none
+        problems = [p for _, p, _ in shared if p is not None]
         if problems:
-            raise InvalidArgumentError("; ".join(problems))
-        self.placement = Placement(redundancy, [identity for identity, _ in shared])
+            raise InvalidArgumentError(f"the fast tier cannot start: {'; '.join(problems)}")
+        self.identity: NodeIdentity = shared[self.rank][0]
+        self.token: str = shared[0][2]  # names this tier's rank markers, the same on every rank
+        self._operations = 0
+        self.placement = Placement(redundancy, [identity for identity, _, _ in shared])
         self.redundancy = redundancy
         self.is_leader = self.placement.is_leader(self.rank)
-        self.store = LocalStore(self.root, fsync=False)
-        self.catalog = Catalog(self.store)
+        self.store = LocalStore(self.root, fsync=False)  # objects: checked by CRC32C on restore
+        self.catalog = Catalog(LocalStore(self.root, fsync=True))  # records and manifests
         self.keep_last = keep_last
         self.prefix_spread = prefix_spread
+
+    def _peers(self, collective: Collective, what: str) -> _Peers:
+        """The collectives of one operation, with rank markers of its own (every rank counts
+        its operations in the same order, so the names agree)."""
+        self._operations += 1
+        prefix = f"spotckpt/tier-{self.token}-{self._operations}"
+        return _Peers(self, collective, what, RankProgress(prefix, collective.world_size))
 
     # Saving -----------------------------------------------------------------------------------
 
@@ -204,43 +298,45 @@ class FastTier:
         return shutil.disk_usage(self.root).free >= wanted
 
     def writer(self, step: int, **options: Any) -> TierWriter:
-        """The DCP writer of a fast save of `step` (a stale copy of the step is removed first)."""
-        if self.is_leader:
-            self._remove_folder(step)
+        """The DCP writer of a fast save of `step` (a stale copy of the step is removed first,
+        on every rank: a rank's folder need not be its node leader's)."""
+        self._remove_folder(step)
         return TierWriter(  # one manifest document: the tier shares and re-reads it whole
             self.store, step, prefix_spread=self.prefix_spread, index_parts=False, **options
         )
 
-    def complete(
-        self, step: int, writer: TierWriter, collective: Collective
-    ) -> tuple[Manifest, bytes]:
-        """Share the manifest, make the copies, then commit on every node (TierSaveError).
+    def complete(self, step: int, writer: TierWriter, collective: Collective, job: str) -> FastSave:
+        """Share the manifest, make the copies, then commit on every node for job `job`.
 
-        Returns the manifest and its encoding (what the bucket's commit writes, unchanged)."""
-        data = collective.broadcast(writer.built.to_json() if writer.built is not None else None)
+        A rank's own failure in the copy phase is shared, so every rank returns the same
+        `FastSave.failure` and nothing is committed in the tier (its objects stay, for a drain
+        to the bucket; `discard` removes them). A lost peer is a PeerLostError on every rank.
+        """
+        peers = self._peers(collective, f"fast-tier copies of step {step}")
+        data = peers.broadcast(writer.built.to_json() if writer.built is not None else None)
         if data is None:
             raise TierSaveError(f"fast save of step {step}: the coordinator built no manifest")
         manifest = Manifest.from_json(data, expected_step=step)
         sink = _Sink(self.store, step)
-        failure: str | None = None
-        jobs: list[Job] = []
+        jobs = self._copy_jobs(manifest)
         try:
-            jobs = self._copy_jobs(manifest)
-            run_jobs(jobs, self.rank, collective.group, self._read(step), _complete(sink))
-        except (CheckpointError, OSError) as error:
-            failure = f"rank {self.rank}: {error}"
+            outcome = peers.walk(jobs, self._read(step), _complete(sink))
         finally:
             sink.close()
-        outcomes = collective.gather((failure, _parity_records(sink, manifest, jobs, self.rank)))
-        failures = [f for f, _ in outcomes if f is not None]
+        failure = None if outcome.failure is None else f"rank {self.rank}: {outcome.failure}"
+        records = _parity_records(sink, manifest, jobs, self.rank)
+        outcomes = peers.gather((failure, outcome.lost, records))
+        peers.check_lost({rank for _, lost, _ in outcomes for rank in lost})
+        failures = [f for f, _, _ in outcomes if f is not None]
         if failures:
-            if self.is_leader:
-                self._remove_folder(step)
-            raise TierSaveError(f"fast save of step {step} failed: {'; '.join(failures)}")
-        parity = {record.key: record for _, records in outcomes for record in records}
+            return FastSave(
+                manifest, data, f"fast save of step {step} failed: {'; '.join(failures)}"
+            )
         if self.is_leader:
-            self._commit(manifest, data, self._record(manifest, parity))
-        return manifest, data
+            parity = {record.key: record for _, _, records in outcomes for record in records}
+            self._commit(manifest, data, self._record(manifest, parity, job))
+        self._retain(job, newest=step)
+        return FastSave(manifest, data)
 
     def _copy_jobs(self, manifest: Manifest) -> list[Job]:
         objects = sorted(manifest.objects.values(), key=lambda r: r.rank)
@@ -271,35 +367,92 @@ class FastTier:
             groups.append(GroupRecord(keys, parity, block))
         return groups
 
-    def _record(self, manifest: Manifest, parity: dict[str, ParityRecord]) -> TierRecord:
+    def _record(self, manifest: Manifest, parity: dict[str, ParityRecord], job: str) -> TierRecord:
         groups: tuple[GroupRecord, ...] = ()
         if self.redundancy.erasure:
             groups = tuple(
                 dataclasses.replace(g, parity=tuple(parity[p.key] for p in g.parity))
                 for g in self._groups(manifest)
             )
-        return TierRecord(manifest.step, manifest.attempt, str(self.redundancy), groups)
+        return TierRecord(manifest.step, manifest.attempt, str(self.redundancy), groups, job)
 
     def _commit(self, manifest: Manifest, data: bytes, record: TierRecord) -> None:
-        """Commit in this node's tier. A node holds only its share of the objects (its ranks',
-        replicas, parity), which every rank has just agreed is written, so the manifest's other
-        objects are not looked for here (the bucket's commit checks them all)."""
-        self.store.put(tier_record_key(manifest.step), record.to_json(), create_only=True)
-        self.catalog.commit_bytes(manifest.step, manifest.attempt, data, referenced={})
-        self._retain(manifest.step)
-
-    def _retain(self, newest: int) -> None:
-        """Keep the newest `keep_last` committed steps of this node's tier; delete the rest."""
-        committed = [s for s in self.catalog.steps() if s <= newest]
-        keep = set(committed[-self.keep_last :])
-        for step in self._folders():
-            if step not in keep and step <= newest:
+        """The record, then the manifest (each fsynced, create-only; the same bytes already
+        there count as written). A node holds only its share of the objects (its ranks',
+        replicas, parity), which every rank has agreed is written, so the manifest's other
+        objects are not looked for here (the bucket's commit checks them all). A node that
+        cannot write them lacks the step, like a lost node: a warning, and its folder removed
+        unless the step is committed there."""
+        step = manifest.step
+        try:
+            self._put_record(step, record.to_json())
+            self.catalog.commit_bytes(step, manifest.attempt, data, referenced={})
+        except (CheckpointError, OSError) as error:
+            log.warning(
+                "fast tier: node %s could not commit step %d (%s); the other nodes hold it",
+                self.identity.node,
+                step,
+                error,
+                extra=THIS_RANK,
+            )
+            if self.catalog.committed_attempt(step) != manifest.attempt:
                 self._remove_folder(step)
+
+    def _put_record(self, step: int, data: bytes) -> None:
+        key = tier_record_key(step)
+        try:
+            self.catalog.store.put(key, data, create_only=True)
+        except AlreadyExistsError:
+            if self.store.get(key) != data:
+                raise
+
+    def prune(self, job: str) -> None:
+        """Before a fast save: keep this job's newest `keep_last` committed steps and delete
+        every other step folder of this rank's node (`_retain`), so that stale folders never
+        take the room a save needs."""
+        self._retain(job)
+
+    def _retain(self, job: str, newest: int | None = None) -> None:
+        """Keep `newest` (the step just saved) and this job's newest committed steps before it,
+        `keep_last` in all; delete every other step folder of this rank's node: older steps,
+        uncommitted ones (a rank whose folder is not its node leader's never commits there),
+        another job's, stale newer ones. Every rank runs it (deletes are idempotent); no save
+        of this job is writing any other step meanwhile, and `newest` is never touched."""
+        try:
+            ours = [
+                s
+                for s in self.catalog.steps()
+                if (newest is None or s < newest) and self._job_of(s) == job
+            ]
+            room = self.keep_last - (newest is not None)
+            keep = set(ours[max(0, len(ours) - room) :]) if room > 0 else set()
+            keep.update([newest] if newest is not None else [])
+            for step in self._folders():
+                if step not in keep:
+                    self._remove_folder(step)
+        except (CheckpointError, OSError) as error:
+            log.warning("fast-tier retention on node %s failed: %s", self.identity.node, error)
+
+    def _job_of(self, step: int) -> str | None:
+        """The job id in the tier record of committed `step` here (the manifest, which may be
+        large, is not parsed); None if it cannot be told."""
+        try:
+            return self._read_record(step, None).job
+        except (CheckpointError, OSError):
+            return None
+
+    def discard(self, step: int) -> None:
+        """Remove this node's folder of a fast save that did not commit in the tier."""
+        try:
+            self._remove_folder(step)
+        except (CheckpointError, OSError) as error:
+            log.warning("could not remove fast-tier step %d: %s", step, error, extra=THIS_RANK)
 
     def drain(
         self, manifest: Manifest, bucket: Catalog, collective: Collective, data: bytes
     ) -> None:
         """Upload this rank's object from the tier, then commit `manifest` to the bucket."""
+        peers = self._peers(collective, f"upload of step {manifest.step} from the fast tier")
         failure: str | None = None
         try:
             for record in manifest.objects.values():
@@ -309,7 +462,7 @@ class FastTier:
                     )
         except (CheckpointError, OSError) as error:
             failure = f"rank {self.rank}: {error}"
-        failures = [f for f in collective.gather(failure) if f is not None]
+        failures = [f for f in peers.gather(failure) if f is not None]
         if failures:
             raise TierSaveError(
                 f"upload of step {manifest.step} from the fast tier failed: {'; '.join(failures)}"
@@ -335,52 +488,53 @@ class FastTier:
     def recover(
         self,
         collective: Collective,
-        not_older_than: int | None,
-        needs: Any,
+        scope: Scope,
+        needs: Callable[[Manifest], dict[str, Ranges]],
     ) -> tuple[Manifest, int] | None:
-        """Make the newest step the tiers can restore whole on this node; None if none can.
+        """Make the newest step of `scope` the tiers can restore whole on this node; None if
+        none can (every rank agrees), with the reasons as warnings.
 
         `needs(manifest)` gives the byte ranges, per object key, that this rank's load plan reads
         (or raises). Returns the manifest to load from `store`, and the bytes moved between
-        nodes (job-wide).
+        nodes (job-wide). A lost peer is a PeerLostError on every rank.
         """
-        choice, reports = self._choose(collective, not_older_than)
+        peers = self._peers(collective, "fast-tier restore")
+        choice, reports = self._choose(peers, scope)
         if choice is None:
             return None
-        data = collective.broadcast(
-            self._manifest_bytes(choice.step) if self.rank == choice.manifest_source else None,
-            src=choice.manifest_source,
-        )
+        mine = self._manifest_of(choice) if self.rank == choice.manifest_source else None
+        data = peers.broadcast(mine, src=choice.manifest_source)
+        if data is None:
+            log.warning("fast-tier restore of step %d: its manifest could not be read", choice.step)
+            return None
         manifest = Manifest.from_json(data, expected_step=choice.step)
         failure, wanted = None, {}
         try:
             wanted = needs(manifest)
         except CheckpointError as error:
             failure = f"{type(error).__name__}: {error}"
-        shared = collective.gather((failure, wanted))
+        shared = peers.gather((failure, wanted))
         if any(f is not None for f, _ in shared):
             log.warning(
                 "fast-tier restore of step %d: %s", choice.step, next(f for f, _ in shared if f)
             )
             return None
-        moved = self._gather_objects(choice, [w for _, w in shared], reports, collective)
+        moved = self._gather_objects(choice, [w for _, w in shared], reports, peers)
         return (manifest, moved) if moved is not None else None
 
-    def _choose(
-        self, collective: Collective, not_older_than: int | None
-    ) -> tuple[Choice | None, list[NodeReport]]:
+    def _choose(self, peers: _Peers, scope: Scope) -> tuple[Choice | None, list[NodeReport]]:
         """The newest step whose surviving copies are intact, checked lazily: every node lists
         what it holds (by size), and only the step chosen from that is read back for its CRC32Cs;
         when that rules it out, the next candidate is checked, and so on."""
-        report = self._inventory(not_older_than) if self.is_leader else None
-        reports = [r for r in collective.gather(report) if r is not None]
+        report = self._inventory(scope) if self.is_leader else None
+        reports = [r for r in peers.gather(report) if r is not None]
         checked: set[int] = set()
         while True:
-            choice, reasons = choose_step(reports, not_older_than)
+            choice, reasons = choose_step(reports, scope.durable)
             if choice is None or choice.step in checked:
                 break
             mine = self._checked(report, choice.step) if report is not None else None
-            updates = {r.leader: r for r in collective.gather(mine) if r is not None}
+            updates = {r.leader: r for r in peers.gather(mine) if r is not None}
             reports = [updates.get(r.leader, r) for r in reports]
             report = updates.get(self.rank, report)
             checked.add(choice.step)
@@ -398,7 +552,11 @@ class FastTier:
                 )
                 for key in sorted(held.held - intact):
                     log.warning(
-                        "fast-tier step %d: %s is corrupt on node %s", step, key, report.node
+                        "fast-tier step %d: %s is corrupt on node %s",
+                        step,
+                        key,
+                        report.node,
+                        extra=THIS_RANK,
                     )
                 held = dataclasses.replace(held, held=intact)
             steps.append(held)
@@ -409,7 +567,7 @@ class FastTier:
         choice: Choice,
         wanted: list[dict[str, Ranges]],
         reports: list[NodeReport],
-        collective: Collective,
+        peers: _Peers,
     ) -> int | None:
         node_needs: dict[int, dict[str, Ranges]] = {}
         for rank, ranges in enumerate(wanted):
@@ -422,52 +580,73 @@ class FastTier:
         }
         jobs = restore_jobs(choice, node_needs, held)
         sink = _Sink(self.store, choice.step)
-        failure: str | None = None
-        received = 0
         try:
-            received = run_jobs(
-                jobs, self.rank, collective.group, self._read(choice.step), _complete(sink)
-            )
-        except (CheckpointError, OSError) as error:
-            failure = f"rank {self.rank}: {error}"
+            outcome = peers.walk(jobs, self._read(choice.step), _complete(sink))
         finally:
             sink.close()
-        outcomes = collective.gather((failure, received))
-        failures = [f for f, _ in outcomes if f is not None]
-        if failures:
+        failure = None if outcome.failure is None else f"rank {self.rank}: {outcome.failure}"
+        outcomes = peers.gather((failure, outcome.lost, outcome.incomplete, outcome.received))
+        peers.check_lost({rank for _, lost, _, _ in outcomes for rank in lost})
+        failures = [f for f, _, _, _ in outcomes if f is not None]
+        if failures or any(incomplete for _, _, incomplete, _ in outcomes):
             log.warning(
                 "fast-tier restore of step %d failed while copying: %s",
                 choice.step,
-                "; ".join(failures),
+                "; ".join(failures) or "a peer could not serve its bytes",
             )
             return None
-        return sum(n for _, n in outcomes)
+        return sum(received for _, _, _, received in outcomes)
 
-    def _manifest_bytes(self, step: int) -> bytes:
-        return self.catalog.manifest_bytes(step)
+    def _manifest_of(self, choice: Choice) -> bytes | None:
+        """The chosen step's manifest as this node holds it, if it is still the one reported."""
+        try:
+            data = self.catalog.manifest_bytes(choice.step)
+        except (CheckpointError, OSError) as error:
+            log.warning("fast-tier step %d: %s", choice.step, error, extra=THIS_RANK)
+            return None
+        return data if hashlib.sha256(data).hexdigest() == choice.digest else None
 
-    def _inventory(self, not_older_than: int | None) -> NodeReport:
-        """This node's tier steps (not older than `not_older_than`) and the objects it holds
-        whole (by size; `_checked` reads them back for their CRC32Cs)."""
-        steps = []
-        for step in reversed(self.catalog.steps()):
-            if not_older_than is not None and step < not_older_than:
+    def _inventory(self, scope: Scope) -> NodeReport:
+        """This node's tier steps that `scope` admits and the objects it holds whole (by size;
+        `_checked` reads them back for their CRC32Cs), and the steps it found damaged."""
+        steps, damaged = [], []
+        try:
+            committed = self.catalog.steps()
+        except (CheckpointError, OSError) as error:
+            log.warning("fast tier on node %s unreadable: %s", self.identity.node, error)
+            committed = []
+        for step in reversed(committed):
+            if scope.durable is not None and step < scope.durable:
                 break
-            held = self._held_step(step)
+            try:
+                held = self._held_step(step, scope)
+            except (CheckpointError, OSError) as error:
+                log.warning(
+                    "fast-tier step %d on node %s is damaged and not used: %s",
+                    step,
+                    self.identity.node,
+                    error,
+                    extra=THIS_RANK,
+                )
+                damaged.append((step, str(error)))
+                continue
             if held is not None:
                 steps.append(held)
-        return NodeReport(self.identity.node, self.identity.zone, self.rank, tuple(steps))
+        return NodeReport(
+            self.identity.node, self.identity.zone, self.rank, tuple(steps), tuple(damaged)
+        )
 
-    def _held_step(self, step: int) -> HeldStep | None:
-        try:
-            data = self.catalog.manifest_bytes(step)
-            manifest = Manifest.from_json(data, expected_step=step)
-            record = TierRecord.from_json(
-                self.store.get(tier_record_key(step)), step=step, attempt=manifest.attempt
-            )
-        except (ManifestError, StorageError) as error:
-            log.warning(
-                "fast-tier step %d on node %s is unusable: %s", step, self.identity.node, error
+    def _held_step(self, step: int, scope: Scope) -> HeldStep | None:
+        """What this node holds of `step`; None if `scope` refuses it; raises if it is damaged
+        (its manifest or tier record does not parse or does not fit the manifest)."""
+        data = self.catalog.manifest_bytes(step)
+        manifest = Manifest.from_json(data, expected_step=step)
+        record = self._read_record(step, manifest.attempt)
+        record.check({k: r.size for k, r in manifest.objects.items()})
+        refusal = scope.refusal(step, manifest.attempt, record.job)
+        if refusal is not None:
+            log.info(
+                "fast-tier step %d on node %s is not used: %s", step, self.identity.node, refusal
             )
             return None
         expected = {k: (r.size, r.crc32c) for k, r in manifest.objects.items()}
@@ -483,23 +662,39 @@ class FastTier:
             {k: size for k, (size, _) in expected.items()},
         )
 
+    def _read_record(self, step: int, attempt: str | None) -> TierRecord:
+        """The tier record of `step`, size-checked before the read (ManifestError if damaged)."""
+        key = tier_record_key(step)
+        info = self.store.head(key)
+        if info is None:
+            raise ManifestError(f"tier record of step {step} is missing")
+        if info.size > MAX_RECORD_BYTES:
+            raise ManifestError(f"tier record of step {step} is {info.size} bytes: too large")
+        return TierRecord.from_json(
+            self.store.get_range(key, 0, info.size), step=step, attempt=attempt
+        )
+
     def _whole(self, step: int, key: str, size: int) -> bool:
         info = self.store.head(step_key(step, key))
         return info is not None and info.size == size
 
     def _intact(self, step: int, key: str, size: int, expected: int) -> bool:
         """Whether the tier's `key` of `step` has `size` bytes whose CRC32C is `expected`."""
-        if not self._whole(step, key, size):
+        try:
+            if not self._whole(step, key, size):
+                return False
+            crc = 0
+            for piece in pieces_of(self.rank, key, size):
+                data = self.store.get_range(step_key(step, key), piece.offset, piece.length)
+                crc = crc32c(data, crc)
+        except (CheckpointError, OSError) as error:
+            log.warning("fast-tier step %d: %s unreadable: %s", step, key, error, extra=THIS_RANK)
             return False
-        crc = 0
-        for piece in pieces_of(self.rank, key, size):
-            crc = crc32c(self.store.get_range(step_key(step, key), piece.offset, piece.length), crc)
         return crc == expected
 
     def discard_newer(self, step: int | None) -> None:
-        """After a restore of `step` (None: from nothing): newer tier steps are stale; drop them."""
-        if not self.is_leader:
-            return
+        """After a restore of `step` (None: from nothing): newer tier steps are stale; drop them
+        (on every rank: a rank's folder need not be its node leader's)."""
         for folder_step in self._folders():
             if step is None or folder_step > step:
                 self._remove_folder(folder_step)
@@ -513,16 +708,32 @@ class FastTier:
         return read
 
     def _folders(self) -> list[int]:
-        """Steps with a folder in this node's tier, committed or not (one folder listing)."""
-        listing = self.store.list_delimited(STEP_PREFIX, "/")
-        steps = (parse_step_folder(prefix.removesuffix("/")) for prefix in listing.prefixes)
+        """Steps with a folder in this node's tier, committed or not, or holding nothing but
+        the temporary files of interrupted writes."""
+        folders = set(self.store.list_delimited(STEP_PREFIX, "/").prefixes)
+        folders.update(u.key.partition("/")[0] + "/" for u in self.store.list_uploads(STEP_PREFIX))
+        steps = (parse_step_folder(prefix.removesuffix("/")) for prefix in folders)
         return sorted(step for step in steps if step is not None)
 
     def _remove_folder(self, step: int) -> None:
-        """Delete a tier step, manifest first (never half-visible)."""
+        """Delete a tier step, manifest first (never half-visible), then everything else in its
+        folder, temporary files of interrupted writes included."""
         folder = step_folder(step)
         self.store.delete_many([f"{folder}/{MANIFEST_NAME}"])
         self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
+        for upload in self.store.list_uploads(f"{folder}/"):
+            self.store.abort_upload(upload)
+
+
+def _write_failure(store: LocalStore, key: str, error: OSError) -> StorageError:
+    """A failed write into the tier, as an error that says what to do."""
+    where = f"{store.uri}/{key}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(
+            f"disk full while writing {where}: free space under local_dir, or keep fewer steps "
+            "there (local_keep_last)"
+        )
+    return StorageError(f"writing {where} failed: {error.strerror or error}")
 
 
 def _complete(sink: _Sink) -> Any:

@@ -34,9 +34,10 @@ class NodeIdentity:
 def check_name(value: str, what: str) -> str:
     """`value` if it is a safe node or zone name (it becomes a folder name); else an error."""
     if not _NAME.fullmatch(value):
+        shown = repr(value) if len(value) <= 80 else f"{value[:77]!r}..."
         raise InvalidArgumentError(
             f"{what} must be 1-63 letters, digits, '.', '_' or '-' starting with a letter or "
-            f"digit, got {value!r}"
+            f"digit, got {shown}; set it to a name of this machine that no other machine uses"
         )
     return value
 

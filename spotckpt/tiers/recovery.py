@@ -1,12 +1,15 @@
 """Which fast-tier step the surviving copies can restore, and the jobs that bring each rank's
 objects to its node. Pure functions of what every node reported: all ranks compute the same.
 
-A node reports, per step of its tier, the manifest's digest and the objects it holds whole
-(corrupt copies are left out once the step is chosen and read back for its CRC32Cs). A step is
-recoverable when each of its objects is held by some node or, with erasure coding, when its
-group still has K intact pieces. The newest recoverable step not older than the newest durable
-one wins. Then every node gets the objects its ranks' load plans need and it lacks: a copy from
-a holder (in its own zone first, then the least busy), or a rebuild from K pieces of its group.
+A node reports, per step of its tier that its `Scope` lets a restore use (this job's, not older
+than the bucket's newest committed step), the manifest's digest and the objects it holds whole
+(corrupt copies are left out once the step is chosen and read back for its CRC32Cs), and which
+steps it found damaged (a manifest or tier record that does not parse or check). A damaged step,
+or one whose nodes disagree on its tier record, is unusable on every node. A step is recoverable
+when each of its objects is held by some node or, with erasure coding, when its group still has
+K intact pieces. The newest recoverable step not older than the newest durable one wins. Then
+every node gets the objects its ranks' load plans need and it lacks: a copy from a holder (in its
+own zone first, then the least busy), or a rebuild from K pieces of its group.
 """
 
 from __future__ import annotations
@@ -33,12 +36,42 @@ class HeldStep:
 
 @dataclass(frozen=True)
 class NodeReport:
-    """What one node's leader found in its tier."""
+    """What one node's leader found in its tier: usable steps, and damaged ones with why."""
 
     node: str
     zone: str
     leader: int
     steps: tuple[HeldStep, ...] = ()
+    damaged: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which tier steps a restore may use: those of job `job` (the bucket's job identity; None:
+    none at all) not older than `durable` (the bucket's newest committed step), and at `durable`
+    itself only the very commit the bucket holds (`durable_attempt`), never another save of
+    the same step number."""
+
+    job: str | None
+    durable: int | None = None
+    durable_attempt: str | None = None
+
+    def refusal(self, step: int, attempt: str, job: str | None) -> str | None:
+        """Why a tier step (of `attempt`, written by `job`) may not be used; None if it may."""
+        if self.job is None:
+            return "the bucket has no job identity (job.json) to tell this job's steps by"
+        if job is None:
+            return "its tier record names no job (written by an older version)"
+        if job != self.job:
+            return f"it was written by another job ({job}, not {self.job})"
+        if self.durable is not None and step < self.durable:
+            return f"it is older than the newest committed step {self.durable}"
+        if step == self.durable and attempt != self.durable_attempt:
+            return (
+                f"the bucket's step {step} is another commit (attempt {self.durable_attempt}, "
+                f"not {attempt})"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -98,9 +131,17 @@ def choose_step(
         for held in report.steps:
             if not_older_than is None or held.step >= not_older_than:
                 candidates.setdefault((held.step, held.digest), []).append((report, held))
+    damaged = {step: (r.node, why) for r in reports for step, why in r.damaged}
     reasons: list[str] = []
     for step, digest in sorted(candidates, reverse=True):
         entries = candidates[(step, digest)]
+        if step in damaged:
+            node, why = damaged[step]
+            reasons.append(f"fast-tier step {step} is damaged on node {node}: {why}")
+            continue
+        if len({held.record for _, held in entries}) > 1:
+            reasons.append(f"fast-tier step {step}: its nodes hold different tier records")
+            continue
         holders: dict[str, list[int]] = {}
         for report, held in entries:
             for key in held.held:

@@ -96,6 +96,22 @@ def test_ddp_restore_reads_the_checkpoint_once(s3_uri: str, tmp_path: Path) -> N
     assert ratio <= 1.05  # each rank reading every replicated tensor would be about 4x
 
 
+def test_a_piece_one_replica_cannot_read_fails_the_load_on_every_rank_not_a_hang(
+    tmp_path: Path,
+) -> None:
+    """DDP: each piece is read by one rank and broadcast. A corrupt block makes one rank's own
+    reads fail: its peers must not wait for its broadcasts; every rank falls back to step 1."""
+    args = {"uri": str(tmp_path / "bucket"), "out": str(tmp_path)}
+    run_ranks(2, "ddp_save_twice", args)
+    (path,) = (tmp_path / "bucket").glob("step-000000002/a-*/r00000-000.safetensors")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one block of one piece
+    path.write_bytes(bytes(data))
+    run_ranks(2, "ddp_restore_outcome", args)
+    outcomes = [json.loads((tmp_path / f"outcome-{r}.json").read_text()) for r in range(2)]
+    assert outcomes == [{"step": 1}, {"step": 1}]
+
+
 def test_async_saves_on_two_ranks_do_not_hang(tmp_path: Path) -> None:
     """An async upload's collectives and the training thread's agreement use separate groups."""
     uri = str(tmp_path / "ck")
