@@ -28,9 +28,11 @@ Randomness drawn inside worker processes (``Dataset.__getitem__``) is not covere
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import io
+import itertools
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -60,15 +62,11 @@ class LoaderRandomness:
         self.pending: dict[str, Any] | None = None
 
     def generators(self) -> dict[str, torch.Generator]:
-        """The loader's own generators by role, each object once: loader, sampler, batch sampler."""
+        """The loader's own generators by role, each object once: the loader's, then its
+        samplers' however deep a wrapper holds them (`_sampler_owners`)."""
         found: dict[str, torch.Generator] = {}
         loader = self._loader()
-        owners = {
-            "loader": loader,
-            "sampler": getattr(loader, "sampler", None),
-            "batch_sampler": getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-        }
-        for role, owner in owners.items():
+        for role, owner in _sampler_owners(loader):
             generator = getattr(owner, "generator", None)
             if isinstance(generator, torch.Generator) and all(
                 generator is not g for g in found.values()
@@ -114,6 +112,7 @@ class LoaderRandomness:
             self._set(self.epoch_start)
             try:
                 iterator = original()
+                _fast_forward_now(iterator)
             finally:
                 self._set(pending["now"])
                 torch.set_rng_state(current)
@@ -139,6 +138,61 @@ class LoaderRandomness:
                 torch.set_rng_state(state)
             elif role in generators:
                 generators[role].set_state(state)
+
+
+_LINKS = ("sampler", "batch_sampler")
+"""The attributes through which a loader or a sampler holds the samplers it draws from."""
+_LEGACY_ROLES = {
+    (): "loader",
+    ("sampler",): "sampler",
+    ("batch_sampler", "sampler"): "batch_sampler",
+}
+"""The roles records have always named; deeper holders are named by their path."""
+_MAX_DEPTH = 4
+
+
+def _sampler_owners(loader: Any) -> list[tuple[str, Any]]:
+    """The loader and every sampler it reaches through `_LINKS`, nearest first, by role.
+
+    A wrapper can hold the sampler that draws: Accelerate on several processes puts the
+    loader's batch sampler inside a ``BatchSamplerShard`` (``loader.batch_sampler.
+    batch_sampler.sampler``), so looking only one level down missed that sampler's generator
+    and a resume shuffled the cut epoch as epoch 0. Each object is visited once.
+    """
+    owners: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    level: list[tuple[tuple[str, ...], Any]] = [((), loader)]
+    for _ in range(_MAX_DEPTH + 1):
+        following: list[tuple[tuple[str, ...], Any]] = []
+        for path, owner in level:
+            if owner is None or id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            owners.append((_LEGACY_ROLES.get(path, ".".join(("loader", *path))), owner))
+            following.extend(((*path, link), getattr(owner, link, None)) for link in _LINKS)
+        level = following
+    return owners
+
+
+def _fast_forward_now(iterator: Any) -> None:
+    """Fast-forward a restored iterator's index stream now, from the replayed generators.
+
+    For a sampler with no state of its own, torchdata skips the batches already taken with a
+    lazy ``islice``, and a stream built on a Python generator (Accelerate's
+    ``BatchSamplerShard``, torch's ``BatchSampler``) draws only when first asked: after `create`
+    has set the generators to their saved states, so the cut epoch would be shuffled from the
+    wrong ones. Here the taken batches are skipped at once instead, with the epoch-start states
+    set, which leaves the generators exactly as far on as the saved states (taken when as many
+    batches had been taken). A loader with workers has already fetched ahead while its iterator
+    was created, under the same states.
+    """
+    stream = getattr(iterator, "_sampler_iter", None)
+    if not isinstance(stream, itertools.islice) or getattr(iterator, "_num_workers", 0) != 0:
+        return
+    taken = int(getattr(iterator, "_sampler_iter_yielded", 0))
+    fresh = iter(iterator._index_sampler)
+    collections.deque(itertools.islice(fresh, taken), maxlen=0)
+    iterator._sampler_iter = fresh
 
 
 def _parse(record: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

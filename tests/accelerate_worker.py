@@ -22,7 +22,6 @@ import hashlib
 import json
 import signal
 import sys
-import threading
 from pathlib import Path
 from types import FrameType
 
@@ -34,6 +33,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as TorchdataRandomSampler
 
 from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager, SeededDataset, TrainState
+
+from tests_support import SignalledFlag
 
 ACCUMULATE = 2
 
@@ -89,7 +90,7 @@ def main() -> int:
     parser.add_argument("--loader", choices=["torchdata", "torch-sampler", "augment"])
     parser.add_argument("--workers", type=int, default=0)
     options = parser.parse_args()
-    signalled = threading.Event()
+    signalled = SignalledFlag()
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         signalled.set()  # chained to by spotckpt's handler, which records the preemption

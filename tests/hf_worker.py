@@ -18,7 +18,6 @@ import hashlib
 import json
 import signal
 import sys
-import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,6 +35,8 @@ from transformers import (
 )
 
 from spotckpt.integrations.transformers import SpotckptCallback
+
+from tests_support import SignalledFlag
 
 EXAMPLES = 44  # 11 batches of 4: with 2 accumulation steps, an epoch is 6 optimizer steps
 BATCH = 4
@@ -61,7 +62,7 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
 class StopAt(TrainerCallback):
     """At the end of step `step`: tell the test, then wait until SIGTERM has arrived."""
 
-    def __init__(self, step: int | None, signalled: threading.Event) -> None:
+    def __init__(self, step: int | None, signalled: SignalledFlag) -> None:
         self.step = step
         self.signalled = signalled
 
@@ -101,7 +102,7 @@ def main() -> int:
     parser.add_argument("--keep-last", type=int, help="retention (default: the manager's)")
     options = parser.parse_args()
 
-    signalled = threading.Event()
+    signalled = SignalledFlag()
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         signalled.set()  # chained to by spotckpt's handler, which records the preemption

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -301,3 +302,25 @@ def _solve_gf2(columns: list[int], target: int) -> int:
             target, solution = target ^ pivot, solution ^ combination
     assert target == 0, "the columns do not span the target"
     return solution
+
+
+class SignalledFlag:
+    """Set by a signal handler, waited on by the main thread.
+
+    A `threading.Event` cannot do this: its handler's ``set()`` takes the lock that the main
+    thread's interrupted ``wait()`` holds, and the process hangs for good (it happened). The
+    flag is a plain attribute, and `wait` looks at it every 10 ms, between which the handler
+    runs.
+    """
+
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.is_set

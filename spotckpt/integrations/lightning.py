@@ -37,6 +37,8 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import signal
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -155,11 +157,33 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
         self._step = 0  # global step of the last optimizer step seen
         self._saved: int | None = None  # last step saved or restored
         self._at_step_end = True  # the state is that of a completed optimizer step
+        self._sigterm_handler: Any = None  # the watcher's, installed by the manager in setup
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Open the manager (and its preemption watcher) for a fit."""
         if stage == "fit":
             self.manager = CheckpointManager(self.uri, **self.options)
+            self._sigterm_handler = signal.getsignal(signal.SIGTERM)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """On several ranks, take SIGTERM back from Lightning: the watcher alone handles it.
+
+        Lightning's own SIGTERM handler broadcasts from inside the handler, on every rank and
+        for every signal, at whatever point each rank is interrupted (a launcher that forwards
+        SIGTERM and a torchrun agent that sends its own make two on some ranks): broadcasts
+        that pair with the wrong collective and hang the job; and in evaluation each rank
+        stops on its own flag, one rank in the emergency save's collectives while another
+        evaluates on. Put back, the watcher's handler only flags the notice; the ranks agree on
+        it at the next optimizer step's `maybe_save` (`CheckpointManager`'s rule), save that
+        step together and exit with 75. One rank keeps Lightning's handler, which stops at the
+        next batch with no collective; the callback then saves in `on_exception`.
+        """
+        if (
+            trainer.world_size > 1
+            and self._sigterm_handler is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            signal.signal(signal.SIGTERM, self._sigterm_handler)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Restore the latest committed checkpoint into the trainer, if there is one."""
@@ -301,15 +325,58 @@ class _TrainingLoaders:
     def _install_then_load(self, original: Any) -> None:
         combined = self.loop._combined_loader
         loaders = [] if combined is None else combined.flattened
+        # the epoch Lightning's fit loop gives set_epoch: a _ProcessedTracker, typed as its base
+        epoch = self.loop.epoch_progress.current.processed  # type: ignore[attr-defined]
         for loader in loaders:
             if hasattr(loader, "_get_iterator"):
                 loader_randomness(loader)
             shield_workers(loader)
+            _set_sampler_epoch(loader, epoch)
+            _warn_of_a_wrapped_sampler(loader)
         original()
         if self.epoch_ended_at_restore:
             self.epoch_ended_at_restore = False
             for loader in loaders:
                 _end_without_drawing(loader)
+
+
+def _warn_of_a_wrapped_sampler(loader: Any) -> None:
+    """Warn when Lightning wrapped the loader's sampler in its ``DistributedSamplerWrapper``.
+
+    On several ranks Lightning replaces torch's ``RandomSampler`` with a ``DistributedSampler``
+    (whose order is a function of the epoch: exact), but wraps any other sampler, torchdata's
+    ``shuffle=True`` one among them. The wrapper draws the epoch's order as an iterator is made,
+    and torchdata makes a restored iterator's index stream twice, so a resumed epoch is drawn
+    twice and differs from the cut one.
+    """
+    if type(getattr(loader, "sampler", None)).__name__ == "DistributedSamplerWrapper":
+        warnings.warn(
+            "Lightning wrapped this loader's sampler in its DistributedSamplerWrapper: an epoch "
+            "cut by a preemption resumes in another order. For an exact resume on several "
+            "ranks, shuffle with torch.utils.data.RandomSampler(data, generator=...) (Lightning "
+            "then uses its DistributedSampler) instead of shuffle=True",
+            stacklevel=2,
+        )
+
+
+def _set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Tell the loader's samplers the restored epoch before the restored iterator exists.
+
+    Lightning sets a sampler's epoch at each epoch's start, but it creates the first iterator of
+    a fit before that, and after a restart keeps that iterator for the restored epoch. A sampler
+    whose order is a function of its epoch (the ``DistributedSampler`` Lightning puts in on
+    several ranks) would then replay epoch 0's order into a later epoch. Lightning's own epoch
+    setter is private; this one is the same rule: ``set_epoch`` on the loader's sampler and its
+    batch sampler's sampler, each once.
+    """
+    samplers = [
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
+    for index, sampler in enumerate(samplers):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch) and all(sampler is not s for s in samplers[:index]):
+            set_epoch(epoch)
 
 
 def _end_without_drawing(loader: Any) -> None:

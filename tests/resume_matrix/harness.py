@@ -109,6 +109,7 @@ class Stack:
     loaders: tuple[str, ...] = ()
     points: tuple[str, ...] = ()
     world_change: bool = False
+    one_rank_loaders: tuple[str, ...] = ()  # set-ups the stack runs on one rank only
     steps: int = DEFAULT_STEPS
     save_every: int = DEFAULT_SAVE_EVERY
     run_s: float | None = None
@@ -153,6 +154,7 @@ def describe(name: str, path: Path) -> Stack:
             loaders=tuple(str(x) for x in info["loaders"]),
             points=tuple(str(x) for x in info.get("points", POINTS)),
             world_change=bool(info.get("world_change", False)),
+            one_rank_loaders=tuple(str(x) for x in info.get("one_rank_loaders", ())),
             steps=int(info.get("steps", DEFAULT_STEPS)),
             save_every=int(info.get("save_every", DEFAULT_SAVE_EVERY)),
             run_s=float(info["run_s"]) if info.get("run_s") is not None else None,
@@ -203,6 +205,8 @@ def matrix(stacks: dict[str, Stack]) -> list[Case]:
             for pi, point in enumerate(points):
                 workers, sig = COMBOS[(li + pi) % len(COMBOS)]
                 world = ranks[((li + pi) // 2) % len(ranks)] if len(ranks) > 1 else ranks[0]
+                if loader in stack.one_rank_loaders:
+                    world = 1
                 if point == "finish-then-more":
                     sig = "none"
                 cases.append(Case(stack.name, loader, workers, point, sig, world))

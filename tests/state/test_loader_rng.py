@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from spotckpt import ResumableSampler, track_batches
@@ -24,8 +24,22 @@ from spotckpt.values import ValueLoadError
 
 SAMPLES, BATCH, EPOCHS = 10, 2, 4
 PER_EPOCH = SAMPLES // BATCH
-KINDS = ["shuffle-gen", "shuffle-nogen", "torch-sampler-gen", "torch-sampler-two-gens"]
+KINDS = ["shuffle-gen", "shuffle-nogen", "torch-sampler-gen", "torch-sampler-two-gens", "sharded"]
 STOPS = [3, PER_EPOCH, 8, 12, PER_EPOCH * 3]  # mid-epoch, epoch ends, later epochs
+SHARDS = 2
+"""``sharded``: Accelerate's ``BatchSamplerShard`` (its loader on one of 2 processes) around a
+torch ``RandomSampler(generator=)``: the generator is two wrappers deep, and the shard's index
+stream starts (and the permutation is drawn) only at the first batch."""
+SHARDED_PER_EPOCH = -(-PER_EPOCH // SHARDS)  # the shard wraps around to even the processes
+SHARDED_STOPS = [2, SHARDED_PER_EPOCH, 5, 7, SHARDED_PER_EPOCH * 3]
+
+
+def per_epoch(kind: str) -> int:
+    return SHARDED_PER_EPOCH if kind == "sharded" else PER_EPOCH
+
+
+def stops(kind: str) -> list[int]:
+    return SHARDED_STOPS if kind == "sharded" else STOPS
 
 
 def make(kind: str, workers: int) -> StatefulDataLoader:
@@ -38,6 +52,12 @@ def make(kind: str, workers: int) -> StatefulDataLoader:
     if kind == "shuffle-nogen":
         return StatefulDataLoader(data, shuffle=True, **options)
     sampler = RandomSampler(data, generator=seeded(5))
+    if kind == "sharded":
+        from accelerate.data_loader import BatchSamplerShard
+
+        batches = BatchSampler(sampler, BATCH, drop_last=False)
+        shard = BatchSamplerShard(batches, num_processes=SHARDS, process_index=1)
+        return StatefulDataLoader(data, batch_sampler=shard, num_workers=workers)
     if kind == "torch-sampler-gen":
         return StatefulDataLoader(data, sampler=sampler, **options)
     return StatefulDataLoader(data, sampler=sampler, generator=seeded(7), **options)
@@ -69,7 +89,7 @@ def cut_and_resume(kind: str, workers: int, stop: int, hooked: bool) -> tuple[Tr
     loader.load_state_dict(saved)
     torch.set_rng_state(rng)
     # The loop finishes the cut epoch first (nothing is left of it when cut at its end).
-    run(loader, range((stop - 1) // PER_EPOCH, EPOCHS), resumed)
+    run(loader, range((stop - 1) // per_epoch(kind), EPOCHS), resumed)
     return reference, resumed
 
 
@@ -84,8 +104,9 @@ def _cut_points() -> list[Any]:
     (each kind at two stops, each stop met) and the rest of the product marked slow."""
     cases = []
     for index, kind in enumerate(KINDS):
-        covered = {STOPS[index % len(STOPS)], STOPS[(index + len(KINDS)) % len(STOPS)]}
-        for stop in STOPS:
+        points = stops(kind)
+        covered = {points[index % len(points)], points[(index + len(KINDS)) % len(points)]}
+        for stop in points:
             cases.append(pytest.param(kind, 0, stop, id=f"{kind}-0-{stop}"))
             marks = () if stop in covered else (pytest.mark.slow,)
             cases.append(pytest.param(kind, 2, stop, id=f"{kind}-2-{stop}", marks=marks))
@@ -102,7 +123,7 @@ def test_resumed_epoch_matches(kind: str, workers: int, stop: int) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_without_the_record_these_loaders_diverge(kind: str) -> None:
     diverged = [
-        stop for stop in STOPS if len(set(map(str, cut_and_resume(kind, 0, stop, False)))) > 1
+        stop for stop in stops(kind) if len(set(map(str, cut_and_resume(kind, 0, stop, False)))) > 1
     ]
     assert diverged, f"{kind}: expected plain torchdata to diverge somewhere"
 

@@ -8,6 +8,7 @@ DataLoaderConfiguration(use_stateful_dataloader=True))``, everything through
 ``accelerator.prepare``, `TrainState` of the prepared objects, ``step = mgr.restore(state) or
 0``, the ``while step < total_steps: for batch in loader:`` loop with ``accelerator.accumulate``,
 ``maybe_save``, ``should_stop``, the ``break`` at ``total_steps`` and the last save), with
+``cpu=True`` on 2 ranks (this machine has no GPU), and with
 what the README leaves to the user filled in the plainest way: a ``StatefulDataLoader`` whose
 sampler has a generator of its own (``sampler=torch.utils.data.RandomSampler(data,
 generator=g)``; no ``generator=`` on the loader, no workers: the case's ``workers`` is
@@ -47,7 +48,7 @@ from typing import Any
 from _worker import Pause, rank, serve, sha, write_json
 
 DESCRIBE = {
-    "ranks": [1],
+    "ranks": [1, 2],
     "loaders": [
         "recipe",
         "stateful",
@@ -168,10 +169,14 @@ def run(case: dict[str, Any]) -> int:
         write_json(out / f"final-rank{me}.json", digests())
         return 0
 
+    # Accelerate runs several processes on the CPU as ranks only when told to (cpu=True); on
+    # GPUs they are ranks by themselves.
+    ranks_on_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if recipe:
         # --- the README's recipe, as printed -------------------------------------------------
         accelerator = Accelerator(
-            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+            cpu=ranks_on_cpu,
+            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
         )
         model, optimizer, loader, scheduler = accelerator.prepare(
             model, optimizer, loader, scheduler
@@ -208,6 +213,7 @@ def run(case: dict[str, Any]) -> int:
 
     # --- the variants: 2 batches a step; a break at total_steps and a last save -------------
     accelerator = Accelerator(
+        cpu=ranks_on_cpu,
         gradient_accumulation_steps=2,
         dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
     )

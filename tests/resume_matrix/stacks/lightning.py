@@ -45,9 +45,14 @@ from typing import Any
 from _worker import Pause, rank, serve, write_json
 
 DESCRIBE = {
-    "ranks": [1],
+    "ranks": [1, 2],
     "loaders": ["stateful-torch-sampler", "stateful", "stateful-nogen", "stateful-augment"],
     "world_change": False,
+    # On several ranks Lightning wraps torchdata's shuffling sampler (``shuffle=True``) in its
+    # DistributedSamplerWrapper, which draws an epoch's order as an iterator is created; a
+    # restored torchdata iterator is created twice over, so the cut epoch's order is drawn
+    # twice and comes out different. spotckpt warns of it; README states it.
+    "one_rank_loaders": ["stateful", "stateful-nogen"],
     "steps": 20,
     "save_every": 4,
     "run_s": 15,
@@ -209,9 +214,11 @@ def run(case: dict[str, Any]) -> int:
     spot = SpotckptCallback(
         case["uri"], interval_steps=save_every, async_save=bool(case["async_save"])
     )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
         max_steps=int(case["steps"]),
         val_check_interval=VAL_EVERY,
         deterministic=True,
