@@ -175,8 +175,8 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
         stops on its own flag, one rank in the emergency save's collectives while another
         evaluates on. Put back, the watcher's handler only flags the notice; the ranks agree on
         it at the next optimizer step's `maybe_save` (`CheckpointManager`'s rule), save that
-        step together and exit with 75. One rank keeps Lightning's handler, which stops at the
-        next batch with no collective; the callback then saves in `on_exception`.
+        step together and exit with 75. A single process keeps Lightning's handler, which then
+        makes no collective and stops at the next batch; the callback saves in `on_exception`.
         """
         if (
             trainer.world_size > 1
