@@ -434,11 +434,13 @@ def _single_rep(args: dict[str, Any], work: _Single, root: Path, uri: str) -> di
     local_dir, raw_path = str(root / "fast" / "{node}"), root / "raw.bin"
     m: dict[str, Any] = {}
     m["raw_write_s"], _ = _timed(partial(_raw_write, raw_path, memoryview(work.raw.numpy())))
-    with contextlib.closing(_tier_manager(args, uri, local_dir)) as tier:
-        m["fast_save_s"], _ = _timed(partial(_fast_save, tier, 1, work.state))
-        _check(_in_tier(tier, 1), "the fast save did not commit in the tier")
+    # The bucket's step 1 first, then the same state as step 2 in the fast tier only: a tier
+    # step is used only when it is newer than the bucket's newest commit (or that very commit).
     with contextlib.closing(_bucket_manager(args, uri)) as bucket:
         m["bucket_save_s"], _ = _timed(partial(bucket.save, 1, work.state, blocking=True))
+    with contextlib.closing(_tier_manager(args, uri, local_dir)) as tier:
+        m["fast_save_s"], _ = _timed(partial(_fast_save, tier, 2, work.state))
+        _check(_in_tier(tier, 2), "the fast save did not commit in the tier")
     into = memoryview(work.readback.numpy())
     m["raw_read_s"], got = _timed(partial(_raw_read, raw_path, into))
     _check(got == work.raw.numel() and torch.equal(work.readback, work.raw), "raw read differs")
@@ -450,7 +452,10 @@ def _single_rep(args: dict[str, Any], work: _Single, root: Path, uri: str) -> di
         _zero(work.dest)
         with contextlib.closing(make()) as manager:
             seconds, (step, sources) = _timed(partial(_restore, manager, {"model": work.dest}))
-        _check(step == 1 and same_state(work.dest, work.tensors), f"{source} restore differs")
+        expected = 2 if source == "fast" else 1
+        _check(
+            step == expected and same_state(work.dest, work.tensors), f"{source} restore differs"
+        )
         m[f"{source}_restore_s"], m[f"{source}_restore_sources"] = seconds, sources
     shutil.rmtree(root)
     return m
@@ -508,7 +513,8 @@ def agree(ok: bool, what: str) -> None:
 
 
 def node_save(rank: int, world: int, args: dict[str, Any]) -> None:
-    """Fast saves and durable saves of steps 1..reps; then the lost rank dies by SIGKILL."""
+    """Durable saves of steps 1..reps, fast saves of steps reps+1..2*reps; then the lost rank
+    dies by SIGKILL."""
     import torch.distributed as dist
     from bench_cases import state_bytes
 
@@ -518,9 +524,12 @@ def node_save(rank: int, world: int, args: dict[str, Any]) -> None:
     bucket = _bucket_manager(args, _uri(args))
     reps = []
     for step in range(1, args["reps"] + 1):
-        fast, _ = job_timed(partial(_fast_save, tier, step, state))
-        agree(_in_tier(tier, step), f"the fast save of step {step} is not in the tier")
+        # The bucket's step first, then the same state as a newer step in the fast tier only:
+        # a tier step is used only when it is newer than the bucket's newest commit.
         durable, _ = job_timed(partial(bucket.save, step, state, blocking=True))
+        fast_step = args["reps"] + step
+        fast, _ = job_timed(partial(_fast_save, tier, fast_step, state))
+        agree(_in_tier(tier, fast_step), f"the fast save of step {fast_step} is not in the tier")
         reps.append({"fast_save_s": fast, "bucket_save_s": durable})
         print(f"step {step}: {json.dumps(reps[-1])}", flush=True)
     tier.close()
@@ -557,7 +566,8 @@ def node_restore(rank: int, world: int, args: dict[str, Any]) -> None:
             _zero(dest)
             with contextlib.closing(make()) as manager:
                 seconds, (step, sources) = job_timed(partial(_restore, manager, {"model": dest}))
-            agree(step == args["reps"] and same_state(dest, tensors), f"{source} restore differs")
+            expected = args["reps"] if source == "bucket" else 2 * args["reps"]
+            agree(step == expected and same_state(dest, tensors), f"{source} restore differs")
             measured[f"{source}_restore_s"] = seconds
             measured[f"{source}_restore_sources"] = sources
         reps.append(measured)
