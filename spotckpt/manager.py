@@ -805,10 +805,10 @@ class CheckpointManager:
 
     def _check_whole(self, step: int) -> None:
         """Raise, on every rank, the error a restore of `step` would meet in its manifest or
-        its bytes (the coordinator reads them all)."""
+        its bytes (the coordinator reads them all, the manifest once: `verify_checkpoint`
+        reports a damaged one as its first problem)."""
 
         def check() -> None:
-            self.catalog.read_manifest(step)  # its own errors, as a restore meets them
             error = verify_checkpoint(self.store, step).error()
             if error is not None:
                 raise error
