@@ -432,7 +432,8 @@ class Catalog:
 
     def _parse(self, data: bytes, step: int) -> Manifest | Root:
         """A flat manifest whole, or an indexed one's root."""
-        if manifest_format(data) == INDEXED_FORMAT:
+        declared = manifest_format(data)
+        if declared is not None and declared.split("+")[0] == INDEXED_FORMAT:
             return parse_root(data, step)
         return Manifest.from_json(data, expected_step=step)
 

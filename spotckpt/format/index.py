@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +39,11 @@ from typing import Any
 import numpy as np
 
 from spotckpt.checksum import crc32c
-from spotckpt.errors import CorruptCheckpointError, ManifestError, UnknownFormatError
+from spotckpt.errors import CorruptCheckpointError, ManifestError
 from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_NAME
+from spotckpt.format.features import format_string, parse_format
 from spotckpt.format.manifest import (
-    FORMAT_VERSION,
     MAX_DIMS,
     MAX_INT,
     ChunkLocation,
@@ -65,19 +66,16 @@ MAX_PART_BYTES = 256 << 20
 MIN_CHUNK_ENTRY_BYTES = len("[[],0,0,[0]]")
 """The fewest bytes in which an index part can locate one chunk: a root that names a rank the
 writer of more chunks than its part's size can hold is forged."""
+_FORMAT_FIELD = re.compile(r'"format"\s*:\s*"([^"]{0,256})"')
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A chunk or shard: (offsets, sizes)."""
 
 
 def manifest_format(data: bytes) -> str | None:
-    """The ``format`` a manifest declares, read from its first bytes (None if not found)."""
-    head = data[:256].decode("utf-8", "replace")
-    marker = '"format":"'
-    at = head.find(marker)
-    if at < 0:
-        return None
-    end = head.find('"', at + len(marker))
-    return head[at + len(marker) : end] if end > 0 else None
+    """The ``format`` a manifest declares, read from its first bytes (None if not found there);
+    whitespace is allowed, since JSON allows it (a hand-edited manifest is still dispatched)."""
+    found = _FORMAT_FIELD.search(data[:512].decode("utf-8", "replace"))
+    return found.group(1) if found else None
 
 
 # The tiling of one tensor -------------------------------------------------------------------------
@@ -334,12 +332,13 @@ def root_json(
     versions: Mapping[str, str],
     planner_data: Mapping[str, list[str | int]],
     user_metadata: Mapping[str, Any],
+    features: Iterable[str] = (),
 ) -> bytes:
-    """The root manifest (the commit point) of an indexed checkpoint."""
+    """The root manifest (the commit point) of an indexed checkpoint, using format `features`."""
     metadata = json.dumps({"user_metadata": user_metadata}).encode()
     bounded_json.check_bounds(metadata, "user_metadata")
     document = {
-        "format": INDEXED_FORMAT,
+        "format": format_string(INDEXED_FORMAT, features),
         "step": step,
         "attempt": attempt,
         "created_at": created_at,
@@ -402,6 +401,7 @@ class Root:
     versions: dict[str, str]
     planner_data: dict[str, list[str | int]]
     user_metadata: dict[str, Any]
+    format: str = INDEXED_FORMAT
 
 
 def _fail(message: str) -> ManifestError:
@@ -411,11 +411,7 @@ def _fail(message: str) -> ManifestError:
 def parse_root(data: bytes, expected_step: int | None = None) -> Root:
     """Parse and check a ``spotckpt/2`` root; ManifestError names the first problem."""
     document = manifest_document(data)
-    if document.get("format") != INDEXED_FORMAT:
-        raise UnknownFormatError(
-            f"unknown manifest format {str(document.get('format'))[:40]!r}; this spotckpt reads "
-            f"{FORMAT_VERSION!r} and {INDEXED_FORMAT!r}"
-        )
+    parse_format(document.get("format"), (INDEXED_FORMAT,))
     try:
         return _root(document, expected_step)
     except InvalidKeyError as error:
@@ -478,6 +474,7 @@ def _root(document: dict[str, Any], expected_step: int | None) -> Root:
         versions={str(k): str(v) for k, v in versions.items()},
         planner_data=planner_data,
         user_metadata=user_metadata,
+        format=str(document["format"]),
     )
 
 
@@ -754,5 +751,5 @@ def manifest_from_parts(
         versions=root.versions,
         user_metadata=root.user_metadata,
         planner_data=root.planner_data,
-        format=INDEXED_FORMAT,
+        format=root.format,
     )

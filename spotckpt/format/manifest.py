@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from spotckpt.errors import ManifestError, UnknownFormatError
+from spotckpt.errors import ManifestError
 from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_NAME
+from spotckpt.format.features import parse_format
 from spotckpt.storage.base import InvalidKeyError, check_key
 
 if TYPE_CHECKING:  # torch loads only for DCP metadata (`Manifest.to_dcp`)
@@ -99,6 +100,11 @@ class Manifest:
     format: str = FORMAT_VERSION
 
     @property
+    def features(self) -> frozenset[str]:
+        """The named format features this manifest uses (`spotckpt.format.features`)."""
+        return frozenset(self.format.split("+")[1:])
+
+    @property
     def total_bytes(self) -> int:
         """Bytes of all data objects."""
         return sum(o.size for o in self.objects.values())
@@ -107,7 +113,7 @@ class Manifest:
         """Serialise to UTF-8 JSON; ValueError if `user_metadata` is beyond what `from_json` reads
         (nested too deep, or a number of too many digits). An indexed manifest (read from a
         ``spotckpt/2`` root and its parts) is written by its writer only, never re-encoded."""
-        if self.format != FORMAT_VERSION:
+        if self.format.split("+")[0] != FORMAT_VERSION:
             raise ManifestError(f"a {self.format} manifest is not re-encoded as one document")
         metadata = json.dumps({"user_metadata": self.user_metadata}).encode()
         bounded_json.check_bounds(metadata, "user_metadata")
@@ -235,11 +241,8 @@ def manifest_document(data: bytes) -> dict[str, Any]:
 
 def _parse(data: bytes, expected_step: int | None) -> Manifest:
     document = manifest_document(data)
-    version = document.get("format")
-    if version != FORMAT_VERSION:
-        raise UnknownFormatError(
-            f"unknown manifest format {str(version)[:40]!r}; this spotckpt reads {FORMAT_VERSION!r}"
-        )
+    parse_format(document.get("format"), (FORMAT_VERSION,))
+    version = str(document["format"])
     step = _count(document, "step", "manifest")
     if expected_step is not None and step != expected_step:
         raise _fail(f"manifest in the folder of step {expected_step} claims step {step}")
@@ -288,6 +291,7 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         versions={str(k): str(v) for k, v in versions.items()},
         user_metadata=user_metadata,
         planner_data=planner_data,
+        format=version,
     )
 
 

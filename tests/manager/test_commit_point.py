@@ -273,11 +273,13 @@ def test_restorable_step_chooses_as_restore_does_before_anything_is_loaded(
         assert mgr.restore(target, step=1) == 1 and _same(target, _state(1))
 
 
-def test_unknown_format_is_skipped_not_quarantined(tmp_path: Path) -> None:
-    """A manifest from a newer spotckpt says nothing about the checkpoint's health."""
+@pytest.mark.parametrize("declared", ["spotckpt/99", "spotckpt/1+from-the-future"])
+def test_unknown_format_is_skipped_not_quarantined(tmp_path: Path, declared: str) -> None:
+    """A manifest from a newer spotckpt (a new layout, or a feature this one does not know) says
+    nothing about the checkpoint's health."""
     _two_steps(tmp_path)
     document = json.loads((tmp_path / manifest_key(2)).read_text())
-    document["format"] = "spotckpt/99"
+    document["format"] = declared
     (tmp_path / manifest_key(2)).write_text(json.dumps(document))
     with _manager(str(tmp_path)) as mgr:
         assert mgr.restore(_empty()) == 1
