@@ -33,7 +33,7 @@ K8S = DEPLOY / "k8s"
 # The overlays a user applies (`kubectl apply -k`), by cloud and image variant.
 K8S_VARIANTS = {
     f"{cloud}-{variant}": K8S / cloud / variant
-    for cloud in ("eks", "gke")
+    for cloud in ("eks", "gke", "aks")
     for variant in ("cpu", "cuda")
 }
 SKYPILOT_TASKS = {"cpu": DEPLOY / "skypilot.yaml", "cuda": DEPLOY / "skypilot-cuda.yaml"}
@@ -486,6 +486,9 @@ CREDENTIAL_PATTERNS = {
     "service account key file": re.compile(
         r"GOOGLE_APPLICATION_CREDENTIALS|\"private_key\"|google_service_account_key|"
         r"aws_iam_access_key"
+    ),
+    "Azure account key or SAS signature": re.compile(
+        r"AccountKey=|SharedAccessSignature=|[?&]sig=|\b(primary|secondary)_(access_key|connection_string)"
     ),
     "password or token value": re.compile(r"(?i)\b(password|secret|token)\s*[:=]\s*[\"']?\w{8,}"),
 }

@@ -132,6 +132,7 @@ def test_k8s_job_restarts_on_preemption_without_spending_retries(variant: str) -
 SPOT_SELECTORS = {
     "eks": ("eks.amazonaws.com/capacityType", "SPOT"),
     "gke": ("cloud.google.com/gke-spot", "true"),
+    "aks": ("kubernetes.azure.com/scalesetpriority", "spot"),
 }
 
 
@@ -148,7 +149,7 @@ def test_k8s_job_lands_on_spot_nodes_and_tolerates_their_taint(variant: str) -> 
 def test_k8s_bucket_uri_comes_from_the_configmap(variant: str) -> None:
     docs = _docs(variant)
     uri = k8s_object(docs, "ConfigMap")["data"]["SPOTCKPT_URI"]
-    assert uri.startswith({"eks": "s3://", "gke": "gs://"}[_cloud(variant)])
+    assert uri.startswith({"eks": "s3://", "gke": "gs://", "aks": "az://"}[_cloud(variant)])
     container = trainer_container(docs)
     literal = [e for e in container.get("env", []) if e["name"] == "SPOTCKPT_URI" and "value" in e]
     assert not literal, "the URI belongs in the ConfigMap"
@@ -174,6 +175,7 @@ def test_k8s_settings_are_ones_spotckpt_accepts(
 IDENTITY_ANNOTATIONS = {
     "eks": "eks.amazonaws.com/role-arn",
     "gke": "iam.gke.io/gcp-service-account",
+    "aks": "azure.workload.identity/client-id",
 }
 
 
@@ -185,6 +187,11 @@ def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
     annotation = account["metadata"]["annotations"][IDENTITY_ANNOTATIONS[cloud]]
     if cloud == "eks":
         assert re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", annotation)
+    elif cloud == "aks":
+        assert re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", annotation)
+        # Workload ID's webhook injects the token only into pods with this label.
+        labels = k8s_object(docs, "Job")["spec"]["template"]["metadata"]["labels"]
+        assert labels["azure.workload.identity/use"] == "true"
     else:
         assert re.fullmatch(r"[a-z][a-z0-9-]+@[a-z0-9-]+\.iam\.gserviceaccount\.com", annotation)
     spec = pod_spec(docs)
@@ -200,6 +207,9 @@ def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",
         "GOOGLE_APPLICATION_CREDENTIALS",
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_KEY",
+        "AZURE_CLIENT_SECRET",
     } & set(env)
 
 
@@ -219,6 +229,8 @@ def test_k8s_grace_period_covers_the_save_budget(variant: str) -> None:
     assert grace >= budget
     if _cloud(variant) == "eks":
         assert grace < 120, "AWS reclaims a spot instance 2 minutes after the notice"
+    elif _cloud(variant) == "aks":
+        assert grace < 30, "Azure posts the Preempt event at least 30 s before the eviction"
     else:
         # GKE's graceful node shutdown gives regular pods the first 15 s of the 30 s notice.
         assert timeout <= 15
