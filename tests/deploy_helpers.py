@@ -30,11 +30,12 @@ DEPLOY = REPO / "deploy"
 TERRAFORM = REPO / "terraform"
 ENTRYPOINT = DEPLOY / "entrypoint.sh"
 K8S = DEPLOY / "k8s"
-# The overlays a user applies (`kubectl apply -k`), by cloud and image variant.
+# The overlays a user applies (`kubectl apply -k`), by cloud and variant: a single-node Job with
+# the CPU or the CUDA image, or a multi-node JobSet (CPU image).
 K8S_VARIANTS = {
     f"{cloud}-{variant}": K8S / cloud / variant
     for cloud in ("eks", "gke", "aks")
-    for variant in ("cpu", "cuda")
+    for variant in ("cpu", "cuda", "multinode")
 }
 SKYPILOT_TASKS = {"cpu": DEPLOY / "skypilot.yaml", "cuda": DEPLOY / "skypilot-cuda.yaml"}
 DOCKERFILE = DEPLOY / "Dockerfile"
@@ -372,6 +373,23 @@ def _set_image(container: dict[str, Any], images: list[dict[str, Any]]) -> None:
     container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
 
 
+def _pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod templates of a Job (one) or a JobSet (one per replicated job)."""
+    if doc.get("kind") == "JobSet":
+        return [r["template"]["spec"]["template"] for r in doc["spec"]["replicatedJobs"]]
+    template = doc.get("spec", {}).get("template")
+    return [template] if template else []
+
+
+def _deleted(patch: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(kind, name) of a strategic-merge patch that deletes one object; None for other patches."""
+    if "target" in patch:
+        return None
+    body = yaml.safe_load(patch["patch"])
+    assert body.get("$patch") == "delete", f"only JSON 6902 patches or deletions: {patch}"
+    return body["kind"], body["metadata"]["name"]
+
+
 def _targeted(doc: dict[str, Any], target: Mapping[str, str]) -> bool:
     assert set(target) <= {"kind", "name"}, f"unsupported patch target {target}"
     return (
@@ -383,15 +401,22 @@ def _targeted(doc: dict[str, Any], target: Mapping[str, str]) -> bool:
 def _transform(docs: list[dict[str, Any]], kustomization: dict[str, Any]) -> list[dict[str, Any]]:
     """Apply a kustomization's patches, then its images, as kustomize orders them."""
     for patch in kustomization.get("patches", []):
+        deleted = _deleted(patch)
+        if deleted is not None:
+            kept = [d for d in docs if (d["kind"], d["metadata"]["name"]) != deleted]
+            assert len(kept) == len(docs) - 1, f"{deleted} to delete matches nothing"
+            docs = kept
+            continue
         assert set(patch) == {"target", "patch"}, f"only inline JSON 6902 patches: {patch}"
         operations = jsonpatch.JsonPatch(yaml.safe_load(patch["patch"]))
         hits = [_targeted(d, patch["target"]) for d in docs]
         assert any(hits), f"patch target {patch['target']} matches nothing"
         docs = [operations.apply(d) if hit else d for d, hit in zip(docs, hits, strict=True)]
     for doc in docs:
-        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-        for container in [*spec.get("initContainers", []), *spec.get("containers", [])]:
-            _set_image(container, kustomization.get("images", []))
+        for template in _pod_templates(doc):
+            spec = template.get("spec", {})
+            for container in [*spec.get("initContainers", []), *spec.get("containers", [])]:
+                _set_image(container, kustomization.get("images", []))
     return docs
 
 
@@ -417,8 +442,29 @@ def k8s_object(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one Job or JobSet of a build."""
+    found = [d for d in docs if d.get("kind") in ("Job", "JobSet")]
+    assert len(found) == 1, f"expected one Job or JobSet, found {[d['kind'] for d in found]}"
+    return found[0]
+
+
+def job_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Job's spec, or that of the JobSet's one replicated job."""
+    doc = workload(docs)
+    if doc["kind"] == "Job":
+        return doc["spec"]
+    (replicated,) = doc["spec"]["replicatedJobs"]
+    return replicated["template"]["spec"]
+
+
+def pod_template(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (template,) = _pod_templates(workload(docs))
+    return template
+
+
 def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    return k8s_object(docs, "Job")["spec"]["template"]["spec"]
+    return pod_template(docs)["spec"]
 
 
 def trainer_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -427,8 +473,28 @@ def trainer_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return containers[0]
 
 
-def effective_env(docs: list[dict[str, Any]]) -> dict[str, str]:
-    """The trainer container's environment: envFrom ConfigMaps, then env (literal or ConfigMap)."""
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand_references(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(NAME) expansion in an env value: defined names are replaced, undefined ones
+    stay as written, and $$ is a literal $."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _REFERENCE.sub(one, value)
+
+
+def effective_env(
+    docs: list[dict[str, Any]], fields: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The trainer container's environment as the kubelet builds it: envFrom ConfigMaps, then env
+    (literal with $(NAME) expanded, ConfigMap key, or downward-API field). Field references take
+    their value from `fields` (field path -> value, as the pod would see it); without `fields`
+    they are left out."""
     maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d.get("kind") == "ConfigMap"}
     container = trainer_container(docs)
     env: dict[str, str] = {}
@@ -437,7 +503,10 @@ def effective_env(docs: list[dict[str, Any]]) -> dict[str, str]:
         env.update({k: str(v) for k, v in maps[source["configMapRef"]["name"]].items()})
     for item in container.get("env", []):
         if "value" in item:
-            env[item["name"]] = str(item["value"])
+            env[item["name"]] = expand_references(str(item["value"]), env)
+        elif "fieldRef" in item["valueFrom"]:
+            if fields is not None:
+                env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             ref = item["valueFrom"]["configMapKeyRef"]
             env[item["name"]] = str(maps[ref["name"]][ref["key"]])

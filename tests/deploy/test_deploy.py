@@ -48,11 +48,13 @@ from deploy_helpers import (
     dockerfile_instructions,
     effective_env,
     entrypoint_dry_run,
+    job_spec,
     k8s_object,
     kustomize_build,
     launcher_arguments,
     option,
     pod_spec,
+    pod_template,
     shutdown_timeout,
     trainer_container,
     yaml_docs,
@@ -70,6 +72,10 @@ def _docs(variant: str) -> list[dict[str, Any]]:
 
 def _cloud(variant: str) -> str:
     return variant.split("-")[0]
+
+
+def _multinode(variant: str) -> bool:
+    return variant.endswith("-multinode")
 
 
 def test_preempted_exit_code_is_the_documented_one() -> None:
@@ -95,15 +101,19 @@ def test_yaml_parses(path: Path) -> None:
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_k8s_manifest_has_configmap_serviceaccount_and_job(variant: str) -> None:
     kinds = [d["kind"] for d in _docs(variant)]
-    for kind in ("Namespace", "ConfigMap", "ServiceAccount", "Job", "NetworkPolicy"):
+    workload = "JobSet" if _multinode(variant) else "Job"
+    for kind in ("Namespace", "ConfigMap", "ServiceAccount", workload, "NetworkPolicy"):
         assert kinds.count(kind) == 1, f"{variant}: {kind}"
+    # The multi-node job replaces the single-node one; its pods meet through a headless service.
+    assert kinds.count("Job") + kinds.count("JobSet") == 1
+    assert kinds.count("Service") == int(_multinode(variant))
     assert "Secret" not in kinds
 
 
 # ---- Kubernetes: restart on preemption -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", K8S_VARIANTS)
+@pytest.mark.parametrize("variant", [v for v in K8S_VARIANTS if not _multinode(v)])
 def test_k8s_job_restarts_on_preemption_without_spending_retries(variant: str) -> None:
     docs = _docs(variant)
     job = k8s_object(docs, "Job")["spec"]
@@ -190,7 +200,7 @@ def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
     elif cloud == "aks":
         assert re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", annotation)
         # Workload ID's webhook injects the token only into pods with this label.
-        labels = k8s_object(docs, "Job")["spec"]["template"]["metadata"]["labels"]
+        labels = pod_template(docs)["metadata"]["labels"]
         assert labels["azure.workload.identity/use"] == "true"
     else:
         assert re.fullmatch(r"[a-z][a-z0-9-]+@[a-z0-9-]+\.iam\.gserviceaccount\.com", annotation)
@@ -272,8 +282,9 @@ def _command_patch(overlay: dict[str, Any]) -> dict[str, Any]:
     operations = [
         op
         for patch in overlay["patches"]
+        if "target" in patch
         for op in yaml.safe_load(patch["patch"])
-        if op["path"] == "/spec/template/spec/containers/0/args"
+        if op["path"].endswith("/template/spec/containers/0/args")
     ]
     assert len(operations) == 1, operations
     return operations[0]
@@ -326,7 +337,7 @@ def test_k8s_overlay_settings_reach_the_container(variant: str, tmp_path: Path) 
     overlay = _overlay(folder)
     overlay["images"][0].update(newName="registry.example/team/my-trainer", newTag="7-x")
     command = ["-m", "my_trainer.main", "--epochs", "3", "--name", "a b"]
-    for patch in overlay["patches"]:
+    for patch in [p for p in overlay["patches"] if "target" in p]:
         operations = yaml.safe_load(patch["patch"])
         for op in operations:
             if op["path"].endswith("/args"):
@@ -348,7 +359,7 @@ def test_k8s_gpu_requests_only_with_the_cuda_image(variant: str) -> None:
     spec = pod_spec(docs)
     tag = container["image"].rsplit(":", 1)[1]
     tolerated = {t["key"] for t in spec["tolerations"]}
-    if variant.endswith("-cpu"):
+    if not variant.endswith("-cuda"):
         assert "cuda" not in tag
         assert GPU not in yaml.safe_dump(docs), "a CPU image has no use for a GPU"
         assert "cloud.google.com/gke-accelerator" not in spec["nodeSelector"]
@@ -372,6 +383,215 @@ def test_k8s_gpu_requests_live_in_the_gpu_component_only() -> None:
         components = _overlay(folder).get("components", [])
         expected = ["../../components/gpu"] if variant.endswith("-cuda") else []
         assert components == expected, variant
+
+
+# ---- Kubernetes: multi-node JobSet --------------------------------------------------------------
+
+MULTINODE = [v for v in K8S_VARIANTS if _multinode(v)]
+ZONE_LABEL = "metadata.labels['topology.kubernetes.io/zone']"
+ATTEMPT_LABEL = "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
+def _nodes(docs: list[dict[str, Any]]) -> int:
+    spec = job_spec(docs)
+    assert spec["completions"] == spec["parallelism"], "every node's pod runs at once"
+    return int(spec["parallelism"])
+
+
+def _pod_env(docs: list[dict[str, Any]], node: str = "node-a", zone: str = "zone-1") -> dict:
+    """The trainer's environment in a pod on `node` in `zone`, JobSet restart attempt 0."""
+    fields = {"spec.nodeName": node, ZONE_LABEL: zone, ATTEMPT_LABEL: "0"}
+    return effective_env(docs, fields)
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_restarts_the_whole_job_after_an_eviction_without_counting_it(
+    variant: str,
+) -> None:
+    docs = _docs(variant)
+    jobset = k8s_object(docs, "JobSet")
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    job = job_spec(docs)
+    assert pod_spec(docs)["restartPolicy"] == "Never"
+    assert job["completionMode"] == "Indexed" and _nodes(docs) >= 2
+    # One pod failing fails the Job at once: the JobSet, not the Job, restarts (all pods).
+    assert job["backoffLimit"] == 0
+    rules = job["podFailurePolicy"]["rules"]
+    disrupted = [r for r in rules if "onPodConditions" in r]
+    assert [r["action"] for r in disrupted] == ["FailJob"]
+    assert disrupted[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    (by_code,) = [r for r in rules if "onExitCodes" in r]
+    assert by_code["action"] == "FailJob"
+    assert by_code["onExitCodes"]["values"] == [spotckpt.PREEMPTED_EXIT_CODE]
+    assert by_code["onExitCodes"]["operator"] == "In"
+    assert by_code["onExitCodes"]["containerName"] == trainer_container(docs)["name"]
+    # A Job failed by a podFailurePolicy rule has reason PodFailurePolicy: restart, count nothing.
+    policy = jobset["spec"]["failurePolicy"]
+    assert isinstance(policy["maxRestarts"], int) and policy["maxRestarts"] >= 1
+    (rule,) = policy["rules"]
+    assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    assert rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+    # A crash fails the Job with BackoffLimitExceeded, which no rule names: it counts.
+    assert "BackoffLimitExceeded" not in yaml.safe_dump(policy)
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_rendezvous_goes_through_the_headless_service_to_pod_zero(variant: str) -> None:
+    docs = _docs(variant)
+    jobset = k8s_object(docs, "JobSet")
+    service = k8s_object(docs, "Service")
+    name = jobset["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True, "rendezvous precedes readiness"
+    assert service["spec"]["selector"] == {JOBSET_NAME_LABEL: name}
+    network = jobset["spec"]["network"]
+    assert network["enableDNSHostnames"] is True
+    assert network["subdomain"] == service["metadata"]["name"]
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    assert replicated["replicas"] == 1
+    # What the entry point hands to torchrun in a pod of this job.
+    env = _pod_env(docs)
+    args = _launcher_reads(entrypoint_dry_run(env))
+    assert args.nnodes == str(_nodes(docs))
+    assert args.rdzv_backend == "c10d" and not args.standalone
+    host, port = args.rdzv_endpoint.rsplit(":", 1)
+    # JobSet's pod host names: JOBSET-REPLICATEDJOB-JOBINDEX-PODINDEX.SUBDOMAIN.
+    assert host == f"{name}-{replicated['name']}-0-0.{network['subdomain']}"
+    (service_port,) = service["spec"]["ports"]
+    (container_port,) = trainer_container(docs)["ports"]
+    assert int(port) == service_port["port"] == service_port["targetPort"]
+    assert container_port["containerPort"] == int(port)
+    # Each restart attempt meets in a rendezvous of its own.
+    assert args.rdzv_id == f"{name}-0"
+    assert (
+        _launcher_reads(
+            entrypoint_dry_run(
+                effective_env(docs, {"spec.nodeName": "n", ZONE_LABEL: "", ATTEMPT_LABEL: "3"})
+            )
+        ).rdzv_id
+        == f"{name}-3"
+    )
+
+
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_network_policy_allows_pod_to_pod_traffic_only_within_a_multinode_job(
+    variant: str,
+) -> None:
+    docs = _docs(variant)
+    policy = k8s_object(docs, "NetworkPolicy")["spec"]
+    labels = pod_template(docs)["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    peers = [rule for rule in policy["ingress"]]
+    egress_to_pods = [
+        r for r in policy["egress"] if any("podSelector" in t for t in r.get("to", []))
+    ]
+    if not _multinode(variant):
+        assert peers == [] and egress_to_pods == [], "a single pod talks to no other pod"
+        return
+    name = k8s_object(docs, "JobSet")["metadata"]["name"]
+    job_pods = {"podSelector": {"matchLabels": {JOBSET_NAME_LABEL: name}}}
+    # Every port: torchrun's rendezvous, then gloo or NCCL on ports they pick themselves.
+    assert peers == [{"from": [job_pods]}]
+    assert egress_to_pods == [{"to": [job_pods]}]
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_node_id_zone_and_fast_tier_come_from_the_node(
+    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = _docs(variant)
+    container = trainer_container(docs)
+    refs = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in container["env"]
+        if "fieldRef" in e.get("valueFrom", {})
+    }
+    assert refs["SPOTCKPT_NODE"] == "spec.nodeName"
+    # Node labels reach pods only from Kubernetes 1.35 (KEP-4742); the manifest says so.
+    assert refs["SPOTCKPT_ZONE"] == ZONE_LABEL
+    assert "1.35" in (K8S_VARIANTS[variant] / "jobset.yaml").read_text()
+    # The fast tier lives on the node (a hostPath), one folder per node id, copies on a peer.
+    env = _pod_env(docs, node="aks-spot-12345678-vmss000000")
+    local_dir = env["SPOTCKPT_LOCAL_DIR"]
+    assert local_dir.endswith("/{node}")
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    (tier,) = [n for n, path in mounts.items() if local_dir.startswith(path + "/")]
+    assert volumes[tier]["hostPath"]["path"] == mounts[tier]
+    # The node's folder is handed to the trainer's user before it starts.
+    (owner,) = pod_spec(docs)["initContainers"]
+    assert owner["command"][:2] == ["chown", f"{_dockerfile_uid()}:{_dockerfile_uid()}"]
+    assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert owner["securityContext"]["allowPrivilegeEscalation"] is False
+    assert owner["image"] == container["image"]
+    # One pod per node, so that a copy on a peer is on another machine.
+    (anti,) = pod_spec(docs)["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    # spotckpt accepts all of it as the pod sees it (the node id and zone included).
+    for name in list(os.environ):
+        if name.startswith("SPOTCKPT_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = Config.load(cwd=tmp_path)
+    assert config.local_dir == local_dir and config.redundancy == "replicate:2"
+    from spotckpt.tiers.node import node_identity
+
+    assert node_identity(env).node == "aks-spot-12345678-vmss000000"
+    assert node_identity(env).zone == "zone-1"
+    assert node_identity({**env, "SPOTCKPT_ZONE": ""}).zone == "", "before 1.35: no zone"
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_pods_are_placed_and_confined_like_the_single_node_job(variant: str) -> None:
+    """checkov does not look into a JobSet's pod template: the single-node Job's checked settings
+    must hold there too."""
+    multi = _docs(variant)
+    single = _docs(f"{_cloud(variant)}-cpu")
+    one, many = pod_spec(single), pod_spec(multi)
+    for key in (
+        "nodeSelector",
+        "tolerations",
+        "securityContext",
+        "serviceAccountName",
+        "automountServiceAccountToken",
+        "terminationGracePeriodSeconds",
+    ):
+        assert many[key] == one[key], key
+    assert pod_template(single)["metadata"]["labels"].items() <= (
+        pod_template(multi)["metadata"]["labels"].items()
+    )
+    a, b = trainer_container(single), trainer_container(multi)
+    for key in ("securityContext", "resources", "envFrom", "imagePullPolicy", "image"):
+        assert a[key] == b[key], key
+    for container in many["initContainers"]:
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["resources"]["limits"]
+
+
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_kubectl_kustomize_builds_what_the_tests_check(variant: str) -> None:
+    """The tests build overlays with a subset of kustomize; the real one must agree."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed: the overlays are checked with the built-in subset")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(K8S_VARIANTS[variant])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+    def key(doc: dict[str, Any]) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    real = sorted((d for d in yaml.safe_load_all(result.stdout) if d), key=key)
+    assert real == sorted(_docs(variant), key=key)
 
 
 # ---- SkyPilot ------------------------------------------------------------------------------------

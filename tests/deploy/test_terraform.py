@@ -1,4 +1,5 @@
-"""terraform/aws, terraform/gcp and terraform/azure: parse, required settings, rendered start-up scripts, checkov.
+"""terraform/aws, terraform/gcp and terraform/azure: parse, required settings, start-up scripts,
+checkov.
 
 Offline: python-hcl2 parses the modules; no terraform binary or provider download. checkov scans
 terraform/ and the deployment files (Kubernetes manifests, Dockerfile) in one run.
