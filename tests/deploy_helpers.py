@@ -37,7 +37,11 @@ K8S_VARIANTS = {
     for cloud in ("eks", "gke", "aks")
     for variant in ("cpu", "cuda", "multinode")
 }
-SKYPILOT_TASKS = {"cpu": DEPLOY / "skypilot.yaml", "cuda": DEPLOY / "skypilot-cuda.yaml"}
+SKYPILOT_TASKS = {
+    "cpu": DEPLOY / "skypilot.yaml",
+    "cuda": DEPLOY / "skypilot-cuda.yaml",
+    "multinode": DEPLOY / "skypilot-multinode.yaml",
+}
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERFILE_TRAINER = DEPLOY / "Dockerfile.trainer"
 

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -603,10 +604,22 @@ def _task(variant: str) -> dict[str, Any]:
 
 
 FAKE_DOCKER = """#!/bin/sh
-# Records its arguments, one per line, then a separator.
+# Records its arguments, one per line, then a separator; and the values of a few variables.
 printf '%s\n' "$@" >> "$DOCKER_CALLS"
 echo --- >> "$DOCKER_CALLS"
+printf '%s=%s\n' LAUNCH_TORCHRUN_ARGS "${LAUNCH_TORCHRUN_ARGS:-}" SPOTCKPT_NODE \
+    "${SPOTCKPT_NODE:-}" > "$DOCKER_CALLS.env"
 """
+# Records what it would run as root.
+FAKE_SUDO = """#!/bin/sh
+printf '%s\n' "$*" >> "$SUDO_CALLS"
+"""
+# What SkyPilot sets on the second of two VMs.
+SKYPILOT_NODE_ENV = {
+    "SKYPILOT_NUM_NODES": "2",
+    "SKYPILOT_NODE_RANK": "1",
+    "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
+}
 
 
 def _run_task_scripts(task: dict[str, Any], tmp_path: Path, **env: str) -> list[list[str]]:
@@ -617,9 +630,16 @@ def _run_task_scripts(task: dict[str, Any], tmp_path: Path, **env: str) -> list[
     docker = bin_dir / "docker"
     docker.write_text(FAKE_DOCKER)
     docker.chmod(0o755)
+    (bin_dir / "sudo").write_text(FAKE_SUDO)
+    (bin_dir / "sudo").chmod(0o755)
     calls = tmp_path / "docker-calls"
-    full = clean_env(**{k: str(v) for k, v in task["envs"].items()})
-    full.update(env, DOCKER_CALLS=str(calls), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    full = clean_env(**{k: str(v) for k, v in task["envs"].items()}, **SKYPILOT_NODE_ENV)
+    full.update(
+        env,
+        DOCKER_CALLS=str(calls),
+        SUDO_CALLS=str(tmp_path / "sudo-calls"),
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    )
     for section in ("setup", "run"):
         result = subprocess.run(
             ["bash", "-c", task[section]], env=full, capture_output=True, text=True, timeout=60
@@ -660,7 +680,9 @@ def test_skypilot_runs_the_image_with_the_training_command(variant: str, tmp_pat
     # Every spotckpt and entry-point setting reaches the container (by name: the value comes from
     # the task's environment, so none is written into the command line).
     passed = {options[i + 1] for i, w in enumerate(options) if w == "-e"}
-    assert passed == {n for n in envs if n.startswith(("SPOTCKPT_", "LAUNCH_"))}
+    # Several nodes: also the node id and the rendezvous, which the run script derives.
+    derived = {"SPOTCKPT_NODE", "LAUNCH_TORCHRUN_ARGS"} if "num_nodes" in task else set()
+    assert passed == {n for n in envs if n.startswith(("SPOTCKPT_", "LAUNCH_"))} | derived
     assert option(options, "--network") == "host"
     stop = int(option(options, "--stop-timeout"))
     assert shutdown_timeout(envs) + LAUNCHER_EXIT_S <= stop <= 30
@@ -675,7 +697,7 @@ def test_skypilot_gpus_only_with_the_cuda_image(variant: str, tmp_path: Path) ->
     tag = task["envs"]["TRAIN_IMAGE"].rsplit(":", 1)[1]
     (_, run) = _run_task_scripts(task, tmp_path)
     options = run[: run.index(task["envs"]["TRAIN_IMAGE"])]
-    if variant == "cpu":
+    if variant != "cuda":
         assert "cuda" not in tag
         assert "accelerators" not in task["resources"]
         assert "--gpus" not in options
@@ -694,6 +716,43 @@ def test_skypilot_tasks_differ_only_in_resources_and_image() -> None:
         task["envs"].pop("TRAIN_IMAGE")
         task["run"] = re.sub(r"^ *--gpus all --ipc host \\\n", "", task["run"], flags=re.M)
     assert cpu == cuda
+
+
+def test_skypilot_multinode_task_is_the_cpu_task_on_several_nodes() -> None:
+    cpu, multi = _task("cpu"), _task("multinode")
+    assert multi["num_nodes"] >= 2 and "num_nodes" not in cpu
+    assert multi["resources"] == cpu["resources"]
+    shared = {k: v for k, v in multi["envs"].items() if k in cpu["envs"]}
+    assert shared == {**cpu["envs"], "TRAIN_COMMAND": shared["TRAIN_COMMAND"]}
+    assert multi["envs"]["TRAIN_COMMAND"].startswith(cpu["envs"]["TRAIN_COMMAND"])
+    assert set(multi["envs"]) - set(cpu["envs"]) == {"SPOTCKPT_LOCAL_DIR", "SPOTCKPT_REDUNDANCY"}
+
+
+def test_skypilot_multinode_rendezvous_comes_from_skypilot_node_variables(
+    tmp_path: Path,
+) -> None:
+    task = _task("multinode")
+    envs = {k: str(v) for k, v in task["envs"].items()}
+    _, run = _run_task_scripts(task, tmp_path, SKYPILOT_NUM_NODES=str(task["num_nodes"]))
+    passed = dict(
+        line.split("=", 1) for line in (tmp_path / "docker-calls.env").read_text().splitlines()
+    )
+    args = _launcher_reads(
+        entrypoint_dry_run({"LAUNCH_TORCHRUN_ARGS": passed["LAUNCH_TORCHRUN_ARGS"]})
+    )
+    # Static rendezvous on the first VM; this VM's rank as SkyPilot numbers it.
+    assert args.nnodes == str(task["num_nodes"])
+    assert args.node_rank == 1
+    assert args.master_addr == "10.0.0.1" and args.master_port == 29400
+    assert passed["SPOTCKPT_NODE"] == socket.gethostname().split(".")[0]
+    # The fast tier: a folder of the VM's disk, writable by the image's user, mounted as is.
+    local_dir = envs["SPOTCKPT_LOCAL_DIR"]
+    base = local_dir.removesuffix("/{node}")
+    assert local_dir.endswith("/{node}") and option(run, "-v") == f"{base}:{base}"
+    uid = _dockerfile_uid()
+    sudo = (tmp_path / "sudo-calls").read_text().splitlines()
+    assert sudo == [f"mkdir -p {base}", f"chown {uid}:{uid} {base}"]
+    assert envs["SPOTCKPT_REDUNDANCY"] == "replicate:2"
 
 
 @pytest.mark.parametrize("variant", SKYPILOT_TASKS)
