@@ -34,6 +34,7 @@ from spotckpt.launch import FORWARDED_SIGNALS
 
 from deploy_helpers import (
     ANY_SCRIPT,
+    CHECKOV_VERSION,
     DEPLOY,
     DOCKERFILE,
     DOCKERFILE_TRAINER,
@@ -49,6 +50,7 @@ from deploy_helpers import (
     dockerfile_instructions,
     effective_env,
     entrypoint_dry_run,
+    find_checkov,
     job_spec,
     k8s_object,
     kustomize_build,
@@ -571,6 +573,49 @@ def test_multinode_pods_are_placed_and_confined_like_the_single_node_job(variant
     for container in many["initContainers"]:
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["resources"]["limits"]
+
+
+def test_checkov_passes_on_the_jobset_pod_templates(tmp_path: Path) -> None:
+    """checkov has no checks for a JobSet: each multinode build is scanned with its JobSet
+    replaced by a Job that carries the same pod template and annotations (skips included)."""
+    checkov = find_checkov()
+    if checkov is None:
+        pytest.fail(
+            f"checkov not found (`make test` installs it; or set CHECKOV): {CHECKOV_VERSION}"
+        )
+    for variant in MULTINODE:
+        docs = []
+        for doc in _docs(variant):
+            if doc["kind"] == "JobSet":
+                (replicated,) = doc["spec"]["replicatedJobs"]
+                doc = {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {**doc["metadata"], "name": f"{variant}-pods"},
+                    "spec": replicated["template"]["spec"],
+                }
+            docs.append(doc)
+        (tmp_path / f"{variant}.yaml").write_text(yaml.safe_dump_all(docs))
+    command = [checkov, "--directory", str(tmp_path), "--framework", "kubernetes"]
+    result = subprocess.run(
+        [*command, "--skip-download", "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "BC_SKIP_MAPPING": "TRUE", "LOG_LEVEL": "ERROR"},
+        check=False,
+    )
+    report = json.loads(result.stdout)
+    report = report[0] if isinstance(report, list) else report
+    results = report["results"]
+    failures = [f"{c['check_id']} {c['resource']}" for c in results["failed_checks"]]
+    assert failures == [], "\n".join(failures)
+    scanned = {c["resource"] for c in results["passed_checks"]}
+    for variant in MULTINODE:
+        assert f"Job.spotckpt.{variant}-pods" in scanned, variant
+    # Every skip is one of the JobSets' own annotations, each with its reason.
+    skipped = {c["check_id"] for c in results["skipped_checks"]}
+    assert skipped == {"CKV_K8S_43", "CKV_K8S_25"}, skipped
 
 
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
