@@ -5,7 +5,9 @@ provider download is needed. Template files are rendered by a small subset of te
 `templatefile` (``${name}``, line-level ``%{ if name ~}`` / ``%{ else ~}`` / ``%{ endif ~}``),
 enough for the templates in terraform/, and strict: an unknown name is an error. Likewise the
 Kubernetes overlays are built by the subset of kustomize they use (resources, components, images,
-JSON 6902 patches), strict too: any other kustomization field is an error, so no kubectl is needed.
+JSON 6902 patches, strategic-merge deletions), for Jobs and JobSets, strict too: any other
+kustomization field is an error, so no kubectl is needed (where kubectl is installed, the tests
+compare with `kubectl kustomize`).
 """
 
 from __future__ import annotations
