@@ -182,8 +182,8 @@ def test_two_nodes_evicted_one_restore_from_the_fast_tier_and_continue_bit_exact
     root.mkdir()
     job = Job(root, attempt=0)
     try:
-        job.start(step_delay=0.2)
-        # A few fast-tier saves first, so that the eviction lands between them.
+        job.start(step_delay=0.3)
+        # Some training first; the eviction's emergency save is the job's first save.
         job.wait_for(
             lambda: (root / "losses.jsonl").exists() and len(_losses(root)) >= 8,
             "step 8",
