@@ -32,12 +32,12 @@ DEPLOY = REPO / "deploy"
 TERRAFORM = REPO / "terraform"
 ENTRYPOINT = DEPLOY / "entrypoint.sh"
 K8S = DEPLOY / "k8s"
-# The overlays a user applies (`kubectl apply -k`), by cloud and variant: a single-node Job with
-# the CPU or the CUDA image, or a multi-node JobSet (CPU image).
+# The overlays a user applies (`kubectl apply -k`), by cloud and variant: a single-node Job or a
+# multi-node JobSet, each with the CPU or the CUDA image.
 K8S_VARIANTS = {
     f"{cloud}-{variant}": K8S / cloud / variant
     for cloud in ("eks", "gke", "aks")
-    for variant in ("cpu", "cuda", "multinode")
+    for variant in ("cpu", "cuda", "multinode", "multinode-cuda")
 }
 SKYPILOT_TASKS = {
     "cpu": DEPLOY / "skypilot.yaml",

@@ -78,7 +78,12 @@ def _cloud(variant: str) -> str:
 
 
 def _multinode(variant: str) -> bool:
-    return variant.endswith("-multinode")
+    return variant.split("-")[1] == "multinode"
+
+
+def _base(variant: str) -> Path:
+    """The folder the overlay builds on: the Job's base, or the JobSet's."""
+    return K8S_VARIANTS[variant].parent / ("jobset" if _multinode(variant) else "base")
 
 
 def test_preempted_exit_code_is_the_documented_one() -> None:
@@ -326,7 +331,7 @@ def test_k8s_image_and_command_come_from_the_overlay(variant: str) -> None:
     _runs_the_example(container["args"])
     # The base names the image kustomize replaces, and leaves the command to the overlay: without
     # the patch the image's own CMD runs.
-    base = trainer_container(kustomize_build(K8S_VARIANTS[variant].parent / "base"))
+    base = trainer_container(kustomize_build(_base(variant)))
     assert base["image"].split(":")[0] == image["name"]
     assert "args" not in base and operation["op"] == "add"
 
@@ -381,10 +386,14 @@ def test_k8s_gpu_requests_only_with_the_cuda_image(variant: str) -> None:
 def test_k8s_gpu_requests_live_in_the_gpu_component_only() -> None:
     """The bases and the CPU overlays name no GPU; the CUDA overlays get theirs from one place."""
     naming = {p.relative_to(K8S) for p in K8S.rglob("*.yaml") if GPU in p.read_text()}
-    assert naming == {Path("components/gpu/kustomization.yaml")}
+    assert naming == {
+        Path("components/gpu/kustomization.yaml"),
+        Path("components/gpu-jobset/kustomization.yaml"),
+    }
     for variant, folder in K8S_VARIANTS.items():
         components = _overlay(folder).get("components", [])
-        expected = ["../../components/gpu"] if variant.endswith("-cuda") else []
+        gpu = "../../components/gpu-jobset" if _multinode(variant) else "../../components/gpu"
+        expected = [gpu] if variant.endswith("-cuda") else []
         assert components == expected, variant
 
 
@@ -513,7 +522,7 @@ def test_multinode_node_id_zone_and_fast_tier_come_from_the_node(
     assert refs["SPOTCKPT_NODE"] == "spec.nodeName"
     # Node labels reach pods only from Kubernetes 1.35 (KEP-4742); the manifest says so.
     assert refs["SPOTCKPT_ZONE"] == ZONE_LABEL
-    assert "1.35" in (K8S_VARIANTS[variant] / "jobset.yaml").read_text()
+    assert "1.35" in (_base(variant) / "jobset.yaml").read_text()
     # The fast tier lives on the node (a hostPath), one folder per node id, copies on a peer.
     env = _pod_env(docs, node="aks-spot-12345678-vmss000000")
     local_dir = env["SPOTCKPT_LOCAL_DIR"]
@@ -553,7 +562,7 @@ def test_multinode_pods_are_placed_and_confined_like_the_single_node_job(variant
     """checkov does not look into a JobSet's pod template: the single-node Job's checked settings
     must hold there too."""
     multi = _docs(variant)
-    single = _docs(f"{_cloud(variant)}-cpu")
+    single = _docs(variant.replace("multinode", "cpu").replace("cpu-cuda", "cuda"))
     one, many = pod_spec(single), pod_spec(multi)
     for key in (
         "nodeSelector",
