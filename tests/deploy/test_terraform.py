@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -80,6 +81,23 @@ def test_every_module_exists() -> None:
 @pytest.mark.parametrize("path", HCL_FILES, ids=lambda p: str(p.relative_to(TERRAFORM)))
 def test_every_terraform_file_parses(path: Path) -> None:
     assert load_hcl(path)
+
+
+def test_terraform_files_are_formatted_as_terraform_formats_them() -> None:
+    """`terraform fmt` needs no provider, so it runs offline where terraform is installed
+    (`terraform validate` needs the providers downloaded: run it after `terraform init`)."""
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.skip("terraform not installed: the modules are checked with python-hcl2 only")
+    result = subprocess.run(
+        [terraform, "fmt", "-check", "-recursive", "-list=true", str(TERRAFORM)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TF_CLI_CONFIG_FILE": os.devnull},
+        check=False,
+    )
+    assert result.returncode == 0, f"not formatted:\n{result.stdout}{result.stderr}"
 
 
 @pytest.mark.parametrize(
