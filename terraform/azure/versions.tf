@@ -7,7 +7,8 @@ terraform {
     azurerm = {
       source = "hashicorp/azurerm"
       # 4.9: storage containers take storage_account_id and their id is the ARM resource id.
-      version = ">= 4.9"
+      # Below 5.0: 5.x renames arguments used here (the federated credential's parent_id).
+      version = "~> 4.9"
     }
   }
 }
