@@ -36,7 +36,9 @@
 #   SPOTCKPT_SAVE_BUDGET_S   emergency save budget in seconds (default 25, as the trainer's)
 #   LAUNCH_EXIT_MARGIN_S     see above (default 5)
 #   LAUNCH_NPROC_PER_NODE    worker processes (default: one per visible GPU, else 1)
-#   LAUNCH_TORCHRUN_ARGS     rendezvous (torchrun) options for the launcher (default: --standalone)
+#   LAUNCH_TORCHRUN_ARGS     rendezvous (torchrun) options for the launcher (default: --standalone);
+#                            the multi-node JobSets build it from LAUNCH_NNODES, LAUNCH_RDZV_HOST
+#                            and LAUNCH_RESTART_ATTEMPT, the SkyPilot task from SKYPILOT_* variables
 #   LAUNCH_TRAIN_SCRIPT      the default script, when the arguments name none (default: train.py
 #                            beside this file, else ../examples/train.py, as in the repository)
 #   LAUNCH_PYTHON            the interpreter that runs the launcher, `python3 -m spotckpt.launch`,

@@ -5,7 +5,9 @@ provider download is needed. Template files are rendered by a small subset of te
 `templatefile` (``${name}``, line-level ``%{ if name ~}`` / ``%{ else ~}`` / ``%{ endif ~}``),
 enough for the templates in terraform/, and strict: an unknown name is an error. Likewise the
 Kubernetes overlays are built by the subset of kustomize they use (resources, components, images,
-JSON 6902 patches), strict too: any other kustomization field is an error, so no kubectl is needed.
+JSON 6902 patches, strategic-merge deletions), for Jobs and JobSets, strict too: any other
+kustomization field is an error, so no kubectl is needed (where kubectl is installed, the tests
+compare with `kubectl kustomize`).
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ DEPLOY = REPO / "deploy"
 TERRAFORM = REPO / "terraform"
 ENTRYPOINT = DEPLOY / "entrypoint.sh"
 K8S = DEPLOY / "k8s"
-# The overlays a user applies (`kubectl apply -k`), by cloud and image variant.
+# The overlays a user applies (`kubectl apply -k`), by cloud and variant: a single-node Job or a
+# multi-node JobSet, each with the CPU or the CUDA image.
 K8S_VARIANTS = {
     f"{cloud}-{variant}": K8S / cloud / variant
-    for cloud in ("eks", "gke")
-    for variant in ("cpu", "cuda")
+    for cloud in ("eks", "gke", "aks")
+    for variant in ("cpu", "cuda", "multinode", "multinode-cuda")
 }
-SKYPILOT_TASKS = {"cpu": DEPLOY / "skypilot.yaml", "cuda": DEPLOY / "skypilot-cuda.yaml"}
+SKYPILOT_TASKS = {
+    "cpu": DEPLOY / "skypilot.yaml",
+    "cuda": DEPLOY / "skypilot-cuda.yaml",
+    "multinode": DEPLOY / "skypilot-multinode.yaml",
+}
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERFILE_TRAINER = DEPLOY / "Dockerfile.trainer"
 
@@ -372,6 +379,23 @@ def _set_image(container: dict[str, Any], images: list[dict[str, Any]]) -> None:
     container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
 
 
+def _pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod templates of a Job (one) or a JobSet (one per replicated job)."""
+    if doc.get("kind") == "JobSet":
+        return [r["template"]["spec"]["template"] for r in doc["spec"]["replicatedJobs"]]
+    template = doc.get("spec", {}).get("template")
+    return [template] if template else []
+
+
+def _deleted(patch: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(kind, name) of a strategic-merge patch that deletes one object; None for other patches."""
+    if "target" in patch:
+        return None
+    body = yaml.safe_load(patch["patch"])
+    assert body.get("$patch") == "delete", f"only JSON 6902 patches or deletions: {patch}"
+    return body["kind"], body["metadata"]["name"]
+
+
 def _targeted(doc: dict[str, Any], target: Mapping[str, str]) -> bool:
     assert set(target) <= {"kind", "name"}, f"unsupported patch target {target}"
     return (
@@ -383,15 +407,22 @@ def _targeted(doc: dict[str, Any], target: Mapping[str, str]) -> bool:
 def _transform(docs: list[dict[str, Any]], kustomization: dict[str, Any]) -> list[dict[str, Any]]:
     """Apply a kustomization's patches, then its images, as kustomize orders them."""
     for patch in kustomization.get("patches", []):
+        deleted = _deleted(patch)
+        if deleted is not None:
+            kept = [d for d in docs if (d["kind"], d["metadata"]["name"]) != deleted]
+            assert len(kept) == len(docs) - 1, f"{deleted} to delete matches nothing"
+            docs = kept
+            continue
         assert set(patch) == {"target", "patch"}, f"only inline JSON 6902 patches: {patch}"
         operations = jsonpatch.JsonPatch(yaml.safe_load(patch["patch"]))
         hits = [_targeted(d, patch["target"]) for d in docs]
         assert any(hits), f"patch target {patch['target']} matches nothing"
         docs = [operations.apply(d) if hit else d for d, hit in zip(docs, hits, strict=True)]
     for doc in docs:
-        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-        for container in [*spec.get("initContainers", []), *spec.get("containers", [])]:
-            _set_image(container, kustomization.get("images", []))
+        for template in _pod_templates(doc):
+            spec = template.get("spec", {})
+            for container in [*spec.get("initContainers", []), *spec.get("containers", [])]:
+                _set_image(container, kustomization.get("images", []))
     return docs
 
 
@@ -417,8 +448,29 @@ def k8s_object(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one Job or JobSet of a build."""
+    found = [d for d in docs if d.get("kind") in ("Job", "JobSet")]
+    assert len(found) == 1, f"expected one Job or JobSet, found {[d['kind'] for d in found]}"
+    return found[0]
+
+
+def job_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Job's spec, or that of the JobSet's one replicated job."""
+    doc = workload(docs)
+    if doc["kind"] == "Job":
+        return doc["spec"]
+    (replicated,) = doc["spec"]["replicatedJobs"]
+    return replicated["template"]["spec"]
+
+
+def pod_template(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (template,) = _pod_templates(workload(docs))
+    return template
+
+
 def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    return k8s_object(docs, "Job")["spec"]["template"]["spec"]
+    return pod_template(docs)["spec"]
 
 
 def trainer_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -427,8 +479,28 @@ def trainer_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return containers[0]
 
 
-def effective_env(docs: list[dict[str, Any]]) -> dict[str, str]:
-    """The trainer container's environment: envFrom ConfigMaps, then env (literal or ConfigMap)."""
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand_references(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' $(NAME) expansion in an env value: defined names are replaced, undefined ones
+    stay as written, and $$ is a literal $."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _REFERENCE.sub(one, value)
+
+
+def effective_env(
+    docs: list[dict[str, Any]], fields: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The trainer container's environment as the kubelet builds it: envFrom ConfigMaps, then env
+    (literal with $(NAME) expanded, ConfigMap key, or downward-API field). Field references take
+    their value from `fields` (field path -> value, as the pod would see it); without `fields`
+    they are left out."""
     maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d.get("kind") == "ConfigMap"}
     container = trainer_container(docs)
     env: dict[str, str] = {}
@@ -437,7 +509,10 @@ def effective_env(docs: list[dict[str, Any]]) -> dict[str, str]:
         env.update({k: str(v) for k, v in maps[source["configMapRef"]["name"]].items()})
     for item in container.get("env", []):
         if "value" in item:
-            env[item["name"]] = str(item["value"])
+            env[item["name"]] = expand_references(str(item["value"]), env)
+        elif "fieldRef" in item["valueFrom"]:
+            if fields is not None:
+                env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             ref = item["valueFrom"]["configMapKeyRef"]
             env[item["name"]] = str(maps[ref["name"]][ref["key"]])
@@ -486,6 +561,9 @@ CREDENTIAL_PATTERNS = {
     "service account key file": re.compile(
         r"GOOGLE_APPLICATION_CREDENTIALS|\"private_key\"|google_service_account_key|"
         r"aws_iam_access_key"
+    ),
+    "Azure account key or SAS signature": re.compile(
+        r"AccountKey=|SharedAccessSignature=|[?&]sig=|\b(primary|secondary)_(access_key|connection_string)"
     ),
     "password or token value": re.compile(r"(?i)\b(password|secret|token)\s*[:=]\s*[\"']?\w{8,}"),
 }

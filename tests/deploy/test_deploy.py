@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from spotckpt.launch import FORWARDED_SIGNALS
 
 from deploy_helpers import (
     ANY_SCRIPT,
+    CHECKOV_VERSION,
     DEPLOY,
     DOCKERFILE,
     DOCKERFILE_TRAINER,
@@ -48,11 +50,14 @@ from deploy_helpers import (
     dockerfile_instructions,
     effective_env,
     entrypoint_dry_run,
+    find_checkov,
+    job_spec,
     k8s_object,
     kustomize_build,
     launcher_arguments,
     option,
     pod_spec,
+    pod_template,
     shutdown_timeout,
     trainer_container,
     yaml_docs,
@@ -70,6 +75,15 @@ def _docs(variant: str) -> list[dict[str, Any]]:
 
 def _cloud(variant: str) -> str:
     return variant.split("-")[0]
+
+
+def _multinode(variant: str) -> bool:
+    return variant.split("-")[1] == "multinode"
+
+
+def _base(variant: str) -> Path:
+    """The folder the overlay builds on: the Job's base, or the JobSet's."""
+    return K8S_VARIANTS[variant].parent / ("jobset" if _multinode(variant) else "base")
 
 
 def test_preempted_exit_code_is_the_documented_one() -> None:
@@ -95,15 +109,19 @@ def test_yaml_parses(path: Path) -> None:
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_k8s_manifest_has_configmap_serviceaccount_and_job(variant: str) -> None:
     kinds = [d["kind"] for d in _docs(variant)]
-    for kind in ("Namespace", "ConfigMap", "ServiceAccount", "Job", "NetworkPolicy"):
+    workload = "JobSet" if _multinode(variant) else "Job"
+    for kind in ("Namespace", "ConfigMap", "ServiceAccount", workload, "NetworkPolicy"):
         assert kinds.count(kind) == 1, f"{variant}: {kind}"
+    # The multi-node job replaces the single-node one; its pods meet through a headless service.
+    assert kinds.count("Job") + kinds.count("JobSet") == 1
+    assert kinds.count("Service") == int(_multinode(variant))
     assert "Secret" not in kinds
 
 
 # ---- Kubernetes: restart on preemption -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", K8S_VARIANTS)
+@pytest.mark.parametrize("variant", [v for v in K8S_VARIANTS if not _multinode(v)])
 def test_k8s_job_restarts_on_preemption_without_spending_retries(variant: str) -> None:
     docs = _docs(variant)
     job = k8s_object(docs, "Job")["spec"]
@@ -132,6 +150,7 @@ def test_k8s_job_restarts_on_preemption_without_spending_retries(variant: str) -
 SPOT_SELECTORS = {
     "eks": ("eks.amazonaws.com/capacityType", "SPOT"),
     "gke": ("cloud.google.com/gke-spot", "true"),
+    "aks": ("kubernetes.azure.com/scalesetpriority", "spot"),
 }
 
 
@@ -148,7 +167,7 @@ def test_k8s_job_lands_on_spot_nodes_and_tolerates_their_taint(variant: str) -> 
 def test_k8s_bucket_uri_comes_from_the_configmap(variant: str) -> None:
     docs = _docs(variant)
     uri = k8s_object(docs, "ConfigMap")["data"]["SPOTCKPT_URI"]
-    assert uri.startswith({"eks": "s3://", "gke": "gs://"}[_cloud(variant)])
+    assert uri.startswith({"eks": "s3://", "gke": "gs://", "aks": "az://"}[_cloud(variant)])
     container = trainer_container(docs)
     literal = [e for e in container.get("env", []) if e["name"] == "SPOTCKPT_URI" and "value" in e]
     assert not literal, "the URI belongs in the ConfigMap"
@@ -174,6 +193,7 @@ def test_k8s_settings_are_ones_spotckpt_accepts(
 IDENTITY_ANNOTATIONS = {
     "eks": "eks.amazonaws.com/role-arn",
     "gke": "iam.gke.io/gcp-service-account",
+    "aks": "azure.workload.identity/client-id",
 }
 
 
@@ -185,6 +205,11 @@ def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
     annotation = account["metadata"]["annotations"][IDENTITY_ANNOTATIONS[cloud]]
     if cloud == "eks":
         assert re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", annotation)
+    elif cloud == "aks":
+        assert re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", annotation)
+        # Workload ID's webhook injects the token only into pods with this label.
+        labels = pod_template(docs)["metadata"]["labels"]
+        assert labels["azure.workload.identity/use"] == "true"
     else:
         assert re.fullmatch(r"[a-z][a-z0-9-]+@[a-z0-9-]+\.iam\.gserviceaccount\.com", annotation)
     spec = pod_spec(docs)
@@ -200,6 +225,9 @@ def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",
         "GOOGLE_APPLICATION_CREDENTIALS",
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_KEY",
+        "AZURE_CLIENT_SECRET",
     } & set(env)
 
 
@@ -219,6 +247,8 @@ def test_k8s_grace_period_covers_the_save_budget(variant: str) -> None:
     assert grace >= budget
     if _cloud(variant) == "eks":
         assert grace < 120, "AWS reclaims a spot instance 2 minutes after the notice"
+    elif _cloud(variant) == "aks":
+        assert grace < 30, "Azure posts the Preempt event at least 30 s before the eviction"
     else:
         # GKE's graceful node shutdown gives regular pods the first 15 s of the 30 s notice.
         assert timeout <= 15
@@ -260,8 +290,9 @@ def _command_patch(overlay: dict[str, Any]) -> dict[str, Any]:
     operations = [
         op
         for patch in overlay["patches"]
+        if "target" in patch
         for op in yaml.safe_load(patch["patch"])
-        if op["path"] == "/spec/template/spec/containers/0/args"
+        if op["path"].endswith("/template/spec/containers/0/args")
     ]
     assert len(operations) == 1, operations
     return operations[0]
@@ -300,7 +331,7 @@ def test_k8s_image_and_command_come_from_the_overlay(variant: str) -> None:
     _runs_the_example(container["args"])
     # The base names the image kustomize replaces, and leaves the command to the overlay: without
     # the patch the image's own CMD runs.
-    base = trainer_container(kustomize_build(K8S_VARIANTS[variant].parent / "base"))
+    base = trainer_container(kustomize_build(_base(variant)))
     assert base["image"].split(":")[0] == image["name"]
     assert "args" not in base and operation["op"] == "add"
 
@@ -314,7 +345,7 @@ def test_k8s_overlay_settings_reach_the_container(variant: str, tmp_path: Path) 
     overlay = _overlay(folder)
     overlay["images"][0].update(newName="registry.example/team/my-trainer", newTag="7-x")
     command = ["-m", "my_trainer.main", "--epochs", "3", "--name", "a b"]
-    for patch in overlay["patches"]:
+    for patch in [p for p in overlay["patches"] if "target" in p]:
         operations = yaml.safe_load(patch["patch"])
         for op in operations:
             if op["path"].endswith("/args"):
@@ -336,7 +367,7 @@ def test_k8s_gpu_requests_only_with_the_cuda_image(variant: str) -> None:
     spec = pod_spec(docs)
     tag = container["image"].rsplit(":", 1)[1]
     tolerated = {t["key"] for t in spec["tolerations"]}
-    if variant.endswith("-cpu"):
+    if not variant.endswith("-cuda"):
         assert "cuda" not in tag
         assert GPU not in yaml.safe_dump(docs), "a CPU image has no use for a GPU"
         assert "cloud.google.com/gke-accelerator" not in spec["nodeSelector"]
@@ -355,11 +386,267 @@ def test_k8s_gpu_requests_only_with_the_cuda_image(variant: str) -> None:
 def test_k8s_gpu_requests_live_in_the_gpu_component_only() -> None:
     """The bases and the CPU overlays name no GPU; the CUDA overlays get theirs from one place."""
     naming = {p.relative_to(K8S) for p in K8S.rglob("*.yaml") if GPU in p.read_text()}
-    assert naming == {Path("components/gpu/kustomization.yaml")}
+    assert naming == {
+        Path("components/gpu/kustomization.yaml"),
+        Path("components/gpu-jobset/kustomization.yaml"),
+    }
     for variant, folder in K8S_VARIANTS.items():
         components = _overlay(folder).get("components", [])
-        expected = ["../../components/gpu"] if variant.endswith("-cuda") else []
+        gpu = "../../components/gpu-jobset" if _multinode(variant) else "../../components/gpu"
+        expected = [gpu] if variant.endswith("-cuda") else []
         assert components == expected, variant
+
+
+# ---- Kubernetes: multi-node JobSet --------------------------------------------------------------
+
+MULTINODE = [v for v in K8S_VARIANTS if _multinode(v)]
+ZONE_LABEL = "metadata.labels['topology.kubernetes.io/zone']"
+ATTEMPT_LABEL = "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
+def _nodes(docs: list[dict[str, Any]]) -> int:
+    spec = job_spec(docs)
+    assert spec["completions"] == spec["parallelism"], "every node's pod runs at once"
+    return int(spec["parallelism"])
+
+
+def _pod_env(docs: list[dict[str, Any]], node: str = "node-a", zone: str = "zone-1") -> dict:
+    """The trainer's environment in a pod on `node` in `zone`, JobSet restart attempt 0."""
+    fields = {"spec.nodeName": node, ZONE_LABEL: zone, ATTEMPT_LABEL: "0"}
+    return effective_env(docs, fields)
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_restarts_the_whole_job_after_an_eviction_without_counting_it(
+    variant: str,
+) -> None:
+    docs = _docs(variant)
+    jobset = k8s_object(docs, "JobSet")
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    job = job_spec(docs)
+    assert pod_spec(docs)["restartPolicy"] == "Never"
+    assert job["completionMode"] == "Indexed" and _nodes(docs) >= 2
+    # One pod failing fails the Job at once: the JobSet, not the Job, restarts (all pods).
+    assert job["backoffLimit"] == 0
+    rules = job["podFailurePolicy"]["rules"]
+    disrupted = [r for r in rules if "onPodConditions" in r]
+    assert [r["action"] for r in disrupted] == ["FailJob"]
+    assert disrupted[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    (by_code,) = [r for r in rules if "onExitCodes" in r]
+    assert by_code["action"] == "FailJob"
+    assert by_code["onExitCodes"]["values"] == [spotckpt.PREEMPTED_EXIT_CODE]
+    assert by_code["onExitCodes"]["operator"] == "In"
+    assert by_code["onExitCodes"]["containerName"] == trainer_container(docs)["name"]
+    # A Job failed by a podFailurePolicy rule has reason PodFailurePolicy: restart, count nothing.
+    policy = jobset["spec"]["failurePolicy"]
+    assert isinstance(policy["maxRestarts"], int) and policy["maxRestarts"] >= 1
+    (rule,) = policy["rules"]
+    assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    assert rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+    # A crash fails the Job with BackoffLimitExceeded, which no rule names: it counts.
+    assert "BackoffLimitExceeded" not in yaml.safe_dump(policy)
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_rendezvous_goes_through_the_headless_service_to_pod_zero(variant: str) -> None:
+    docs = _docs(variant)
+    jobset = k8s_object(docs, "JobSet")
+    service = k8s_object(docs, "Service")
+    name = jobset["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True, "rendezvous precedes readiness"
+    assert service["spec"]["selector"] == {JOBSET_NAME_LABEL: name}
+    network = jobset["spec"]["network"]
+    assert network["enableDNSHostnames"] is True
+    assert network["subdomain"] == service["metadata"]["name"]
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    assert replicated["replicas"] == 1
+    # What the entry point hands to torchrun in a pod of this job.
+    env = _pod_env(docs)
+    args = _launcher_reads(entrypoint_dry_run(env))
+    assert args.nnodes == str(_nodes(docs))
+    assert args.rdzv_backend == "c10d" and not args.standalone
+    host, port = args.rdzv_endpoint.rsplit(":", 1)
+    # JobSet's pod host names: JOBSET-REPLICATEDJOB-JOBINDEX-PODINDEX.SUBDOMAIN.
+    assert host == f"{name}-{replicated['name']}-0-0.{network['subdomain']}"
+    (service_port,) = service["spec"]["ports"]
+    (container_port,) = trainer_container(docs)["ports"]
+    assert int(port) == service_port["port"] == service_port["targetPort"]
+    assert container_port["containerPort"] == int(port)
+    # Each restart attempt meets in a rendezvous of its own.
+    assert args.rdzv_id == f"{name}-0"
+    assert (
+        _launcher_reads(
+            entrypoint_dry_run(
+                effective_env(docs, {"spec.nodeName": "n", ZONE_LABEL: "", ATTEMPT_LABEL: "3"})
+            )
+        ).rdzv_id
+        == f"{name}-3"
+    )
+
+
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_network_policy_allows_pod_to_pod_traffic_only_within_a_multinode_job(
+    variant: str,
+) -> None:
+    docs = _docs(variant)
+    policy = k8s_object(docs, "NetworkPolicy")["spec"]
+    labels = pod_template(docs)["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    peers = [rule for rule in policy["ingress"]]
+    egress_to_pods = [
+        r for r in policy["egress"] if any("podSelector" in t for t in r.get("to", []))
+    ]
+    if not _multinode(variant):
+        assert peers == [] and egress_to_pods == [], "a single pod talks to no other pod"
+        return
+    name = k8s_object(docs, "JobSet")["metadata"]["name"]
+    job_pods = {"podSelector": {"matchLabels": {JOBSET_NAME_LABEL: name}}}
+    # Every port: torchrun's rendezvous, then gloo or NCCL on ports they pick themselves.
+    assert peers == [{"from": [job_pods]}]
+    assert egress_to_pods == [{"to": [job_pods]}]
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_node_id_zone_and_fast_tier_come_from_the_node(
+    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = _docs(variant)
+    container = trainer_container(docs)
+    refs = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in container["env"]
+        if "fieldRef" in e.get("valueFrom", {})
+    }
+    assert refs["SPOTCKPT_NODE"] == "spec.nodeName"
+    # Node labels reach pods only from Kubernetes 1.35 (KEP-4742); the manifest says so.
+    assert refs["SPOTCKPT_ZONE"] == ZONE_LABEL
+    assert "1.35" in (_base(variant) / "jobset.yaml").read_text()
+    # The fast tier lives on the node (a hostPath), one folder per node id, copies on a peer.
+    env = _pod_env(docs, node="aks-spot-12345678-vmss000000")
+    local_dir = env["SPOTCKPT_LOCAL_DIR"]
+    assert local_dir.endswith("/{node}")
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    (tier,) = [n for n, path in mounts.items() if local_dir.startswith(path + "/")]
+    assert volumes[tier]["hostPath"]["path"] == mounts[tier]
+    # The node's folder is handed to the trainer's user before it starts.
+    (owner,) = pod_spec(docs)["initContainers"]
+    assert owner["command"][:2] == ["chown", f"{_dockerfile_uid()}:{_dockerfile_uid()}"]
+    assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert owner["securityContext"]["allowPrivilegeEscalation"] is False
+    assert owner["image"] == container["image"]
+    # One pod per node, so that a copy on a peer is on another machine.
+    (anti,) = pod_spec(docs)["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    # spotckpt accepts all of it as the pod sees it (the node id and zone included).
+    for name in list(os.environ):
+        if name.startswith("SPOTCKPT_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = Config.load(cwd=tmp_path)
+    assert config.local_dir == local_dir and config.redundancy == "replicate:2"
+    from spotckpt.tiers.node import node_identity
+
+    assert node_identity(env).node == "aks-spot-12345678-vmss000000"
+    assert node_identity(env).zone == "zone-1"
+    assert node_identity({**env, "SPOTCKPT_ZONE": ""}).zone == "", "before 1.35: no zone"
+
+
+@pytest.mark.parametrize("variant", MULTINODE)
+def test_multinode_pods_are_placed_and_confined_like_the_single_node_job(variant: str) -> None:
+    """checkov does not look into a JobSet's pod template: the single-node Job's checked settings
+    must hold there too."""
+    multi = _docs(variant)
+    single = _docs(variant.replace("multinode", "cpu").replace("cpu-cuda", "cuda"))
+    one, many = pod_spec(single), pod_spec(multi)
+    for key in (
+        "nodeSelector",
+        "tolerations",
+        "securityContext",
+        "serviceAccountName",
+        "automountServiceAccountToken",
+        "terminationGracePeriodSeconds",
+    ):
+        assert many[key] == one[key], key
+    assert pod_template(single)["metadata"]["labels"].items() <= (
+        pod_template(multi)["metadata"]["labels"].items()
+    )
+    a, b = trainer_container(single), trainer_container(multi)
+    for key in ("securityContext", "resources", "envFrom", "imagePullPolicy", "image"):
+        assert a[key] == b[key], key
+    for container in many["initContainers"]:
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["resources"]["limits"]
+
+
+def test_checkov_passes_on_the_jobset_pod_templates(tmp_path: Path) -> None:
+    """checkov has no checks for a JobSet: each multinode build is scanned with its JobSet
+    replaced by a Job that carries the same pod template and annotations (skips included)."""
+    checkov = find_checkov()
+    if checkov is None:
+        pytest.fail(
+            f"checkov not found (`make test` installs it; or set CHECKOV): {CHECKOV_VERSION}"
+        )
+    for variant in MULTINODE:
+        docs = []
+        for doc in _docs(variant):
+            if doc["kind"] == "JobSet":
+                (replicated,) = doc["spec"]["replicatedJobs"]
+                doc = {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {**doc["metadata"], "name": f"{variant}-pods"},
+                    "spec": replicated["template"]["spec"],
+                }
+            docs.append(doc)
+        (tmp_path / f"{variant}.yaml").write_text(yaml.safe_dump_all(docs))
+    command = [checkov, "--directory", str(tmp_path), "--framework", "kubernetes"]
+    result = subprocess.run(
+        [*command, "--skip-download", "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "BC_SKIP_MAPPING": "TRUE", "LOG_LEVEL": "ERROR"},
+        check=False,
+    )
+    report = json.loads(result.stdout)
+    report = report[0] if isinstance(report, list) else report
+    results = report["results"]
+    failures = [f"{c['check_id']} {c['resource']}" for c in results["failed_checks"]]
+    assert failures == [], "\n".join(failures)
+    scanned = {c["resource"] for c in results["passed_checks"]}
+    for variant in MULTINODE:
+        assert f"Job.spotckpt.{variant}-pods" in scanned, variant
+    # Every skip is one of the JobSets' own annotations, each with its reason.
+    skipped = {c["check_id"] for c in results["skipped_checks"]}
+    assert skipped == {"CKV_K8S_43", "CKV_K8S_25"}, skipped
+
+
+@pytest.mark.parametrize("variant", K8S_VARIANTS)
+def test_kubectl_kustomize_builds_what_the_tests_check(variant: str) -> None:
+    """The tests build overlays with a subset of kustomize; the real one must agree."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed: the overlays are checked with the built-in subset")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(K8S_VARIANTS[variant])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+    def key(doc: dict[str, Any]) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    real = sorted((d for d in yaml.safe_load_all(result.stdout) if d), key=key)
+    assert real == sorted(_docs(variant), key=key)
 
 
 # ---- SkyPilot ------------------------------------------------------------------------------------
@@ -371,10 +658,22 @@ def _task(variant: str) -> dict[str, Any]:
 
 
 FAKE_DOCKER = """#!/bin/sh
-# Records its arguments, one per line, then a separator.
+# Records its arguments, one per line, then a separator; and the values of a few variables.
 printf '%s\n' "$@" >> "$DOCKER_CALLS"
 echo --- >> "$DOCKER_CALLS"
+printf '%s=%s\n' LAUNCH_TORCHRUN_ARGS "${LAUNCH_TORCHRUN_ARGS:-}" SPOTCKPT_NODE \
+    "${SPOTCKPT_NODE:-}" > "$DOCKER_CALLS.env"
 """
+# Records what it would run as root.
+FAKE_SUDO = """#!/bin/sh
+printf '%s\n' "$*" >> "$SUDO_CALLS"
+"""
+# What SkyPilot sets on the second of two VMs.
+SKYPILOT_NODE_ENV = {
+    "SKYPILOT_NUM_NODES": "2",
+    "SKYPILOT_NODE_RANK": "1",
+    "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
+}
 
 
 def _run_task_scripts(task: dict[str, Any], tmp_path: Path, **env: str) -> list[list[str]]:
@@ -385,9 +684,16 @@ def _run_task_scripts(task: dict[str, Any], tmp_path: Path, **env: str) -> list[
     docker = bin_dir / "docker"
     docker.write_text(FAKE_DOCKER)
     docker.chmod(0o755)
+    (bin_dir / "sudo").write_text(FAKE_SUDO)
+    (bin_dir / "sudo").chmod(0o755)
     calls = tmp_path / "docker-calls"
-    full = clean_env(**{k: str(v) for k, v in task["envs"].items()})
-    full.update(env, DOCKER_CALLS=str(calls), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    full = clean_env(**{k: str(v) for k, v in task["envs"].items()}, **SKYPILOT_NODE_ENV)
+    full.update(
+        env,
+        DOCKER_CALLS=str(calls),
+        SUDO_CALLS=str(tmp_path / "sudo-calls"),
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    )
     for section in ("setup", "run"):
         result = subprocess.run(
             ["bash", "-c", task[section]], env=full, capture_output=True, text=True, timeout=60
@@ -428,7 +734,9 @@ def test_skypilot_runs_the_image_with_the_training_command(variant: str, tmp_pat
     # Every spotckpt and entry-point setting reaches the container (by name: the value comes from
     # the task's environment, so none is written into the command line).
     passed = {options[i + 1] for i, w in enumerate(options) if w == "-e"}
-    assert passed == {n for n in envs if n.startswith(("SPOTCKPT_", "LAUNCH_"))}
+    # Several nodes: also the node id and the rendezvous, which the run script derives.
+    derived = {"SPOTCKPT_NODE", "LAUNCH_TORCHRUN_ARGS"} if "num_nodes" in task else set()
+    assert passed == {n for n in envs if n.startswith(("SPOTCKPT_", "LAUNCH_"))} | derived
     assert option(options, "--network") == "host"
     stop = int(option(options, "--stop-timeout"))
     assert shutdown_timeout(envs) + LAUNCHER_EXIT_S <= stop <= 30
@@ -443,7 +751,7 @@ def test_skypilot_gpus_only_with_the_cuda_image(variant: str, tmp_path: Path) ->
     tag = task["envs"]["TRAIN_IMAGE"].rsplit(":", 1)[1]
     (_, run) = _run_task_scripts(task, tmp_path)
     options = run[: run.index(task["envs"]["TRAIN_IMAGE"])]
-    if variant == "cpu":
+    if variant != "cuda":
         assert "cuda" not in tag
         assert "accelerators" not in task["resources"]
         assert "--gpus" not in options
@@ -462,6 +770,43 @@ def test_skypilot_tasks_differ_only_in_resources_and_image() -> None:
         task["envs"].pop("TRAIN_IMAGE")
         task["run"] = re.sub(r"^ *--gpus all --ipc host \\\n", "", task["run"], flags=re.M)
     assert cpu == cuda
+
+
+def test_skypilot_multinode_task_is_the_cpu_task_on_several_nodes() -> None:
+    cpu, multi = _task("cpu"), _task("multinode")
+    assert multi["num_nodes"] >= 2 and "num_nodes" not in cpu
+    assert multi["resources"] == cpu["resources"]
+    shared = {k: v for k, v in multi["envs"].items() if k in cpu["envs"]}
+    assert shared == {**cpu["envs"], "TRAIN_COMMAND": shared["TRAIN_COMMAND"]}
+    assert multi["envs"]["TRAIN_COMMAND"].startswith(cpu["envs"]["TRAIN_COMMAND"])
+    assert set(multi["envs"]) - set(cpu["envs"]) == {"SPOTCKPT_LOCAL_DIR", "SPOTCKPT_REDUNDANCY"}
+
+
+def test_skypilot_multinode_rendezvous_comes_from_skypilot_node_variables(
+    tmp_path: Path,
+) -> None:
+    task = _task("multinode")
+    envs = {k: str(v) for k, v in task["envs"].items()}
+    _, run = _run_task_scripts(task, tmp_path, SKYPILOT_NUM_NODES=str(task["num_nodes"]))
+    passed = dict(
+        line.split("=", 1) for line in (tmp_path / "docker-calls.env").read_text().splitlines()
+    )
+    args = _launcher_reads(
+        entrypoint_dry_run({"LAUNCH_TORCHRUN_ARGS": passed["LAUNCH_TORCHRUN_ARGS"]})
+    )
+    # Static rendezvous on the first VM; this VM's rank as SkyPilot numbers it.
+    assert args.nnodes == str(task["num_nodes"])
+    assert args.node_rank == 1
+    assert args.master_addr == "10.0.0.1" and args.master_port == 29400
+    assert passed["SPOTCKPT_NODE"] == socket.gethostname().split(".")[0]
+    # The fast tier: a folder of the VM's disk, writable by the image's user, mounted as is.
+    local_dir = envs["SPOTCKPT_LOCAL_DIR"]
+    base = local_dir.removesuffix("/{node}")
+    assert local_dir.endswith("/{node}") and option(run, "-v") == f"{base}:{base}"
+    uid = _dockerfile_uid()
+    sudo = (tmp_path / "sudo-calls").read_text().splitlines()
+    assert sudo == [f"mkdir -p {base}", f"chown {uid}:{uid} {base}"]
+    assert envs["SPOTCKPT_REDUNDANCY"] == "replicate:2"
 
 
 @pytest.mark.parametrize("variant", SKYPILOT_TASKS)

@@ -1,4 +1,5 @@
-"""terraform/aws and terraform/gcp: parse, required settings, rendered start-up scripts, checkov.
+"""terraform/aws, terraform/gcp and terraform/azure: parse, required settings, start-up scripts,
+checkov.
 
 Offline: python-hcl2 parses the modules; no terraform binary or provider download. checkov scans
 terraform/ and the deployment files (Kubernetes manifests, Dockerfile) in one run.
@@ -10,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -46,6 +48,9 @@ from deploy_helpers import (
 
 AWS = TERRAFORM / "aws"
 GCP = TERRAFORM / "gcp"
+AZURE = TERRAFORM / "azure"
+MODULES = [AWS, GCP, AZURE]
+MODULE_IDS = ["aws", "gcp", "azure"]
 HCL_FILES = sorted([*TERRAFORM.rglob("*.tf"), *TERRAFORM.rglob("*.tfvars")])
 
 
@@ -59,11 +64,16 @@ def gcp() -> Module:
     return load_module(GCP)
 
 
+@pytest.fixture(scope="module")
+def azure() -> Module:
+    return load_module(AZURE)
+
+
 # ---- parsing, variables, outputs -----------------------------------------------------------------
 
 
-def test_both_modules_exist() -> None:
-    for module in (AWS, GCP):
+def test_every_module_exists() -> None:
+    for module in MODULES:
         assert len(list(module.glob("*.tf"))) >= 4, module
         assert (module / "example.tfvars").is_file()
 
@@ -73,13 +83,31 @@ def test_every_terraform_file_parses(path: Path) -> None:
     assert load_hcl(path)
 
 
+def test_terraform_files_are_formatted_as_terraform_formats_them() -> None:
+    """`terraform fmt` needs no provider, so it runs offline where terraform is installed
+    (`terraform validate` needs the providers downloaded: run it after `terraform init`)."""
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.skip("terraform not installed: the modules are checked with python-hcl2 only")
+    result = subprocess.run(
+        [terraform, "fmt", "-check", "-recursive", "-list=true", str(TERRAFORM)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TF_CLI_CONFIG_FILE": os.devnull},
+        check=False,
+    )
+    assert result.returncode == 0, f"not formatted:\n{result.stdout}{result.stderr}"
+
+
 @pytest.mark.parametrize(
     ("folder", "names"),
     [
         (AWS, {"name", "region", "instance_types", "bucket_name", "run_prefix"}),
         (GCP, {"name", "region", "zone", "machine_type", "bucket_name", "project_id"}),
+        (AZURE, {"name", "location", "vm_size", "storage_account_name", "container_name"}),
     ],
-    ids=["aws", "gcp"],
+    ids=MODULE_IDS,
 )
 def test_variables_for_names_region_and_instance_types(folder: Path, names: set[str]) -> None:
     module = load_module(folder)
@@ -88,7 +116,7 @@ def test_variables_for_names_region_and_instance_types(folder: Path, names: set[
         assert body.get("description"), f"variable {name} has no description"
 
 
-EXAMPLES = [(folder, name) for folder in (AWS, GCP) for name in ("example", "example-cuda")]
+EXAMPLES = [(folder, name) for folder in MODULES for name in ("example", "example-cuda")]
 
 
 @pytest.mark.parametrize(
@@ -104,7 +132,9 @@ def test_example_tfvars_sets_every_required_variable_and_nothing_unknown(
     assert required <= set(example), required - set(example)
 
 
-@pytest.mark.parametrize(("folder", "scheme"), [(AWS, "s3"), (GCP, "gs")], ids=["aws", "gcp"])
+@pytest.mark.parametrize(
+    ("folder", "scheme"), [(AWS, "s3"), (GCP, "gs"), (AZURE, "az")], ids=MODULE_IDS
+)
 def test_output_is_the_checkpoint_uri(folder: Path, scheme: str) -> None:
     value = load_module(folder).outputs["checkpoint_uri"]["value"]
     assert value.startswith(f"{scheme}://${{")
@@ -350,6 +380,33 @@ def _gcp_startup(
     return _rendered(gcp, GCP, "startup.sh.tftpl", expr, **values), values
 
 
+def _azure_custom_data(
+    azure: Module, gpus: bool, command: list[str] | None = None, acr_login: bool = True
+) -> tuple[str, dict[str, Any]]:
+    variables = azure.defaults(
+        storage_account_name="ckptaccount",
+        container_image="registry/img:1",
+        accelerator_count=int(gpus),
+    )
+    values = {
+        "image": variables["container_image"],
+        "registry": "registry",
+        "acr_login": acr_login,
+        "client_id": "11111111-2222-3333-4444-555555555555",
+        "gpus": gpus,
+        "checkpoint_uri": f"az://{variables['container_name']}/{variables['run_prefix']}",
+        "save_budget_s": variables["save_budget_s"],
+        "exit_margin_s": variables["exit_margin_s"],
+        "stop_timeout_s": eval_number(azure.locals["stop_timeout_s"], azure, variables),
+        "unit_stop_timeout_s": eval_number(azure.locals["unit_stop_timeout_s"], azure, variables),
+        "train_command": _shell_quoted(variables["train_command"] if command is None else command),
+    }
+    scale_set = azure.resource("azurerm_linux_virtual_machine_scale_set", "train")
+    assert scale_set["custom_data"].startswith("${base64encode(templatefile(")
+    expr = scale_set["custom_data"]
+    return _rendered(azure, AZURE, "custom_data.sh.tftpl", expr, **values), values
+
+
 def _check_startup(script: str, values: dict[str, Any], notice_s: int) -> None:
     bash_syntax_ok(script)
     inner = heredoc(script, "SCRIPT")
@@ -401,18 +458,42 @@ def test_gcp_startup_script_starts_the_container_with_the_bucket_uri(
     assert ("/dev/nvidia0:/dev/nvidia0" in run) is gpus
 
 
+@pytest.mark.parametrize("gpus", [True, False], ids=["gpu", "cpu"])
+def test_azure_custom_data_starts_the_container_with_the_container_uri(
+    azure: Module, gpus: bool
+) -> None:
+    script, values = _azure_custom_data(azure, gpus)
+    _check_startup(script, values, notice_s=30)
+    inner = heredoc(script, "SCRIPT")
+    run = joined_command(inner, "docker", "run")
+    assert ("--gpus" in run) is gpus
+    assert ("nvidia-container-toolkit" in script) is gpus
+    # DefaultAzureCredential picks the user-assigned identity by its client id (not a secret).
+    assert f"AZURE_CLIENT_ID={values['client_id']}" in run
+    # The registry login: tokens pass through pipes, never a process's arguments.
+    (login,) = [line for line in inner.splitlines() if "docker login" in line]
+    feed, _, arguments = login.partition("docker login")
+    assert "--password-stdin" in arguments and "$" not in arguments.replace("${registry}", "")
+    assert feed.startswith("printf ")  # a builtin: the token is in no process's arguments
+    assert "access_token=%s" in inner and "--data @-" in inner
+    public, _ = _azure_custom_data(azure, gpus, acr_login=False)
+    assert "docker login" not in public
+
+
 # ---- the image, the training command and the GPUs ------------------------------------------------
 
 
 def _startup_arguments(module: Module) -> str:
     if module.path == AWS:
         return module.resource("aws_launch_template", "train")["user_data"]
+    if module.path == AZURE:
+        return module.resource("azurerm_linux_virtual_machine_scale_set", "train")["custom_data"]
     return module.resource("google_compute_instance_template", "train")["metadata"][
         "startup-script"
     ]
 
 
-@pytest.mark.parametrize("folder", [AWS, GCP], ids=["aws", "gcp"])
+@pytest.mark.parametrize("folder", MODULES, ids=MODULE_IDS)
 def test_image_and_command_reach_the_docker_run(folder: Path) -> None:
     module = load_module(folder)
     expr = _startup_arguments(module)
@@ -421,7 +502,7 @@ def test_image_and_command_reach_the_docker_run(folder: Path) -> None:
     assert "gpus = local.gpus" in expr
     command = module.variables["train_command"]
     assert command["type"] == "${list(string)}"
-    startup = _aws_user_data if folder == AWS else _gcp_startup
+    startup = {AWS: _aws_user_data, GCP: _gcp_startup, AZURE: _azure_custom_data}[folder]
     for words in (command["default"], ODD_COMMAND, []):
         script, _ = startup(module, False, words)
         run = joined_command(heredoc(script, "SCRIPT"), "docker", "run")
@@ -434,7 +515,7 @@ def test_image_and_command_reach_the_docker_run(folder: Path) -> None:
 CUDA_RULE = '${(var.accelerator_count > 0) == (var.image_variant == "cuda")}'
 
 
-@pytest.mark.parametrize("folder", [AWS, GCP], ids=["aws", "gcp"])
+@pytest.mark.parametrize("folder", MODULES, ids=MODULE_IDS)
 def test_gpus_need_a_cuda_image(folder: Path) -> None:
     """The variables refuse GPUs with a CPU image and a CUDA image without GPUs."""
     module = load_module(folder)
@@ -496,7 +577,9 @@ def test_gcp_machine_type_matches_the_gpu_count(gcp: Module) -> None:
     assert "gpu_devices = local.gpu_devices" in _startup_arguments(gcp)
 
 
-@pytest.mark.parametrize(("folder", "notice_s"), [(AWS, 120), (GCP, 30)], ids=["aws", "gcp"])
+@pytest.mark.parametrize(
+    ("folder", "notice_s"), [(AWS, 120), (GCP, 30), (AZURE, 30)], ids=MODULE_IDS
+)
 def test_timing_fits_the_spot_notice_for_every_allowed_budget(folder: Path, notice_s: int) -> None:
     """The largest save budget the variable's validation allows still fits the cloud's notice."""
     module = load_module(folder)
@@ -505,8 +588,12 @@ def test_timing_fits_the_spot_notice_for_every_allowed_budget(folder: Path, noti
     assert top, validation
     values = module.defaults(save_budget_s=int(top.group(1)))
     assert eval_number(module.locals["unit_stop_timeout_s"], module, values) <= notice_s
-    if folder == GCP:
-        template = module.resource("google_compute_instance_template", "train")
+    guarded = {
+        GCP: ("google_compute_instance_template", "train"),
+        AZURE: ("azurerm_linux_virtual_machine_scale_set", "train"),
+    }
+    if folder in guarded:
+        template = module.resource(*guarded[folder])
         precondition = one_block(one_block(template, "lifecycle"), "precondition")
         assert precondition["condition"] == "${local.unit_stop_timeout_s <= 30}"
 
@@ -561,17 +648,109 @@ def test_gcp_spot_template_and_managed_group_restart_the_job(gcp: Module) -> Non
     assert one_block(group, "instance_lifecycle_policy")["default_action_on_failure"] == "REPAIR"
 
 
+# ---- Azure: storage account, identity, capacity --------------------------------------------------
+
+
+def test_azure_storage_account_takes_entra_id_only_over_tls_from_the_subnet(azure: Module) -> None:
+    account = azure.resource("azurerm_storage_account", "checkpoints")
+    assert account["shared_access_key_enabled"] is False, "no account keys, no SAS signed by them"
+    assert account["allow_nested_items_to_be_public"] is False
+    assert account["local_user_enabled"] is False
+    assert account["https_traffic_only_enabled"] is True
+    assert account["min_tls_version"] == "TLS1_2"
+    assert account["account_replication_type"] == "${var.replication_type}"
+    assert "LRS" not in azure.variables["replication_type"]["default"]
+    rules = one_block(account, "network_rules")
+    assert rules["default_action"] == "Deny"
+    assert rules["virtual_network_subnet_ids"] == ["${var.subnet_id}"]
+    blob = one_block(account, "blob_properties")
+    assert blob["versioning_enabled"] is True
+    container = azure.resource("azurerm_storage_container", "checkpoints")
+    assert container["container_access_type"] == "private"
+    assert container["storage_account_id"] == "${azurerm_storage_account.checkpoints.id}"
+    # Without shared keys terraform itself must reach the data plane with Entra ID.
+    assert azure.providers["azurerm"]["storage_use_azuread"] is True
+
+
+def test_azure_lifecycle_removes_old_versions_of_the_run_prefix(azure: Module) -> None:
+    policy = azure.resource("azurerm_storage_management_policy", "checkpoints")
+    assert policy["storage_account_id"] == "${azurerm_storage_account.checkpoints.id}"
+    (rule,) = blocks(policy, "rule")
+    assert rule["enabled"] is True
+    filters = one_block(rule, "filters")
+    assert filters["prefix_match"] == ["${var.container_name}/${var.run_prefix}/"]
+    actions = one_block(rule, "actions")
+    assert one_block(actions, "version")["delete_after_days_since_creation"] == 7
+    # Current blobs are spotckpt's to delete (retention, gc); no rule may expire a checkpoint.
+    assert not blocks(actions, "base_blob")
+    # Uncommitted blocks are beyond any lifecycle rule; the file must not pretend otherwise.
+    text = (AZURE / "storage.tf").read_text()
+    assert "Uncommitted blocks" in text and "spotckpt gc" in text
+
+
+def test_azure_identity_is_blob_data_contributor_on_the_container_only(azure: Module) -> None:
+    identity = "${azurerm_user_assigned_identity.train.principal_id}"
+    grants = azure.of_type("azurerm_role_assignment")
+    data = [g for g in grants if g["role_definition_name"].startswith("Storage")]
+    assert len(data) == 1
+    (blobs,) = data
+    assert blobs["role_definition_name"] == "Storage Blob Data Contributor"
+    assert blobs["scope"] == "${azurerm_storage_container.checkpoints.id}"
+    assert blobs["principal_id"] == identity
+    # Everything else it may do: pull the image from one registry.
+    others = {g["role_definition_name"]: g["scope"] for g in grants if g is not blobs}
+    assert others == {"AcrPull": "${var.container_registry_id}"}
+    # Workload ID: only the named service account of the named cluster, Entra's token audience.
+    federated = azure.resource("azurerm_federated_identity_credential", "aks")
+    assert federated["parent_id"] == "${azurerm_user_assigned_identity.train.id}"
+    assert federated["subject"] == "system:serviceaccount:${var.aks_service_account}"
+    assert federated["audience"] == ["api://AzureADTokenExchange"]
+    assert azure.variables["aks_service_account"]["default"] == "spotckpt:spotckpt-train"
+
+
+def test_azure_spot_scale_set_deletes_evicted_vms_and_restores_them(azure: Module) -> None:
+    scale_set = azure.resource("azurerm_linux_virtual_machine_scale_set", "train")
+    assert scale_set["priority"] == "Spot"
+    assert scale_set["eviction_policy"] == "Delete"
+    assert scale_set["max_bid_price"] == -1
+    assert one_block(scale_set, "spot_restore")["enabled"] is True
+    assert scale_set["instances"] == "${var.instances}"
+    identity = one_block(scale_set, "identity")
+    assert identity["type"] == "UserAssigned"
+    assert identity["identity_ids"] == ["${azurerm_user_assigned_identity.train.id}"]
+    assert scale_set["disable_password_authentication"] is True
+    assert scale_set["encryption_at_host_enabled"] is True
+    nic = one_block(scale_set, "network_interface")
+    assert not blocks(one_block(nic, "ip_configuration"), "public_ip_address"), "no public IP"
+    # The AKS spot pool that deploy/k8s/aks selects: Spot, Delete, AKS's spot label and taint.
+    pool = azure.resource("azurerm_kubernetes_cluster_node_pool", "spot")
+    assert pool["priority"] == "Spot" and pool["eviction_policy"] == "Delete"
+    assert pool["node_taints"] == ["kubernetes.azure.com/scalesetpriority=spot:NoSchedule"]
+    assert pool["min_count"] == 0
+
+
 # ---- credentials ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("folder", [AWS, GCP], ids=["aws", "gcp"])
+@pytest.mark.parametrize("folder", MODULES, ids=MODULE_IDS)
 def test_providers_take_credentials_from_the_environment(folder: Path) -> None:
     module = load_module(folder)
     assert module.providers
-    forbidden = {"access_key", "secret_key", "token", "credentials", "access_token", "profile"}
+    forbidden = {
+        "access_key",
+        "secret_key",
+        "token",
+        "credentials",
+        "access_token",
+        "profile",
+        "client_secret",
+        "client_certificate_password",
+    }
     for name, body in module.providers.items():
         assert not forbidden & set(body), f"provider {name} sets {forbidden & set(body)}"
     assert not [t for t, _ in module.resources if t in ("aws_iam_access_key", "aws_iam_user")]
+    leaked = [o for o in module.outputs.values() if re.search(r"access_key|connection_str", str(o))]
+    assert not leaked
 
 
 def test_no_credentials_in_terraform() -> None:
@@ -618,6 +797,8 @@ def test_checkov_passes_with_every_skip_justified() -> None:
         "terraform/aws/example.tfvars",
         "--var-file",
         "terraform/gcp/example.tfvars",
+        "--var-file",
+        "terraform/azure/example.tfvars",
         "--skip-download",  # offline: no guidelines or external checks from the platform
         "--output",
         "json",
@@ -656,8 +837,11 @@ def test_checkov_passes_with_every_skip_justified() -> None:
         "/aws/bucket.tf",
         "/aws/compute.tf",
         "/gcp/compute.tf",
+        "/azure/storage.tf",
+        "/azure/compute.tf",
         "k8s/eks/base/spotckpt.yaml",
         "k8s/gke/base/spotckpt.yaml",
+        "k8s/aks/base/spotckpt.yaml",
         "/Dockerfile",
         "/Dockerfile.trainer",
     ):
