@@ -46,8 +46,9 @@ from spotckpt.errors import (
     ManifestError,
 )
 from spotckpt.format.dtypes import BY_NAME, DType
+from spotckpt.format.features import parse_format
 from spotckpt.format.index import INDEXED_FORMAT
-from spotckpt.format.manifest import Manifest, TensorChunk, TensorRecord
+from spotckpt.format.manifest import FORMAT_VERSION, Manifest, TensorChunk, TensorRecord
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.registry import open_store
 
@@ -93,7 +94,8 @@ class CheckpointFile:
         self._manifest = self._catalog.read_manifest(
             self.step, lambda root: ({}, ()), data=self._data
         )
-        self._indexed = self._manifest.format == INDEXED_FORMAT
+        layout, _ = parse_format(self._manifest.format, (FORMAT_VERSION, INDEXED_FORMAT))
+        self._indexed = layout == INDEXED_FORMAT
         self._chunks = ChunkReader(
             store,
             step_folder(self.step),
