@@ -60,7 +60,10 @@ def test_sigterm_exit_75_and_bit_identical_resume(
     loader: str,
     stop_at: int,
 ) -> None:
-    """Steps 1-6 are epoch 0 (6 ends it), 7-12 epoch 1 (12 ends it)."""
+    """Steps 1-6 are epoch 0 (6 ends it), 7-12 epoch 1 (12 ends it).
+
+    Mirrors docs/accelerate.md's recipe, as printed (tests/accelerate_worker.py).
+    """
     workers = SETUPS[loader]
     options = ("--loader", loader, "--workers", str(workers))
     uri, out = str(tmp_path / "ckpt"), tmp_path / "spot"

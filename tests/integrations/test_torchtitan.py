@@ -212,6 +212,7 @@ def _titan_command(steps: int, out: Path, port: int) -> list[str]:
 
 
 def test_the_readme_command_trains_and_resumes_on_the_cpu(tmp_path: Path) -> None:
+    """Mirrors docs/torchtitan.md's CPU command (`debug_model.toml` on two ranks)."""
     uri = str(tmp_path / "ck")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
     env.update(SPOTCKPT_URI=uri, PYTHONPATH=str(TESTS), PYTHONUNBUFFERED="1", **NO_CUDA)
