@@ -28,6 +28,7 @@ its rank's local box, read as a slice; a plain tensor gets the whole tensor.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ PIECE_BYTES = 16 << 20
 """A chunk's bytes are fetched in verified pieces of at most this many bytes (whole blocks)."""
 PARALLEL_READS = 8
 """Pieces fetched at the same time."""
+PARALLEL_TENSORS = 4
+"""Tensors `CheckpointFile.fill` (and so `load_weights`) reads at the same time."""
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """Offsets and sizes of a box of a tensor, one entry per dimension."""
@@ -102,6 +105,7 @@ class CheckpointFile:
             self._manifest.block_size,
             {key: record.size for key, record in self._manifest.objects.items()},
         )
+        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             PARALLEL_READS, thread_name_prefix="spotckpt-read"
         )
@@ -176,15 +180,31 @@ class CheckpointFile:
     def read_boxes(self, boxes: Mapping[str, Sequence[Box]]) -> dict[str, list[torch.Tensor]]:
         """The tensors of each (offsets, sizes) box, by name; one manifest lookup for all of them
         (an indexed manifest reads the index parts of every box at once)."""
-        for name, wanted in boxes.items():
-            record = self._record(name)
-            for box in wanted:
-                _check_box(name, record.shape, box)
         records = self._located(boxes)
         return {
             name: [self._read_box(name, records[name], box) for box in wanted]
             for name, wanted in boxes.items()
         }
+
+    def fill(self, targets: Mapping[str, tuple[Box, torch.Tensor]]) -> None:
+        """Copy each named tensor's box into its destination (of the box's shape, any dtype or
+        device), `PARALLEL_TENSORS` tensors at a time: a CPU destination of the stored dtype is
+        read into directly, any other through a buffer of its size. On an error some
+        destinations may already hold the checkpoint's values."""
+        records = self._located({name: [box] for name, (box, _) in targets.items()})
+
+        def one(name: str) -> None:
+            box, destination = targets[name]
+            record = records[name]
+            stored = BY_NAME[record.dtype].torch_dtype
+            if destination.device.type == "cpu" and destination.dtype == stored:
+                self._read_into(name, record, box, destination)
+            else:
+                destination.copy_(self._read_box(name, record, box))
+
+        with ThreadPoolExecutor(PARALLEL_TENSORS, thread_name_prefix="spotckpt-fill") as pool:
+            for _ in pool.map(one, targets):
+                pass
 
     def _record(self, name: str) -> TensorRecord:
         record = self._manifest.tensors.get(name)
@@ -196,28 +216,39 @@ class CheckpointFile:
         return record
 
     def _located(self, boxes: Mapping[str, Sequence[Box]]) -> dict[str, TensorRecord]:
-        """The records of the tensors in `boxes`, with (at least) the chunks that overlap them."""
+        """The records of the tensors in `boxes`, with (at least) the chunks that overlap them;
+        InvalidArgumentError for a box outside its tensor."""
+        for name, wanted in boxes.items():
+            shape = self._record(name).shape
+            for box in wanted:
+                _check_box(name, shape, box)
         if not self._indexed:
             return {name: self._manifest.tensors[name] for name in boxes}
-        wanted = {name: list(b) for name, b in boxes.items()}
+        wanted_boxes = {name: list(b) for name, b in boxes.items()}
         manifest: Manifest = self._catalog.read_manifest(
-            self.step, lambda root: (wanted, ()), data=self._data
+            self.step, lambda root: (wanted_boxes, ()), data=self._data
         )
-        self._chunks.object_sizes = {
-            **self._chunks.object_sizes,
-            **{key: record.size for key, record in manifest.objects.items()},
-        }
+        with self._lock:  # the objects of the parts just read join those known
+            self._chunks.object_sizes = {
+                **self._chunks.object_sizes,
+                **{key: record.size for key, record in manifest.objects.items()},
+            }
         return {name: manifest.tensors[name] for name in boxes}
 
     def _read_box(self, name: str, record: TensorRecord, box: Box) -> torch.Tensor:
+        out = torch.empty(box[1], dtype=BY_NAME[record.dtype].torch_dtype)
+        self._read_into(name, record, box, out)
+        return out
+
+    def _read_into(self, name: str, record: TensorRecord, box: Box, out: torch.Tensor) -> None:
+        """Box `box` of the tensor into `out`, a CPU tensor of the box's shape and stored dtype."""
         stored = BY_NAME[record.dtype]
         offsets, sizes = box
         pieces = [(c, part) for c in record.chunks if (part := _overlap(c, box)) is not None]
-        for chunk, _ in pieces:  # forged sizes are refused before anything is allocated
+        for chunk, _ in pieces:  # forged sizes are refused before anything is read
             self._chunks.check_chunk(chunk.location, name)
-        out = torch.empty(sizes, dtype=stored.torch_dtype)
         if not out.numel():
-            return out
+            return
         covered = sum(math.prod(part[1]) for _, part in pieces)
         if covered != out.numel():
             raise ManifestError(
@@ -226,7 +257,6 @@ class CheckpointFile:
             )
         for chunk, part in pieces:
             self._read_chunk_part(name, stored, chunk, part, box[0], out)
-        return out
 
     def _read_chunk_part(
         self,
@@ -345,16 +375,14 @@ def load_weights(
         unexpected = sorted(stored - set(state))
         if strict and (missing or unexpected):
             raise KeyMismatchError(_key_message(checkpoint, prefix, missing, unexpected))
-        targets = {key: state[key] for key in state if key in stored}
-        boxes = {
-            prefix + key: [_local_box(prefix + key, checkpoint, tensor)]
-            for key, tensor in targets.items()
-        }
-        read = checkpoint.read_boxes(boxes)
-        with torch.no_grad():
-            for key, tensor in targets.items():
-                _local(tensor).copy_(read[prefix + key][0])
-        return LoadedWeights(checkpoint.step, sorted(targets), missing, unexpected)
+        loaded = sorted(key for key in state if key in stored)
+        checkpoint.fill(
+            {
+                prefix + key: (_local_box(prefix + key, checkpoint, state[key]), _local(state[key]))
+                for key in loaded
+            }
+        )
+        return LoadedWeights(checkpoint.step, loaded, missing, unexpected)
 
 
 def _key_message(
