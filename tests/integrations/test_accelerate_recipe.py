@@ -1,4 +1,4 @@
-"""The README's Accelerate recipe: `TrainState` of `accelerator.prepare`d objects, SIGTERM, resume.
+"""docs/accelerate.md's recipe: `TrainState` of `accelerator.prepare`d objects, SIGTERM, resume.
 
 tests/accelerate_worker.py trains a small classifier (dropout, AdamW, LambdaLR, shuffled
 `StatefulDataLoader`, 2 accumulated batches a step, 6 steps an epoch) for 14 steps, saving every
