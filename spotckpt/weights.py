@@ -75,6 +75,11 @@ def open_checkpoint(
     its manifest is damaged.
     """
     owned = isinstance(uri, str)
+    if not owned and storage_options:
+        raise InvalidArgumentError(
+            "storage options go with a URI; an open store was given: "
+            + ", ".join(sorted(storage_options))
+        )
     store = open_store(uri, **storage_options) if isinstance(uri, str) else uri
     try:
         return CheckpointFile(store, step, owns_store=owned)

@@ -160,6 +160,8 @@ def test_unknown_names_and_steps_are_refused(tmp_path: Path) -> None:
         spotckpt.open_checkpoint(str(fsdp_checkpoint()), step=8)
     with pytest.raises(NoCheckpointError):
         spotckpt.open_checkpoint(str(tmp_path))
+    with pytest.raises(InvalidArgumentError, match="storage options go with a URI"):
+        spotckpt.open_checkpoint(open_store(str(tmp_path)), endpoint_url="http://x")
 
 
 def test_a_corrupt_byte_is_a_checksum_error(fsdp_copy: Path) -> None:
