@@ -297,11 +297,19 @@ class _Context:
         for name in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST"):
             if name in self.env:
                 monkeypatch.setenv(name, self.env[name])
-        for part in self._chain(block):
-            code = PRELUDES[part.argument] if part.marker == "given" else ""
-            code += part.code
-            compiled = compile(self.substitute(code), part.where, "exec")
-            exec(compiled, namespace)
+        try:
+            for part in self._chain(block):
+                code = PRELUDES[part.argument] if part.marker == "given" else ""
+                code += part.code
+                compiled = compile(self.substitute(code), part.where, "exec")
+                exec(compiled, namespace)
+        finally:  # a snippet may leave a manager open: its watcher holds SIGTERM
+            from spotckpt import CheckpointManager
+            from spotckpt.weights import CheckpointFile
+
+            for value in namespace.values():
+                if isinstance(value, (CheckpointManager, CheckpointFile)):
+                    value.close()
 
     def run_bash(self, block: Block) -> None:
         code = self.substitute(block.code).replace("source .venv/bin/activate\n", "")
