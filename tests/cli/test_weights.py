@@ -43,20 +43,23 @@ from fsdp_checkpoints import (
 
 
 class CountingStore:
-    """Passes every call to a real store and counts the bytes its ranged reads return."""
+    """Passes every call to a real store; counts the bytes its ranged reads return, and the keys."""
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
         self.bytes_read = 0
+        self.keys: list[str] = []
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         data = self.inner.get_range(key, start, length)
         self.bytes_read += len(data)
+        self.keys.append(key)
         return data
 
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         placed = self.inner.get_range_into(key, start, buffer)
         self.bytes_read += placed
+        self.keys.append(key)
         return placed
 
     def __getattr__(self, name: str) -> Any:
@@ -290,9 +293,12 @@ def test_indexed_2_rank_save_on_s3(s3_uri: str) -> None:
         with spotckpt.open_checkpoint(store) as checkpoint:  # type: ignore[arg-type]
             assert checkpoint.metadata()["format"] == INDEXED_FORMAT
             assert checkpoint.metadata()["world_size"] == 2
-            assert_same(_weights(checkpoint), full_weights())
-            want = full_weights()["0.weight"]
+            assert [key.rsplit("/", 1)[-1] for key in store.keys] == ["manifest.json"]
+            want = full_weights()["0.weight"]  # rows 0-14 on rank 0, 15-29 on rank 1
             assert torch.equal(checkpoint.get_slice("model.0.weight")[20:], want[20:])
+            read = {key.rsplit("/", 1)[-1] for key in store.keys}
+            assert read == {"manifest.json", "index-r00001.json", "r00001-000.safetensors"}
+            assert_same(_weights(checkpoint), full_weights())
     finally:
         store.inner.close()
     model = _zeroed()
