@@ -199,7 +199,8 @@ class CheckpointFile:
         records = self._located({name: [box] for name, (box, _) in targets.items()})
 
         def one(name: str) -> None:
-            box, destination = targets[name]
+            box, given = targets[name]
+            destination = given.detach()  # the same memory, written outside autograd
             record = records[name]
             stored = BY_NAME[record.dtype].torch_dtype
             if destination.device.type == "cpu" and destination.dtype == stored:
