@@ -612,7 +612,9 @@ class Settings:
     block_size: int = DEFAULT_BLOCK_SIZE
     seed: int = 0
     gc: bool = False
-    dcp_validation: bool = True  # False: DCP's quadratic overlap check is not run (see README)
+    dcp_validation: bool = (
+        True  # False: DCP's quadratic overlap check is not run (see docs/scale.md)
+    )
 
 
 @dataclass

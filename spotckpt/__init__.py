@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from spotckpt.seeding import SampleKey, SeededDataset, sample_seed
     from spotckpt.state import ResumableSampler, TrainState, track_batches
     from spotckpt.storage import open_store
+    from spotckpt.weights import load_weights, open_checkpoint
 
 PREEMPTED_EXIT_CODE = 75
 """Exit status of a job that stopped for preemption after committing a checkpoint (EX_TEMPFAIL):
@@ -50,6 +51,8 @@ _LAZY = {
     "TrainState": "spotckpt.state",
     "dcp_reader": "spotckpt.dcp",
     "dcp_writer": "spotckpt.dcp",
+    "load_weights": "spotckpt.weights",
+    "open_checkpoint": "spotckpt.weights",
     "open_store": "spotckpt.storage",
     "sample_seed": "spotckpt.seeding",
     "track_batches": "spotckpt.state",
@@ -90,6 +93,8 @@ __all__ = [
     "__version__",
     "dcp_reader",
     "dcp_writer",
+    "load_weights",
+    "open_checkpoint",
     "open_store",
     "sample_seed",
     "track_batches",

@@ -1,4 +1,4 @@
-"""The README's Accelerate recipe, run as a child process by test_accelerate_recipe.py.
+"""docs/accelerate.md's recipe, run as a child process by test_accelerate_recipe.py.
 
     python accelerate_worker.py URI OUT_DIR --steps 14 [--stop-at K] [--loader L] [--workers N]
 

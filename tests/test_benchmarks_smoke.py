@@ -206,6 +206,7 @@ def test_ddp_section_reads_the_checkpoint_once_against_dcp_per_rank(
 
 
 def test_scale_simulator_reports_every_phase_for_a_small_fsdp_case() -> None:
+    """Mirrors docs/scale.md's command at a small size (its options, fewer ranks)."""
     scale = REPO / "benchmarks" / "scale.py"
     command = [sys.executable, str(scale), "--ranks", "8", "--tensors", "20", "--layout", "fsdp"]
     proc = subprocess.run(

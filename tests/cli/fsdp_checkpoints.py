@@ -66,12 +66,16 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(rank: int, uri: str, port: int, tied: bool) -> None:
+def _rank_main(rank: int, uri: str, port: int, tied: bool, world: int, indexed: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    if indexed:  # the indexed manifest without a thousand ranks (this forked process only)
+        import spotckpt.engine.writer
+
+        spotckpt.engine.writer.INDEX_MIN_RANKS = 1
     try:
         torch.set_num_threads(1)
         model: nn.Module
@@ -90,14 +94,21 @@ def _rank_main(rank: int, uri: str, port: int, tied: bool) -> None:
         dist.destroy_process_group()
 
 
-def save_fsdp_checkpoint(uri: str, tied: bool = False) -> None:
-    """Save `make_model()` (or a tied `TinyLM`) as step 7 from 4 FSDP2 ranks (gloo, CPU).
+def save_fsdp_checkpoint(
+    uri: str, tied: bool = False, world: int = WORLD, indexed: bool = False
+) -> None:
+    """Save `make_model()` (or a tied `TinyLM`) as step 7 from `world` FSDP2 ranks (gloo, CPU),
+    with an indexed manifest when `indexed`.
 
     The ranks are forked, not spawned: four fresh interpreters importing torch at once cost tens
     of seconds on a 2-core machine; forked ones start at once with everything imported.
     """
     mp.start_processes(
-        _rank_main, args=(uri, _free_port(), tied), nprocs=WORLD, join=True, start_method="fork"
+        _rank_main,
+        args=(uri, _free_port(), tied, world, indexed),
+        nprocs=world,
+        join=True,
+        start_method="fork",
     )
 
 

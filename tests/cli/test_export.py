@@ -465,6 +465,7 @@ def test_include_replaces_a_file_only_with_overwrite(tied_copy: Path, tmp_path: 
 
 
 def test_from_pretrained_loads_the_export(tmp_path: Path) -> None:
+    """Mirrors docs/cli.md's `--include` block: an export with a config from_pretrained loads."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=48,

@@ -381,6 +381,7 @@ def _assert_saved_on_every_rank(folder: Path, run: Launch) -> None:
 def test_a_clean_run_exits_0_with_its_checkpoint(
     launch: Callable[..., Launch], tmp_path: Path
 ) -> None:
+    """Mirrors docs/launch.md's command: `spotckpt launch` of a manager's job, exit 0."""
     run = launch(*_manager(tmp_path, steps=5))
     assert run.finish(timeout=START_S) == 0, run.output()
     assert _committed(tmp_path / "ckpt") == [5]

@@ -1,4 +1,4 @@
-"""The README's Accelerate recipe: `TrainState` of `accelerator.prepare`d objects, SIGTERM, resume.
+"""docs/accelerate.md's recipe: `TrainState` of `accelerator.prepare`d objects, SIGTERM, resume.
 
 tests/accelerate_worker.py trains a small classifier (dropout, AdamW, LambdaLR, shuffled
 `StatefulDataLoader`, 2 accumulated batches a step, 6 steps an epoch) for 14 steps, saving every
@@ -60,7 +60,10 @@ def test_sigterm_exit_75_and_bit_identical_resume(
     loader: str,
     stop_at: int,
 ) -> None:
-    """Steps 1-6 are epoch 0 (6 ends it), 7-12 epoch 1 (12 ends it)."""
+    """Steps 1-6 are epoch 0 (6 ends it), 7-12 epoch 1 (12 ends it).
+
+    Mirrors docs/accelerate.md's recipe, as printed (tests/accelerate_worker.py).
+    """
     workers = SETUPS[loader]
     options = ("--loader", loader, "--workers", str(workers))
     uri, out = str(tmp_path / "ckpt"), tmp_path / "spot"

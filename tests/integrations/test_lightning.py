@@ -143,6 +143,7 @@ def test_sigterm_and_restart_end_bit_identical(
     stop_at: int,
     options: list[str],
 ) -> None:
+    """Mirrors docs/lightning.md's recipe: the callback in a real Trainer, cut and resumed."""
     uri = str(tmp_path / "ck") if store == "local" else request.getfixturevalue("s3_uri")
     killed = _start(
         uri, tmp_path / "killed", "--wait-at", str(stop_at), "--wait-in", wait_in, *options

@@ -9,10 +9,10 @@ only and end with the reference's model and optimizer tensors, bit for bit: one 
 folder, two FSDP ranks on S3.
 
 Every run sees no CUDA device (``CUDA_VISIBLE_DEVICES=""``), as on a CPU-only machine: nothing
-in the worker moves torchtitan off CUDA, `SpotckptTrainer` does. The README's command itself,
-``spotckpt launch --nproc-per-node=2 -m spotckpt.integrations.torchtitan``, trains and resumes
-on the CPU too (the worker's module, imported by ``--experimental.custom_import``, only adds the
-synthetic data set).
+in the worker moves torchtitan off CUDA, `SpotckptTrainer` does. The command of
+docs/torchtitan.md, ``spotckpt launch --nproc-per-node=2 -m spotckpt.integrations.torchtitan``,
+trains and resumes on the CPU too (the worker's module, imported by
+``--experimental.custom_import``, only adds the synthetic data set).
 """
 
 from __future__ import annotations
@@ -198,8 +198,8 @@ def test_sigterm_exit_75_and_bit_identical_resume(
 
 
 def _titan_command(steps: int, out: Path, port: int) -> list[str]:
-    """The README's command on 2 ranks (``python -m spotckpt.launch`` is ``spotckpt launch``),
-    with the synthetic data set and a small run."""
+    """docs/torchtitan.md's command on 2 ranks (``python -m spotckpt.launch`` is ``spotckpt
+    launch``), with the synthetic data set and a small run."""
     args = list(TITAN_ARGS)
     args[args.index("--training.steps") + 1] = str(steps)
     return [
@@ -212,6 +212,7 @@ def _titan_command(steps: int, out: Path, port: int) -> list[str]:
 
 
 def test_the_readme_command_trains_and_resumes_on_the_cpu(tmp_path: Path) -> None:
+    """Mirrors docs/torchtitan.md's CPU command (`debug_model.toml` on two ranks)."""
     uri = str(tmp_path / "ck")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
     env.update(SPOTCKPT_URI=uri, PYTHONPATH=str(TESTS), PYTHONUNBUFFERED="1", **NO_CUDA)

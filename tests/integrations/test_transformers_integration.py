@@ -49,6 +49,7 @@ def test_sigterm_exit_75_and_bit_identical_resume(
     store: str,
     workers: int,
 ) -> None:
+    """Mirrors docs/transformers.md's recipe, `resume_from_checkpoint()` included."""
     uri = request.getfixturevalue("s3_uri") if store == "s3" else str(tmp_path / "ckpt")
     out, loader = tmp_path / "spot", ("--workers", str(workers))
     status = run_preempted("hf_worker.py", uri, out, stop_at, *loader, group=workers > 0)

@@ -534,6 +534,7 @@ def _save_and_kill(nodes: list[str], args: dict[str, Any]) -> None:
 def test_lost_nodes_restore_from_peers_without_the_bucket(
     tmp_path: Path, redundancy: str, count: int, lost: list[int]
 ) -> None:
+    """Mirrors docs/fast-tier.md's set-up: a local_dir per node, fast saves, replicate:2 or EC."""
     nodes = NODES[:count]
     args = _args(tmp_path, str(tmp_path / "bucket"), redundancy, kill=lost)
     _save_and_kill(nodes, args)

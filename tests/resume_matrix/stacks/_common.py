@@ -415,7 +415,7 @@ def finish_process(code: int) -> int:
 
 
 class ManagerCheckpoints:
-    """`CheckpointManager` + `TrainState`, as the README's "Use it" shows."""
+    """`CheckpointManager` + `TrainState`, as docs/training-loop.md shows."""
 
     def __init__(self, job: Job) -> None:
         self.state = spotckpt.TrainState(

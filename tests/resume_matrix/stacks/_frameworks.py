@@ -40,11 +40,11 @@ def stateful_loader(
     """The loader set-up `name` over `data`, and the `SeededDataset` whose epoch the stack must
     set before each ``iter(loader)`` (``stateful-augment``; None for the others):
 
-    - ``stateful-torch-sampler``: the README's set-up, ``sampler=torch RandomSampler(data,
+    - ``stateful-torch-sampler``: the documented set-up, ``sampler=torch RandomSampler(data,
       generator=g1), generator=g2``;
     - ``stateful``: ``shuffle=True, generator=g``: the sampler and the base seed share `g`;
     - ``stateful-nogen``: ``shuffle=True`` and no generator: both draw from the global RNG;
-    - ``stateful-augment``: the README's set-up over ``SeededDataset(Noisy(data))``.
+    - ``stateful-augment``: the documented set-up over ``SeededDataset(Noisy(data))``.
     """
 
     def own(offset: int) -> torch.Generator:

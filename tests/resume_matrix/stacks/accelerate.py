@@ -1,15 +1,15 @@
-"""Resume-matrix stack: the README's Accelerate recipe, as printed, and variants of its loader.
+"""Resume-matrix stack: docs/accelerate.md's recipe, as printed, and variants of its loader.
 
     python stacks/accelerate.py --describe      # what this stack supports (no torch import)
     MATRIX_CASE='{...}' python stacks/accelerate.py
 
-Loader ``recipe`` is the README's recipe as printed (``Accelerator(dataloader_config=
+Loader ``recipe`` is docs/accelerate.md's recipe as printed (``Accelerator(dataloader_config=
 DataLoaderConfiguration(use_stateful_dataloader=True))``, everything through
 ``accelerator.prepare``, `TrainState` of the prepared objects, ``step = mgr.restore(state) or
 0``, the ``while step < total_steps: for batch in loader:`` loop with ``accelerator.accumulate``,
 ``maybe_save``, ``should_stop``, the ``break`` at ``total_steps`` and the last save), with
 ``cpu=True`` on 2 ranks (this machine has no GPU), and with
-what the README leaves to the user filled in the plainest way: a ``StatefulDataLoader`` whose
+what the recipe leaves to the user filled in the plainest way: a ``StatefulDataLoader`` whose
 sampler has a generator of its own (``sampler=torch.utils.data.RandomSampler(data,
 generator=g)``; no ``generator=`` on the loader, no workers: the case's ``workers`` is
 ignored), the default gradient accumulation (1), 44 samples in batches of 8 (6 steps an epoch)
@@ -173,7 +173,7 @@ def run(case: dict[str, Any]) -> int:
     # GPUs they are ranks by themselves.
     ranks_on_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if recipe:
-        # --- the README's recipe, as printed -------------------------------------------------
+        # --- docs/accelerate.md's recipe, as printed----------------------------------------------
         accelerator = Accelerator(
             cpu=ranks_on_cpu,
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),

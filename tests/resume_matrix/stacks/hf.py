@@ -1,9 +1,9 @@
-"""Resume-matrix stack: the Hugging Face ``Trainer`` with spotckpt's `SpotckptCallback` (README).
+"""Resume-matrix stack: the Hugging Face ``Trainer`` and `SpotckptCallback` (docs/transformers.md).
 
     python stacks/hf.py --describe      # what this stack supports (no torch import)
     MATRIX_CASE='{...}' python stacks/hf.py
 
-The README's recipe as a user writes it::
+docs/transformers.md's recipe as a user writes it::
 
     spot = SpotckptCallback(uri, interval_steps=..., async_save=...)
     args = TrainingArguments(output_dir=..., max_steps=..., save_strategy="no", ...)

@@ -1,9 +1,9 @@
-"""Resume-matrix stack: a Lightning ``Trainer`` with spotckpt's `SpotckptCallback`, as README shows.
+"""Resume-matrix stack: a Lightning ``Trainer`` and `SpotckptCallback`, as docs/lightning.md shows.
 
     python stacks/lightning.py --describe      # what this stack supports (no torch import)
     MATRIX_CASE='{...}' python stacks/lightning.py
 
-The README's Lightning recipe as a user writes it: ``Trainer(callbacks=[SpotckptCallback(uri,
+docs/lightning.md's recipe as a user writes it: ``Trainer(callbacks=[SpotckptCallback(uri,
 interval_steps=..., async_save=...)])`` and ``trainer.fit(model, train_dataloaders=loader,
 val_dataloaders=...)``; the callback restores at fit start, saves on the interval and on a
 preemption notice, and ends the process with status 75. The model is a small MLP with dropout,
@@ -11,13 +11,13 @@ AdamW and a per-step StepLR (a schedule that does not depend on the run's length
 samples in batches of 8 (6 steps an epoch), validated every 3 training batches on 16 samples (2
 batches, by the case's ``workers`` too). Loaders (case ``loader``, with ``workers`` workers):
 
-- ``stateful-torch-sampler``: the README's set-up: ``StatefulDataLoader(data, sampler=
+- ``stateful-torch-sampler``: docs/lightning.md's set-up: ``StatefulDataLoader(data, sampler=
   torch.utils.data.RandomSampler(data, generator=g1), generator=g2)``;
 - ``stateful``: ``StatefulDataLoader(data, shuffle=True, generator=g)``;
 - ``stateful-nogen``: ``StatefulDataLoader(data, shuffle=True)``, no generator at all;
-- ``stateful-augment``: the README's set-up over ``SeededDataset`` of a dataset that adds random
-  noise in ``__getitem__``; ``data.set_epoch(epoch)`` is called before each iterator is created
-  (Lightning creates the first one after ``on_fit_start``, later ones after
+- ``stateful-augment``: docs/lightning.md's set-up over ``SeededDataset`` of a dataset that adds
+  random noise in ``__getitem__``; ``data.set_epoch(epoch)`` is called before each iterator is
+  created (Lightning creates the first one after ``on_fit_start``, later ones after
   ``on_train_epoch_start``).
 
 Pause kinds (``pause.at`` is a step K: the pause is at the first such point at step K or later,
@@ -51,7 +51,7 @@ DESCRIBE = {
     # On several ranks Lightning wraps torchdata's shuffling sampler (``shuffle=True``) in its
     # DistributedSamplerWrapper, which draws an epoch's order as an iterator is created; a
     # restored torchdata iterator is created twice over, so the cut epoch's order is drawn
-    # twice and comes out different. spotckpt warns of it; README states it.
+    # twice and comes out different. spotckpt warns of it; docs/lightning.md states it.
     "one_rank_loaders": ["stateful", "stateful-nogen"],
     "steps": 20,
     "save_every": 4,

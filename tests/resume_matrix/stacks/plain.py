@@ -1,6 +1,6 @@
 """Resume-matrix stack: one process, a plain model, `CheckpointManager` + `TrainState`.
 
-The loop is the README's "Use it" loop (see ``_common.run``); the loader set-ups are the ones a
+The loop is docs/training-loop.md's loop (see ``_common.run``); the loader set-ups are the ones a
 single process can have (no DistributedSampler, no per-rank seeds).
 """
 

@@ -1,7 +1,7 @@
 """Resume-matrix stack: the user drives DCP themselves, with spotckpt only as its storage.
 
 One process; ``torch.distributed.checkpoint.save`` / ``async_save`` / ``load`` with
-``spotckpt.dcp_writer`` / ``spotckpt.dcp_reader`` (README "Plain DCP, without a manager") and a
+``spotckpt.dcp_writer`` / ``spotckpt.dcp_reader`` (docs/dcp.md) and a
 `PreemptionWatcher` of its own. Without `TrainState`, the state dict is the user's: model and
 optimizer through DCP's ``get_state_dict`` family, the scheduler, the loader's position (a
 `StatefulDataLoader` or a `ResumableSampler` is a DCP ``Stateful`` as it is), the RNGs, the step

@@ -1,10 +1,11 @@
-"""Resume-matrix stack: torchtitan's own Trainer through spotckpt's `SpotckptTrainer` (README).
+"""Resume-matrix stack: torchtitan's own Trainer through `SpotckptTrainer` (docs/torchtitan.md).
 
     python stacks/torchtitan.py --describe      # what this stack supports (no torch import)
     MATRIX_CASE='{...}' spotckpt launch --standalone --nproc-per-node=2 stacks/torchtitan.py
 
-What the README's ``spotckpt launch ... -m spotckpt.integrations.torchtitan --job.config_file
-...`` runs, in code (``torchtitan.train.main(SpotckptTrainer)``, which the README names): the
+What docs/torchtitan.md's ``spotckpt launch ... -m spotckpt.integrations.torchtitan
+--job.config_file ...`` runs, in code (``torchtitan.train.main(SpotckptTrainer)``, which that
+page names): the
 URI and ``async_save`` come from spotckpt's settings (``SPOTCKPT_URI``, ``SPOTCKPT_ASYNC_SAVE``,
 set here from the case), torchtitan's options from its command line (set here before torchtitan
 is imported). The model is torchtitan's llama3 ``debugmodel`` (FSDP2 over the ranks, gloo, on
@@ -18,9 +19,9 @@ torchrun's variables for a world of one.
 The data is a train spec of this file: per data-parallel rank, 24 fixed token windows (6 steps of
 4 an epoch), visited in a fresh permutation each epoch, endlessly, by a Stateful
 IterableDataset (split between loader workers); ``titan-augment`` also replaces random tokens,
-drawn from a generator seeded with ``spotckpt.sample_seed(seed, epoch, index)`` (what the README
-says to do where ``SeededDataset`` does not apply). The llama3 debugmodel has no dropout: the
-training step itself draws no random numbers.
+drawn from a generator seeded with ``spotckpt.sample_seed(seed, epoch, index)`` (what
+docs/data-loaders.md says to do where ``SeededDataset`` does not apply). The llama3 debugmodel
+has no dropout: the training step itself draws no random numbers.
 
 Evaluation: a validator of this spec runs after the checkpointer at step 1 and every 5th step
 (2 fixed batches, no gradients). Pause kinds (``pause.at`` is a step K: the pause is at the first
@@ -166,7 +167,7 @@ def run(case: dict[str, Any]) -> int:
                     if position % count != worker:
                         continue
                     window = self.windows[order[position]].clone()
-                    if augment:  # seeded per sample, as the README says for such datasets
+                    if augment:  # seeded per sample, as docs/data-loaders.md says for such datasets
                         random = torch.Generator().manual_seed(
                             sample_seed(seed + self.rank, self.epoch, position)
                         )
