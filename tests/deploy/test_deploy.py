@@ -6,6 +6,8 @@ run deploy/entrypoint.sh for real (`spotckpt launch` with one worker on the CPU,
 signal
 sent to the entry point must reach the training process, which saves and exits 75, and the entry
 point must exit 75 too.
+
+The commands shown in docs/deploy-azure.md are covered here (its covered-by markers).
 """
 
 from __future__ import annotations
