@@ -78,6 +78,7 @@ def memory_uri() -> Iterator[str]:
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
+os.environ.setdefault("SPOTCKPT_AZURE_METADATA_ENDPOINT", "http://127.0.0.1:9")
 
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
 
