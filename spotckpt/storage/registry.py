@@ -2,8 +2,9 @@
 
 A scheme is found, in this order, among the factories given to `register_store` (the built-in
 ``file``, ``memory``, ``s3``, ``gs``, ``gcs``, ``az``, ``abfs`` and ``abfss`` are registered when
-this module loads), then among the entry points of the group ``spotckpt.stores``: a package adds
-a scheme without editing spotckpt by declaring, in its ``pyproject.toml``::
+this module loads, and every ``fsspec+<protocol>`` goes to `spotckpt.storage.fsspec`), then
+among the entry points of the group ``spotckpt.stores``: a package adds a scheme without editing
+spotckpt by declaring, in its ``pyproject.toml``::
 
     [project.entry-points."spotckpt.stores"]
     hdfs2 = "spotckpt_hdfs2:open_hdfs2_store"
@@ -50,9 +51,10 @@ def uri_scheme(uri: str) -> str:
 
 def open_store(uri: str, **options: Any) -> ObjectStore:
     """Open the store for `uri`: ``s3://bucket/prefix``, ``gs://bucket/prefix``,
-    ``az://container/prefix``, ``file:///path`` or a plain path, ``memory://name``, or a
-    scheme an installed package adds (see the module docstring). Options go to the back end
-    (for S3: ``endpoint_url``, ``part_size``, ``max_concurrency``, ``region_name``, ...)."""
+    ``az://container/prefix``, ``fsspec+<protocol>://...``, ``file:///path`` or a plain path,
+    ``memory://name``, or a scheme an installed package adds (see the module docstring).
+    Options go to the back end (for S3: ``endpoint_url``, ``part_size``, ``max_concurrency``,
+    ``region_name``, ...)."""
     return _factory(uri_scheme(uri))(uri, dict(options))
 
 
@@ -61,6 +63,8 @@ def _factory(scheme: str) -> StoreFactory:
     factory = _FACTORIES.get(scheme)
     if factory is not None:
         return factory
+    if scheme.startswith("fsspec+"):
+        return _open_fsspec
     found = entry_points(group=ENTRY_POINT_GROUP, name=scheme)
     if not found:
         known = sorted({*_FACTORIES, *entry_points(group=ENTRY_POINT_GROUP).names})
@@ -115,6 +119,12 @@ def _open_azure(uri: str, options: dict[str, Any]) -> ObjectStore:
     from spotckpt.storage.azure import open_azure_store  # azure-storage-blob loads only for Azure
 
     return open_azure_store(uri, options)
+
+
+def _open_fsspec(uri: str, options: dict[str, Any]) -> ObjectStore:
+    from spotckpt.storage.fsspec import open_fsspec_store  # fsspec loads only when asked for
+
+    return open_fsspec_store(uri, options)
 
 
 register_store("file", open_local_store)

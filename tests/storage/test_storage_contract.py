@@ -1,5 +1,6 @@
 """One contract, every store: memory, local disk, S3 on a moto server, GCS on an emulator, Azure
-on Azurite.
+on Azurite, and fsspec's local, memory and S3 (s3fs on moto) filesystems through the fsspec
+store.
 
 A new back end joins by adding a fixture parameter to `store`.
 """
@@ -36,7 +37,19 @@ def _payload(size: int, seed: int = 0) -> bytes:
     return (bytes(range(256)) * (size // 256 + 1))[seed : seed + size] if size else b""
 
 
-@pytest.fixture(params=["memory", "local", "local-linked-root", "s3", "gcs", "azure"])
+@pytest.fixture(
+    params=[
+        "memory",
+        "local",
+        "local-linked-root",
+        "s3",
+        "gcs",
+        "azure",
+        "fsspec-local",
+        "fsspec-memory",
+        "fsspec-s3",
+    ]
+)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
     kind = request.param
     if kind == "memory":
@@ -61,6 +74,14 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
             )
         uri = request.getfixturevalue("gcs_uri")
         opened = open_store(uri, chunk_size=PART, max_concurrency=4, list_page_size=7)
+    elif kind == "fsspec-local":
+        opened = open_store(f"fsspec+file://{tmp_path}/root")
+    elif kind == "fsspec-memory":
+        opened = open_store(f"fsspec+memory://contract-{uuid.uuid4().hex[:8]}/root")
+    elif kind == "fsspec-s3":
+        # s3fs finds moto through AWS_ENDPOINT_URL, which the s3_uri fixture sets
+        uri = request.getfixturevalue("s3_uri")
+        opened = open_store(uri.replace("s3://", "fsspec+s3://", 1))
     elif kind == "azure":
         uri = request.getfixturevalue("az_uri")
         opened = open_store(uri, block_size=PART, max_concurrency=4, list_page_size=7)
