@@ -4,7 +4,8 @@ container per test.
 Its fixtures (``azurite_connection_string``, ``az_uri``) are shared with every test module by
 ``tests/conftest.py``. Azurite runs as a child process once per test session, in memory, on
 127.0.0.1 and a free port, with ``--skipApiVersionCheck`` (azure-storage-blob 12.31 speaks a
-newer service version than Azurite knows) and ``--loose``. It is found at ``$SPOTCKPT_AZURITE``,
+newer service version than Azurite knows), ``--loose`` and ``--disableTelemetry`` (no test
+reaches beyond loopback). It is found at ``$SPOTCKPT_AZURITE``,
 else at ``.azurite/node_modules/.bin/azurite-blob`` (``make azurite`` installs it there), else on
 the PATH; where none is installed the Azure tests are skipped with that hint.
 """
@@ -64,7 +65,7 @@ def start_azurite() -> tuple[str, subprocess.Popen[bytes], str]:
     workspace = tempfile.mkdtemp(prefix="azurite-")
     log_path = os.path.join(workspace, "azurite.log")
     args = [command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--silent"]
-    args += ["--skipApiVersionCheck", "--loose", "--inMemoryPersistence"]
+    args += ["--skipApiVersionCheck", "--loose", "--inMemoryPersistence", "--disableTelemetry"]
     with open(log_path, "wb") as log:  # run in its own folder: it writes nothing to the checkout
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=workspace)
     endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
