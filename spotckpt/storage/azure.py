@@ -31,7 +31,10 @@ Design choices:
   retried by the policy, each request (each block) on its own. 401/403, 404 and 409 fail at once.
 - Reads: one Get Blob per attempt, its body read from the HTTP response with `read_body` /
   `read_body_into`, so the policy's ``deadline_s`` bounds the whole read even when the answer
-  trickles in, and a range lands straight in the caller's buffer (`get_range_into`).
+  trickles in, and a range lands straight in the caller's buffer (`get_range_into`). The request
+  is the SDK's generated operation (``BlobClient._client.blob.download``, private), called
+  directly because ``download_blob`` reads the body itself, in chunks that no deadline bounds;
+  the SDK's version is pinned in constraints.txt and the tests exercise it.
 - Credentials, in this order: ``connection_string`` (option, else
   ``AZURE_STORAGE_CONNECTION_STRING``); ``account_key`` (option, else ``AZURE_STORAGE_KEY``);
   ``sas_token`` (option, else ``AZURE_STORAGE_SAS_TOKEN``); else azure-identity's

@@ -15,6 +15,7 @@ import threading
 import traceback
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -28,7 +29,7 @@ from azure.storage.blob import (
 
 from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog, manifest_key
-from spotckpt.errors import InvalidArgumentError
+from spotckpt.errors import DeadlineExceededError, InvalidArgumentError
 from spotckpt.format.manifest import ManifestError
 from spotckpt.gc import collect_garbage
 from spotckpt.storage import AlreadyExistsError, PermissionDeniedError, StorageError, open_store
@@ -430,3 +431,66 @@ def test_forged_manifest_on_azure_is_refused_and_restore_falls_back(
         target = {"w": torch.zeros(64)}
         assert manager.restore(target) == 1
     assert torch.equal(target["w"], torch.full((64,), 1.0))
+
+
+class _Trickle:
+    """A server that answers every GET with headers at once and then one byte at a time, until
+    `stop` is set: a body that never trips a per-read timeout."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        trickle = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                self.send_response(206 if "Range" in self.headers else 200)
+                self.send_header("Content-Length", "100000")
+                self.send_header("x-ms-blob-type", "BlockBlob")
+                self.end_headers()
+                while not trickle.stop.wait(0.05):
+                    try:
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                    except OSError:
+                        return
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{ACCOUNT}"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.usefixtures("no_env_connection_string")
+@pytest.mark.parametrize("read", ["get", "get_range_into"])
+def test_a_trickling_answer_is_cut_at_the_deadline(read: str) -> None:
+    server = _Trickle()
+    store = open_store(
+        "az://c0ntainer/p",
+        endpoint_url=server.endpoint,
+        account_name=ACCOUNT,
+        account_key=ACCOUNT_KEY,
+        read_timeout_s=30.0,  # per socket read: a byte every 50 ms never trips it
+        retry=RetryPolicy(max_attempts=1, deadline_s=1.0),
+    )
+    try:
+        with pytest.raises(DeadlineExceededError, match="reading the answer"):
+            if read == "get":
+                store.get("obj")
+            else:
+                store.get_range_into("obj", 0, memoryview(bytearray(100000)))
+    finally:
+        store.close()
+        server.close()
