@@ -4,7 +4,7 @@ in one run.
     python benchmarks/azure_bench.py                 # 256 MiB in 16 MiB tensors, 3 repetitions
     python benchmarks/azure_bench.py --mib 64 --reps 1
 
-Starts Azurite (``make azurite`` installs it; ``$SPOTCKPT_AZURITE`` points elsewhere) in memory
+Starts Azurite (``make azurite`` installs it; ``$AZURITE_BLOB_COMMAND`` points elsewhere) in memory
 on 127.0.0.1. Each repetition measures, on the same state dict:
 
 - ``spotckpt save``: `CheckpointManager.save` of the state to ``az://`` (safetensors objects,
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @contextmanager
 def azurite() -> Iterator[str]:
     """Azurite in memory on a free loopback port; yields its connection string."""
-    command = os.environ.get("SPOTCKPT_AZURITE") or str(
+    command = os.environ.get("AZURITE_BLOB_COMMAND") or str(
         ROOT / ".azurite/node_modules/.bin/azurite-blob"
     )
     if not Path(command).exists():

@@ -5,7 +5,7 @@ Its fixtures (``azurite_connection_string``, ``az_uri``) are shared with every t
 ``tests/conftest.py``. Azurite runs as a child process once per test session, in memory, on
 127.0.0.1 and a free port, with ``--skipApiVersionCheck`` (azure-storage-blob 12.31 speaks a
 newer service version than Azurite knows), ``--loose`` and ``--disableTelemetry`` (no test
-reaches beyond loopback). It is found at ``$SPOTCKPT_AZURITE``,
+reaches beyond loopback). It is found at ``$AZURITE_BLOB_COMMAND``,
 else at ``.azurite/node_modules/.bin/azurite-blob`` (``make azurite`` installs it there), else on
 the PATH; where none is installed the Azure tests are skipped with that hint.
 """
@@ -33,7 +33,7 @@ ACCOUNT_KEY = (  # Azurite's well-known development key, published in its README
 
 def azurite_command() -> str | None:
     """The azurite-blob executable, or None when it is not installed."""
-    explicit = os.environ.get("SPOTCKPT_AZURITE")
+    explicit = os.environ.get("AZURITE_BLOB_COMMAND")
     if explicit:
         return explicit
     local = Path(__file__).resolve().parent.parent / ".azurite/node_modules/.bin/azurite-blob"

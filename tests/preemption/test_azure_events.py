@@ -214,3 +214,14 @@ def test_azure_is_found_by_its_asset_tag(
     assert azure_metadata_endpoint() is None  # Hyper-V anywhere is not Azure
     (tmp_path / "chassis_asset_tag").write_text(f"{AZURE_ASSET_TAG}\n")
     assert azure_metadata_endpoint() == "http://169.254.169.254"
+
+
+def test_the_azure_variables_are_not_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from spotckpt.config import Config
+
+    monkeypatch.setenv("SPOTCKPT_URI", str(tmp_path / "ck"))
+    monkeypatch.setenv("SPOTCKPT_AZURE_METADATA_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("SPOTCKPT_AZURE_VM_NAME", VM)
+    assert Config.load(cwd=tmp_path).uri == str(tmp_path / "ck")

@@ -11,6 +11,8 @@ import json
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import traceback
 from collections.abc import Iterator
@@ -494,3 +496,40 @@ def test_a_trickling_answer_is_cut_at_the_deadline(read: str) -> None:
     finally:
         store.close()
         server.close()
+
+
+def _spotckpt(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The command line in a child process, with `env` over this one's."""
+    code = "import sys; from spotckpt.cli import main; main(sys.argv[1:])"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=RACE_TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_the_command_line_on_azure_and_a_wrong_key_never_printed(
+    az_uri: str, azurite_endpoint: str
+) -> None:
+    with CheckpointManager(az_uri, preemption=False) as manager:
+        manager.save(5, {"w": torch.ones(16)})
+    listed = _spotckpt(["ls", az_uri], {})
+    assert listed.returncode == 0, listed.stderr
+    assert "5" in listed.stdout
+    verified = _spotckpt(["verify", az_uri, "--step", "5"], {})
+    assert verified.returncode == 0, verified.stderr
+    wrong = "d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXk="
+    denied = _spotckpt(
+        ["-v", "ls", az_uri],
+        {
+            "AZURE_STORAGE_CONNECTION_STRING": connection_string(azurite_endpoint).replace(
+                ACCOUNT_KEY, wrong
+            )
+        },
+    )
+    assert denied.returncode != 0
+    assert wrong not in denied.stdout + denied.stderr
+    assert ACCOUNT_KEY not in denied.stdout + denied.stderr
