@@ -377,7 +377,13 @@ class FsspecStore:
         """Nothing to release: fsspec keeps its filesystem instances."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle as URI and options; credentials cross a multiprocessing pipe only."""
+        """Pickle as URI and options; credentials cross a multiprocessing pipe only. A memory
+        filesystem lives in this process only and is refused, as ``memory://`` is."""
+        if self.protocol in BUFFERED:
+            raise InvalidArgumentError(
+                f"{self._uri} lives in this process only and cannot be rebuilt in another one; "
+                "use a folder or an object store, or save asynchronously in a thread"
+            )
         options = {**self._options, "unsafe_create_only": self.unsafe_create_only}
         secrets = {k: v for k, v in options.items() if is_secret_key(k) and isinstance(v, str)}
         public = {k: v for k, v in options.items() if k not in secrets}

@@ -120,3 +120,12 @@ def test_bad_uris_are_refused(uri: str, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match) as caught:
         open_store(uri)
     assert "token=1" not in str(caught.value)
+
+
+def test_a_memory_filesystem_is_not_sent_to_another_process(tmp_path: Path) -> None:
+    from spotckpt.storage.base import check_portable
+
+    store = open_store("fsspec+memory://portable/x")
+    with pytest.raises(InvalidArgumentError, match="this process only"):
+        check_portable(store)
+    check_portable(open_store(f"fsspec+file://{tmp_path}/ck"))
