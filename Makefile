@@ -14,7 +14,7 @@ CHECKOV_VENV := .venv-checkov
 CHECKOV := $(CHECKOV_VENV)/bin/checkov
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: help setup demo test test-all lint bench bench-smoke faketime
+.PHONY: help setup demo test test-all lint bench bench-smoke faketime azurite
 
 help:
 	@echo "make setup        create .venv (unless a virtual environment is active), install"
@@ -25,7 +25,8 @@ help:
 	@echo "make lint         ruff format --check, ruff check, mypy"
 	@echo "make bench        side-by-side benchmarks (about 20 minutes)"
 	@echo "make bench-smoke  the benchmarks at small sizes, one repetition (about a minute)"
-	@echo "CI (bash .ci/run): make lint, make test, make demo on S3 and on a local folder"
+	@echo "make azurite      install Azurite (the Azure Storage emulator, npm) into .azurite"
+	@echo "CI (bash .ci/run): make lint, make test, make demo on S3, on a local folder and on Azurite"
 
 $(PY):
 	python3 -m venv $(dir $(PY))..
@@ -36,7 +37,7 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,azure,fsspec]"
 	touch $@
 
 setup: $(STAMP)
@@ -59,7 +60,15 @@ faketime:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null; } || \
 		echo "make: could not install faketime (apt-get install faketime); gc's clock tests need it" >&2
 
-test: setup $(CHECKOV) faketime
+# Azurite, the Azure Storage emulator, comes from npm; the Azure tests start it from here
+# (tests/azurite.py) and say how to install it where it is missing.
+AZURITE := .azurite/node_modules/.bin/azurite-blob
+$(AZURITE):
+	npm install --no-audit --no-fund --prefix .azurite azurite@3.35.0
+
+azurite: $(AZURITE)
+
+test: setup $(CHECKOV) faketime $(AZURITE)
 	CHECKOV=$(CURDIR)/$(CHECKOV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: PYTEST_ARGS :=

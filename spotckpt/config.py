@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from spotckpt.errors import ConfigError, InvalidArgumentError, MissingURIError
+from spotckpt.preemption.azure import AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV
 from spotckpt.redact import redact, secret_values
 from spotckpt.tiers.node import NODE_VARIABLE, ZONE_VARIABLE
 from spotckpt.tiers.redundancy import parse_redundancy
@@ -30,7 +31,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 ENV_PREFIX = "SPOTCKPT_"
 _CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
-_NOT_SETTINGS = frozenset({_CONFIG_VARIABLE, NODE_VARIABLE, ZONE_VARIABLE})
+_NOT_SETTINGS = frozenset(
+    {_CONFIG_VARIABLE, NODE_VARIABLE, ZONE_VARIABLE, AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV}
+)
 _MAX_SHOWN = 60
 
 DEFAULT_MAX_INTERVAL_STEPS = 10_000

@@ -1,8 +1,10 @@
 """Text that is safe to print: credentials redacted, control characters escaped.
 
-`redact` removes ``user:password@`` from URLs, the values of ``secret=...``-like pairs and any
-known secret value; `printable` escapes control characters (such as ``"\\x1b[2J"`` or ``"\\n"``
-in a tensor name read from a bucket) so they never reach a terminal raw. Config errors, the CLI
+`redact` removes ``user:password@`` from URLs, the values of ``secret=...``-like pairs (Azure's
+``AccountKey=`` inside a connection string and ``account_key``/``connection_string`` options
+among them), the ``sig=`` signature of an Azure SAS URL or token, and any known secret value;
+`printable` escapes control characters (such as ``"\\x1b[2J"`` or ``"\\n"`` in a tensor name
+read from a bucket) so they never reach a terminal raw. Config errors, the CLI
 and its log lines use both.
 """
 
@@ -22,6 +24,9 @@ SECRET_WORDS = (
     "credential",
     "key_id",
     "access_key",
+    "account_key",
+    "accountkey",
+    "connection_string",
     "private",
     "signature",
 )
@@ -33,6 +38,7 @@ _SECRET_PAIR = re.compile(
     r"(?P<sep>\s*=\s*|[\"']\s*:\s*)(?P<quote>[\"']?)(?P<value>[^\"'\s,;&}\]]+)",
     re.IGNORECASE,
 )
+_SAS_SIGNATURE = re.compile(r"(?P<key>(?<![\w.-])sig=)(?P<value>[^&\s\"';,]+)", re.IGNORECASE)
 _UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
@@ -57,6 +63,7 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
             text = text.replace(secret, MASK)
     text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
     text = _BARE_USERINFO.sub(f"{MASK}@", text)
+    text = _SAS_SIGNATURE.sub(lambda m: f"{m['key']}{MASK}", text)
     return _SECRET_PAIR.sub(lambda m: f"{m['key']}{m['sep']}{m['quote']}{MASK}", text)
 
 

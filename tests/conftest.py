@@ -1,6 +1,6 @@
 """Shared fixtures: a moto S3 server over HTTP on loopback and a fresh bucket per test, the two GCS
 fakes (gcp-storage-emulator and fake-gcs-server, both local processes), a memory store, and a
-small real disk."""
+small real disk; Azurite (tests/azurite.py) for Azure."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+from azurite import (  # noqa: F401 (fixtures, shared from here)
+    az_container,
+    az_uri,
+    azurite_connection_string,
+    azurite_endpoint,
+)
 from fake_gcs import fake_gcs_endpoint  # noqa: F401 (a fixture, shared from here)
 from gcs_emulator import gcs_endpoint, gcs_uri  # noqa: F401 (fixtures, shared from here)
 
@@ -72,6 +78,7 @@ def memory_uri() -> Iterator[str]:
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
+os.environ.setdefault("SPOTCKPT_AZURE_METADATA_ENDPOINT", "http://127.0.0.1:9")
 
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
 

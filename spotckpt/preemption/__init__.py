@@ -10,6 +10,12 @@ from spotckpt.preemption.aws import (
     AwsNoticeSource,
     aws_metadata_endpoint,
 )
+from spotckpt.preemption.azure import (
+    AZURE_DEFAULT_ENDPOINT,
+    AZURE_NOTICE_S,
+    AzureNoticeSource,
+    azure_metadata_endpoint,
+)
 from spotckpt.preemption.gce import (
     GCE_DEFAULT_HOST,
     GCE_NOTICE_S,
@@ -25,11 +31,14 @@ __all__ = [
     "AWS_MALFORMED_TRUSTED",
     "AWS_NOTICE_S",
     "AWS_TOKEN_TTL_S",
+    "AZURE_DEFAULT_ENDPOINT",
+    "AZURE_NOTICE_S",
     "DEFAULT_SIGNALS",
     "GCE_DEFAULT_HOST",
     "GCE_NOTICE_S",
     "MAX_ANSWER_BYTES",
     "AwsNoticeSource",
+    "AzureNoticeSource",
     "Backoff",
     "GceNoticeSource",
     "Notice",
@@ -37,5 +46,6 @@ __all__ = [
     "PreemptionWatcher",
     "SignalHandler",
     "aws_metadata_endpoint",
+    "azure_metadata_endpoint",
     "gce_metadata_url",
 ]

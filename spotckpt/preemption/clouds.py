@@ -6,6 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from spotckpt.preemption.aws import AWS_DEFAULT_ENDPOINT, AwsNoticeSource, aws_metadata_endpoint
+from spotckpt.preemption.azure import (
+    AZURE_DEFAULT_ENDPOINT,
+    AzureNoticeSource,
+    azure_metadata_endpoint,
+)
 from spotckpt.preemption.gce import GCE_DEFAULT_URL, GceNoticeSource, gce_metadata_url
 from spotckpt.preemption.source import NoticeSource
 
@@ -15,6 +20,7 @@ def cloud_sources(
     aws: bool | None,
     gce: bool | None,
     aws_rebalance: bool,
+    azure: bool | None = None,
     poll_interval_s: float,
     request_timeout_s: float,
 ) -> list[NoticeSource]:
@@ -36,6 +42,15 @@ def cloud_sources(
         sources.append(
             GceNoticeSource(
                 gce_url, poll_interval_s=poll_interval_s, request_timeout_s=request_timeout_s
+            )
+        )
+    azure_endpoint = _endpoint(azure, azure_metadata_endpoint, AZURE_DEFAULT_ENDPOINT)
+    if azure_endpoint:
+        sources.append(
+            AzureNoticeSource(
+                azure_endpoint,
+                poll_interval_s=poll_interval_s,
+                request_timeout_s=request_timeout_s,
             )
         )
     return sources

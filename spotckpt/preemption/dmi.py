@@ -18,3 +18,11 @@ def dmi_says(*needles: str) -> bool:
         if any(n in text for n in needles):
             return True
     return False
+
+
+def dmi_value(name: str) -> str | None:
+    """One DMI field (``chassis_asset_tag``), stripped; None where it cannot be read."""
+    try:
+        return (_DMI / name).read_text().strip()
+    except OSError:
+        return None

@@ -25,11 +25,12 @@ class PreemptionWatcher:
     """Records the first preemption notice from signals, cloud metadata services or `sources`.
 
     `signal_budget_s` is the time assumed available after a signal (torchrun and Kubernetes give
-    30 s by default); the cloud notices carry their own deadline. `aws`/`gce` default to
-    automatic detection (see `clouds.cloud_sources`). `poll_interval_s` is the pause between AWS
-    polls and the length of one GCE long poll; failed tries are retried after a back-off that
-    doubles from `backoff_initial_s` up to `backoff_max_s`. `sources` are polled beside the
-    built-in clouds: a cloud of one's own is one `NoticeSource` class, the watcher unchanged.
+    30 s by default); the cloud notices carry their own deadline. `aws`/`gce`/`azure` default
+    to automatic detection (see `clouds.cloud_sources`). `poll_interval_s` is the pause between
+    AWS and Azure polls and the length of one GCE long poll; failed tries are retried after a
+    back-off that doubles from `backoff_initial_s` up to `backoff_max_s`. `sources` are polled
+    beside the built-in clouds: a cloud of one's own is one `NoticeSource` class, the watcher
+    unchanged.
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class PreemptionWatcher:
         signals: Iterable[int] = DEFAULT_SIGNALS,
         aws: bool | None = None,
         gce: bool | None = None,
+        azure: bool | None = None,
         poll_interval_s: float = 5.0,
         signal_budget_s: float = 25.0,
         request_timeout_s: float = 1.0,
@@ -56,6 +58,7 @@ class PreemptionWatcher:
             *cloud_sources(
                 aws=aws,
                 gce=gce,
+                azure=azure,
                 aws_rebalance=aws_rebalance,
                 poll_interval_s=poll_interval_s,
                 request_timeout_s=request_timeout_s,

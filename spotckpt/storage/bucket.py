@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
@@ -357,3 +358,23 @@ def reopen_bucket_store(
         values: dict[str, Any] = secrets.values
         options = replace(options, **values)
     return cls(bucket, prefix, options)
+
+
+class BytesInFlight:
+    """Bounds the bytes of parts (S3) or blocks (Azure) being uploaded, so a writer's memory does
+    not grow with the object; a part larger than the budget goes alone."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self.condition = threading.Condition()
+
+    def acquire(self, size: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.used == 0 or self.used + size <= self.budget)
+            self.used += size
+
+    def release(self, size: int) -> None:
+        with self.condition:
+            self.used -= size
+            self.condition.notify_all()

@@ -1,16 +1,17 @@
 """Which store opens which URI: the scheme -> factory table behind `open_store`.
 
 A scheme is found, in this order, among the factories given to `register_store` (the built-in
-``file``, ``memory``, ``s3``, ``gs`` and ``gcs`` are registered when this module loads), then
-among the entry points of the group ``spotckpt.stores``: a package adds a scheme without
-editing spotckpt by declaring, in its ``pyproject.toml``::
+``file``, ``memory``, ``s3``, ``gs``, ``gcs``, ``az``, ``abfs`` and ``abfss`` are registered when
+this module loads, and every ``fsspec+<protocol>`` goes to `spotckpt.storage.fsspec`), then
+among the entry points of the group ``spotckpt.stores``: a package adds a scheme without editing
+spotckpt by declaring, in its ``pyproject.toml``::
 
     [project.entry-points."spotckpt.stores"]
-    azure = "spotckpt_azure:open_azure_store"
+    hdfs2 = "spotckpt_hdfs2:open_hdfs2_store"
 
-where ``open_azure_store(uri, options)`` returns an `ObjectStore`. A built-in scheme therefore
-wins over an entry point of the same name. The S3 and GCS back ends import their SDKs only when
-a URI of theirs is opened, and an entry point loads only when its scheme is asked for.
+where ``open_hdfs2_store(uri, options)`` returns an `ObjectStore`. A built-in scheme therefore
+wins over an entry point of the same name. The S3, GCS and Azure back ends import their SDKs only
+when a URI of theirs is opened, and an entry point loads only when its scheme is asked for.
 
 This module sits above `spotckpt.storage.base` and the back ends; none of them imports it.
 """
@@ -50,9 +51,10 @@ def uri_scheme(uri: str) -> str:
 
 def open_store(uri: str, **options: Any) -> ObjectStore:
     """Open the store for `uri`: ``s3://bucket/prefix``, ``gs://bucket/prefix``,
-    ``file:///path`` or a plain path, ``memory://name``, or a scheme an installed package adds
-    (see the module docstring). Options go to the back end (for S3: ``endpoint_url``,
-    ``part_size``, ``max_concurrency``, ``region_name``, ...)."""
+    ``az://container/prefix``, ``fsspec+<protocol>://...``, ``file:///path`` or a plain path,
+    ``memory://name``, or a scheme an installed package adds (see the module docstring).
+    Options go to the back end (for S3: ``endpoint_url``, ``part_size``, ``max_concurrency``,
+    ``region_name``, ...)."""
     return _factory(uri_scheme(uri))(uri, dict(options))
 
 
@@ -61,6 +63,8 @@ def _factory(scheme: str) -> StoreFactory:
     factory = _FACTORIES.get(scheme)
     if factory is not None:
         return factory
+    if scheme.startswith("fsspec+"):
+        return _open_fsspec
     found = entry_points(group=ENTRY_POINT_GROUP, name=scheme)
     if not found:
         known = sorted({*_FACTORIES, *entry_points(group=ENTRY_POINT_GROUP).names})
@@ -111,8 +115,22 @@ def _open_gcs(uri: str, options: dict[str, Any]) -> ObjectStore:
     return open_gcs_store(uri, options)
 
 
+def _open_azure(uri: str, options: dict[str, Any]) -> ObjectStore:
+    from spotckpt.storage.azure import open_azure_store  # azure-storage-blob loads only for Azure
+
+    return open_azure_store(uri, options)
+
+
+def _open_fsspec(uri: str, options: dict[str, Any]) -> ObjectStore:
+    from spotckpt.storage.fsspec import open_fsspec_store  # fsspec loads only when asked for
+
+    return open_fsspec_store(uri, options)
+
+
 register_store("file", open_local_store)
 register_store("memory", open_memory_store)
 register_store("s3", _open_s3)
 register_store("gs", _open_gcs)
 register_store("gcs", _open_gcs)
+for _scheme in ("az", "abfs", "abfss"):
+    register_store(_scheme, _open_azure)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import builtins
 import functools
 import os
-import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ from spotckpt.storage.base import (
     StorageError,
     UploadInfo,
 )
-from spotckpt.storage.bucket import BucketOptions, BucketStore, Page
+from spotckpt.storage.bucket import BucketOptions, BucketStore, BytesInFlight, Page
 from spotckpt.storage.retry import Deadline, read_body, read_body_into
 
 MIB = 1 << 20
@@ -167,25 +166,6 @@ def part_size_for(number: int, base: int) -> int:
     return min(MAX_PART_SIZE, base << ((number - 1) // PARTS_PER_DOUBLING))
 
 
-class _BytesInFlight:
-    """Bounds the bytes of parts being uploaded; a part larger than the budget goes alone."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.used = 0
-        self.condition = threading.Condition()
-
-    def acquire(self, size: int) -> None:
-        with self.condition:
-            self.condition.wait_for(lambda: self.used == 0 or self.used + size <= self.budget)
-            self.used += size
-
-    def release(self, size: int) -> None:
-        with self.condition:
-            self.used -= size
-            self.condition.notify_all()
-
-
 class S3Writer(ChunkedWriter):
     """One streamed object: a single PUT when small, else a parallel multipart upload."""
 
@@ -197,7 +177,7 @@ class S3Writer(ChunkedWriter):
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
-        self._in_flight = _BytesInFlight(store.options.part_size * store.options.max_concurrency)
+        self._in_flight = BytesInFlight(store.options.part_size * store.options.max_concurrency)
         self._size = 0
         self._closed = False
 

@@ -153,7 +153,9 @@ def test_aws_notice_with_token_refresh(
     server = FakeMetadata(respond)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{server.address}")
     # A generous request timeout: on a loaded machine no answer may count as a timed-out one.
-    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.05, request_timeout_s=30)
+    watcher = PreemptionWatcher(
+        signals=(), gce=False, azure=False, poll_interval_s=0.05, request_timeout_s=30
+    )
     watchers.append(watcher.start())
     try:
         assert _wait_for(lambda: watcher.preempted)
@@ -200,7 +202,7 @@ def test_aws_survives_hostile_metadata(
 
     server = FakeMetadata(respond)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{server.address}")
-    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.01, **HOSTILE)
+    watcher = PreemptionWatcher(signals=(), gce=False, azure=False, poll_interval_s=0.01, **HOSTILE)
     watchers.append(watcher.start())
     try:
         assert _wait_for(lambda: watcher.preempted)
@@ -241,7 +243,7 @@ def test_gce_survives_hostile_metadata(
 
     server = FakeMetadata(respond)
     monkeypatch.setenv("GCE_METADATA_HOST", server.address)
-    watcher = PreemptionWatcher(signals=(), aws=False, poll_interval_s=1, **HOSTILE)
+    watcher = PreemptionWatcher(signals=(), aws=False, azure=False, poll_interval_s=1, **HOSTILE)
     watchers.append(watcher.start())
     try:
         assert _wait_for(lambda: watcher.preempted)
@@ -266,7 +268,7 @@ def test_aws_malformed_notice_that_keeps_coming_is_a_notice(
 
     server = FakeMetadata(respond)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{server.address}")
-    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.01, **HOSTILE)
+    watcher = PreemptionWatcher(signals=(), gce=False, azure=False, poll_interval_s=0.01, **HOSTILE)
     watchers.append(watcher.start())
     try:
         assert _wait_for(lambda: watcher.preempted)
@@ -287,7 +289,7 @@ def test_service_gone_after_start_up_is_retried(
     caplog.set_level(logging.DEBUG, logger="spotckpt.preemption")
     first = FakeMetadata(lambda r: (200, {}, b"t") if r.command == "PUT" else (404, {}, b""))
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://{first.address}")
-    watcher = PreemptionWatcher(signals=(), gce=False, poll_interval_s=0.01, **HOSTILE)
+    watcher = PreemptionWatcher(signals=(), gce=False, azure=False, poll_interval_s=0.01, **HOSTILE)
     watchers.append(watcher.start())
     assert _wait_for(lambda: len(first.requests) >= 3)
     first.close()
@@ -319,7 +321,7 @@ def test_gce_notice_by_wait_for_change(
 
     server = FakeMetadata(respond)
     monkeypatch.setenv("GCE_METADATA_HOST", server.address)
-    watcher = PreemptionWatcher(signals=(), aws=False, request_timeout_s=30)
+    watcher = PreemptionWatcher(signals=(), aws=False, azure=False, request_timeout_s=30)
     watchers.append(watcher.start())
     try:
         assert _wait_for(lambda: watcher.preempted)
@@ -347,6 +349,7 @@ def test_no_metadata_service_is_quiet(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("AWS notices are off" in m for m in messages) == 1
     assert sum("GCE notices are off" in m for m in messages) == 1
+    assert sum("Azure notices are off" in m for m in messages) == 1
     assert all(r.levelno <= logging.INFO for r in caplog.records)
 
 
@@ -355,6 +358,7 @@ def test_off_cloud_pollers_do_not_start(
 ) -> None:
     monkeypatch.delenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", raising=False)
     monkeypatch.delenv("GCE_METADATA_HOST", raising=False)
+    monkeypatch.delenv("SPOTCKPT_AZURE_METADATA_ENDPOINT", raising=False)
     monkeypatch.setattr("spotckpt.preemption.dmi._DMI", __import__("pathlib").Path("/nonexistent"))
     watcher = PreemptionWatcher(signals=())
     watchers.append(watcher.start())
@@ -382,7 +386,7 @@ def test_signals_are_recorded_and_chained(watchers: list[PreemptionWatcher]) -> 
 
 
 def test_trigger_first_notice_wins() -> None:
-    watcher = PreemptionWatcher(signals=(), aws=False, gce=False)
+    watcher = PreemptionWatcher(signals=(), aws=False, azure=False, gce=False)
     watcher.trigger("scheduler", deadline=123.0)
     watcher.trigger("later", deadline=1.0)
     assert watcher.preempted and watcher.reason == "scheduler" and watcher.deadline == 123.0
@@ -416,6 +420,7 @@ def test_a_new_source_plugs_in_without_changing_the_watcher(
         signals=(),
         aws=False,
         gce=False,
+        azure=False,
         sources=[doorbell],
         backoff_initial_s=0.01,
         backoff_max_s=0.05,

@@ -1,4 +1,6 @@
-"""One contract, every store: memory, local disk, S3 on a moto server, GCS on an emulator.
+"""One contract, every store: memory, local disk, S3 on a moto server, GCS on an emulator, Azure
+on Azurite, and fsspec's local, memory and S3 (s3fs on moto) filesystems through the fsspec
+store.
 
 A new back end joins by adding a fixture parameter to `store`.
 """
@@ -35,7 +37,19 @@ def _payload(size: int, seed: int = 0) -> bytes:
     return (bytes(range(256)) * (size // 256 + 1))[seed : seed + size] if size else b""
 
 
-@pytest.fixture(params=["memory", "local", "local-linked-root", "s3", "gcs"])
+@pytest.fixture(
+    params=[
+        "memory",
+        "local",
+        "local-linked-root",
+        "s3",
+        "gcs",
+        "azure",
+        "fsspec-local",
+        "fsspec-memory",
+        "fsspec-s3",
+    ]
+)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
     kind = request.param
     if kind == "memory":
@@ -60,6 +74,17 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
             )
         uri = request.getfixturevalue("gcs_uri")
         opened = open_store(uri, chunk_size=PART, max_concurrency=4, list_page_size=7)
+    elif kind == "fsspec-local":
+        opened = open_store(f"fsspec+file://{tmp_path}/root")
+    elif kind == "fsspec-memory":
+        opened = open_store(f"fsspec+memory://contract-{uuid.uuid4().hex[:8]}/root")
+    elif kind == "fsspec-s3":
+        # s3fs finds moto through AWS_ENDPOINT_URL, which the s3_uri fixture sets
+        uri = request.getfixturevalue("s3_uri")
+        opened = open_store(uri.replace("s3://", "fsspec+s3://", 1))
+    elif kind == "azure":
+        uri = request.getfixturevalue("az_uri")
+        opened = open_store(uri, block_size=PART, max_concurrency=4, list_page_size=7)
     else:
         uri = request.getfixturevalue("s3_uri")
         opened = open_store(uri, part_size=PART, max_concurrency=4, list_page_size=7)
@@ -292,7 +317,13 @@ def test_list_delimited_rolls_up_like_s3(
         assert found.prefixes == expected.prefixes
     with pytest.raises(InvalidArgumentError):
         store.list_delimited("step-", "")
-    assert "does not list by the delimiter" not in caplog.text  # the server did the rolling up
+    if store.uri.startswith("az://"):
+        # Azurite mislists a delimiter of more than one character (Azure takes any string), so
+        # only that one falls back to a full listing
+        warned = [r.getMessage() for r in caplog.records if "does not list by" in r.getMessage()]
+        assert len(warned) == 1 and "delimiter '/a-'" in warned[0]
+    else:
+        assert "does not list by the delimiter" not in caplog.text  # the server did the rolling up
 
 
 def test_delete_many(store: ObjectStore) -> None:
