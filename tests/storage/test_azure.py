@@ -3,6 +3,8 @@ blocks and their clean-up by gc, the credential sources, forged manifests, trans
 
 A `FaultProxy` in front of Azurite loses answers after Azurite acted, or injects 500/503/resets;
 Azurite's Shared Key signatures do not cover the host, so requests pass through it unchanged.
+
+The manager example of docs/azure.md is covered by the forged-manifest test below.
 """
 
 from __future__ import annotations
