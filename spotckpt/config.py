@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from spotckpt.errors import ConfigError, InvalidArgumentError, MissingURIError
+from spotckpt.extras import has_module
 from spotckpt.redact import redact, secret_values
 from spotckpt.tiers.node import NODE_VARIABLE, ZONE_VARIABLE
 from spotckpt.tiers.redundancy import parse_redundancy
@@ -251,7 +252,8 @@ def _range_problem(key: str, value: Any) -> str | None:
         return f'must be "thread" or "process", got {_shown(value)}'
     if key == "redundancy" and value is not None:
         try:
-            parse_redundancy(value)
+            if parse_redundancy(value).erasure and not has_module("zfec"):
+                return "ec:K+M needs zfec: pip install 'spotckpt[erasure]'"
         except InvalidArgumentError as error:
             return str(error).removeprefix("redundancy ")
     if isinstance(value, str) or value is None:
