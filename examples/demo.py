@@ -32,9 +32,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from spotckpt.cli import human_size
 from spotckpt.goodput import load_stats
 from spotckpt.storage import open_store
+from spotckpt.units import human_size
 
 ROOT = Path(__file__).resolve().parent
 PREEMPTED = 75

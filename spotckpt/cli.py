@@ -51,6 +51,7 @@ from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, UploadInfo
 from spotckpt.storage.registry import open_store, uri_scheme
+from spotckpt.units import human_size
 from spotckpt.version import __version__
 
 EXIT_OK, EXIT_FAILED_VERIFICATION, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -128,16 +129,6 @@ def _closing_store(uri: str, options: dict[str, Any]) -> Iterator[ObjectStore]:
         yield store
     finally:
         store.close()
-
-
-def human_size(size: float) -> str:
-    """A byte count for people: ``0 B``, ``12.3 KiB``, ``1.5 MiB``."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-    index = 0
-    while abs(size) >= 1024 and index < len(units) - 1:
-        size /= 1024
-        index += 1
-    return f"{size:.0f} B" if index == 0 else f"{size:.1f} {units[index]}"
 
 
 def _human_age(seconds: float | None) -> str:

@@ -82,6 +82,9 @@ class Settings:
     - `redundancy`: copies of each rank's fast-tier object on other nodes: ``"replicate:F"``,
       ``"ec:K+M"`` (erasure coding), or None (the node's own copy only).
     - `local_keep_last`: fast-tier steps each node keeps.
+    - `progress_interval_s`: a save or restore still running after this many seconds logs its
+      progress at INFO (bytes done of total, rate, time left), again every as many seconds;
+      None: never.
     """
 
     keep_last: int | None = 3
@@ -103,6 +106,7 @@ class Settings:
     local_interval_steps: int | None = None
     redundancy: str | None = None
     local_keep_last: int = 2
+    progress_interval_s: float | None = 5.0
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -184,6 +188,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "local_interval_steps": (int, type(None)),
     "redundancy": (str, type(None)),
     "local_keep_last": (int,),
+    "progress_interval_s": (int, float, type(None)),
 }
 _AT_LEAST_ONE = frozenset(
     {
@@ -196,7 +201,9 @@ _AT_LEAST_ONE = frozenset(
         "local_keep_last",
     }
 )
-_POSITIVE = frozenset({"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour"})
+_POSITIVE = frozenset(
+    {"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour", "progress_interval_s"}
+)
 _CODE_ONLY = frozenset({"metrics"})
 
 Where = Callable[[str], str]

@@ -35,6 +35,7 @@ from spotckpt.errors import (
     ObjectNotFoundError,
 )
 from spotckpt.storage.base import ObjectStore, UploadInfo
+from spotckpt.units import human_size
 
 log = logging.getLogger("spotckpt")
 
@@ -268,10 +269,10 @@ def _record(report: GcReport, action: GcAction) -> None:
     if action.kind == "upload":
         verb = "would abort" if report.dry_run else "aborted"
     log.info(
-        "gc: %s %s %s (%d objects, %d bytes)",
+        "gc: %s %s %s (%d objects, %s)",
         verb,
         action.kind,
         action.target,
         action.objects,
-        action.bytes,
+        human_size(action.bytes),
     )
