@@ -229,15 +229,16 @@ def _storage_pair(text: str) -> tuple[str, str]:
 
 
 @contextmanager
-def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
-    """A callback ``(done, total)`` that drives a tqdm bar on stderr when it is a terminal."""
+def _progress_bar(description: str, unit: str = "B") -> Iterator[Callable[[int, int], None]]:
+    """A callback ``(done, total)`` that drives a tqdm bar on stderr when it is a terminal;
+    in bytes (scaled to KiB, MiB, ...), or in another `unit` counted as it is."""
     from tqdm import tqdm  # only the commands with progress bars pay for importing it
 
     bar = tqdm(
         desc=description,
         total=0,
-        unit="B",
-        unit_scale=True,
+        unit=unit,
+        unit_scale=unit == "B",
         unit_divisor=1024,
         file=sys.stderr,
         disable=not sys.stderr.isatty(),
@@ -678,9 +679,13 @@ def gc_command(
     as_json: bool,
 ) -> None:
     """Delete unreferenced attempts, uncommitted steps and stale uploads; apply retention."""
-    with _opened(uri, storage_options) as store:
+    with _opened(uri, storage_options) as store, _progress_bar("gc", unit="step") as progress:
         report = collect_garbage(
-            store, keep_last=keep_last, safety_age_s=safety_age, dry_run=dry_run
+            store,
+            keep_last=keep_last,
+            safety_age_s=safety_age,
+            dry_run=dry_run,
+            progress=progress,
         )
     if as_json:
         _emit_json(report.to_dict())
