@@ -774,10 +774,17 @@ def export_command(
     if not 1 <= len(locations) <= 2:
         raise click.UsageError("export-hf takes [URI] OUT: one or two locations")
     uri, out = (None, locations[0]) if len(locations) == 1 else locations
+    try:
+        resolved, options = _resolve(uri, storage_options)
+    except click.UsageError:  # one location, and no URI configured: OUT is what is missing
+        raise click.UsageError(
+            f"missing argument OUT: export-hf writes into a folder or bucket URI given after "
+            f"the checkpoint URI (spotckpt export-hf {locations[0]} OUT); a single location is "
+            "OUT when SPOTCKPT_URI or spotckpt.toml names the checkpoint, and neither does"
+        ) from None
     from spotckpt.export import export_hf  # imports torch: only this command needs it
 
     cast = BY_NAME[dtype].torch_dtype if dtype is not None else None
-    resolved, options = _resolve(uri, storage_options)
     out_options = options if uri_scheme(out) == uri_scheme(resolved) else {}
     with _closing_store(resolved, options) as store:
         _check_root(store)
