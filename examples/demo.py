@@ -4,8 +4,10 @@ Starts an embedded S3 server (moto, on loopback) unless ``SPOTCKPT_URI`` names a
 `examples/train.py` as a child process, evicts it with SIGTERM at random steps several times the
 way a spot market would, restarts it after each eviction, runs the same training uninterrupted for
 reference, and prints what happened: steps lost per eviction, emergency-save and restore times,
-where each restore read its bytes from, and whether the final parameters are identical; last,
-one goodput line read from the spot run's events, as ``spotckpt stats`` reads them.
+where each restore read its bytes from, and whether the final parameters are identical; then
+one goodput line read from the spot run's events, as ``spotckpt stats`` reads them; last, where
+each run wrote and the ``spotckpt ls``/``stats`` commands that show it (with the embedded
+server: that its checkpoints are gone with it).
 
 The trainer keeps a fast tier (``--local-dir``) on its node's disk, a folder per node id under
 the demo's temporary folder. Every second replacement is a fresh node with an empty disk, which
