@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 
-# The demo needs the core and moto's server only (about 1 GiB with torch's CPU wheel, against
+# The demo needs the core and moto's server only (about 1.2 GiB with torch's CPU wheel, against
 # 3 GiB for the test stack); where the test stack is already installed and current, it has both.
 $(DEMO_STAMP): pyproject.toml constraints.txt | $(PY)
 	@if [ "$(STAMP)" -nt pyproject.toml ] && [ "$(STAMP)" -nt constraints.txt ]; then :; else \
