@@ -8,6 +8,7 @@ else
 PY := .venv/bin/python
 endif
 STAMP := $(dir $(PY)).spotckpt-installed
+DEMO_STAMP := $(dir $(PY)).spotckpt-demo-installed
 BENCH_STAMP := $(dir $(PY)).spotckpt-bench-installed
 # checkov pins versions that clash with the project's, so it lives in a venv of its own.
 CHECKOV_VENV := .venv-checkov
@@ -18,7 +19,9 @@ PYTEST_ARGS ?= -m "not slow"
 
 help:
 	@echo "make setup        create .venv (unless a virtual environment is active), install"
-	@echo "make demo         spot-eviction demo against an embedded S3 server"
+	@echo "                  the test stack (every extra: .[test])"
+	@echo "make demo         spot-eviction demo against an embedded S3 server (installs only"
+	@echo "                  the core and moto's server: .[demo])"
 	@echo "                  (SPOTCKPT_URI=s3://... or a folder: use that store instead)"
 	@echo "make test         the test suite, without the slow campaigns"
 	@echo "make test-all     the test suite with the slow campaigns"
@@ -40,6 +43,15 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,azure,fsspec]"
 	touch $@
 
+# The demo needs the core and moto's server only (about 1.2 GiB with torch's CPU wheel, against
+# 3 GiB for the test stack); where the test stack is already installed and current, it has both.
+$(DEMO_STAMP): pyproject.toml constraints.txt | $(PY)
+	@if [ "$(STAMP)" -nt pyproject.toml ] && [ "$(STAMP)" -nt constraints.txt ]; then :; else \
+		$(PY) -m pip install -q --upgrade pip && \
+		{ $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0; } && \
+		$(PY) -m pip install -q -c constraints.txt -e ".[demo]"; fi
+	touch $@
+
 setup: $(STAMP)
 
 $(BENCH_STAMP): $(STAMP)
@@ -50,7 +62,7 @@ $(CHECKOV):
 	python3 -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/pip install -q checkov==3.3.30
 
-demo: setup
+demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
 
 # gc's clock tests run `spotckpt gc` under libfaketime, from Debian's faketime package: installed

@@ -4,8 +4,10 @@ Starts an embedded S3 server (moto, on loopback) unless ``SPOTCKPT_URI`` names a
 `examples/train.py` as a child process, evicts it with SIGTERM at random steps several times the
 way a spot market would, restarts it after each eviction, runs the same training uninterrupted for
 reference, and prints what happened: steps lost per eviction, emergency-save and restore times,
-where each restore read its bytes from, and whether the final parameters are identical; last,
-one goodput line read from the spot run's events, as ``spotckpt stats`` reads them.
+where each restore read its bytes from, and whether the final parameters are identical; then
+one goodput line read from the spot run's events, as ``spotckpt stats`` reads them; last, where
+each run wrote and the ``spotckpt ls``/``stats`` commands that show it (with the embedded
+server: that its checkpoints are gone with it).
 
 The trainer keeps a fast tier (``--local-dir``) on its node's disk, a folder per node id under
 the demo's temporary folder. Every second replacement is a fresh node with an empty disk, which
@@ -19,6 +21,7 @@ import contextlib
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -32,9 +35,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from spotckpt.cli import human_size
 from spotckpt.goodput import load_stats
 from spotckpt.storage import open_store
+from spotckpt.units import human_size
 
 ROOT = Path(__file__).resolve().parent
 PREEMPTED = 75
@@ -329,20 +332,47 @@ def main(argv: list[str] | None = None) -> int:
 
 def demo(args: argparse.Namespace, work: Path) -> int:
     """The spot run and the reference run; 0 when nothing was lost and the results match."""
+    embedded = not os.environ.get("SPOTCKPT_URI")
     with _checkpoint_root() as base:
+        runs = {"spot run": f"{base}/spot", "reference run": f"{base}/reference"}
         print(f"spot run: {args.steps} steps, {args.evictions} evictions (seed {args.seed})")
-        evictions = spot_run(args, f"{base}/spot", work)
-        goodput = goodput_line(f"{base}/spot")
+        print(f"  checkpoints in {runs['spot run']}")
+        evictions = spot_run(args, runs["spot run"], work)
+        goodput = goodput_line(runs["spot run"])
         print("reference run: the same training, uninterrupted")
+        print(f"  checkpoints in {runs['reference run']}")
         log = work / "ref.log"
-        reference = run(train_command(args, work, "ref"), f"{base}/reference", log)
+        reference = run(train_command(args, work, "ref"), runs["reference run"], log)
         status = wait_for(reference, log, "the reference run", RUN_TIMEOUT_S)
         if status != 0:
             raise TrainerFailed(f"the reference run exited with status {status}", log)
     identical = (work / "spot.digest").read_text() == (work / "ref.digest").read_text()
     report(evictions, identical)
     print(goodput)
+    print()
+    print(where_to_look(runs, embedded))
     return 0 if identical and not any(e.steps_lost for e in evictions) else 1
+
+
+def where_to_look(runs: dict[str, str], embedded: bool) -> str:
+    """Where each run wrote and the commands that show it; with the embedded server, that it
+    is gone (its bucket lived in the server's memory) and how to keep the next demo's."""
+    width = max(map(len, runs))
+    lines = ["checkpoints:"]
+    lines += [f"  {name + ':':<{width + 1}} {uri}" for name, uri in runs.items()]
+    if embedded:
+        lines.append(
+            "the embedded S3 server stopped with the demo: these checkpoints are gone. To keep "
+            "them, name a folder or a bucket: SPOTCKPT_URI=/tmp/spotckpt-demo make demo"
+        )
+        return "\n".join(lines)
+    spot = shlex.quote(runs["spot run"])
+    lines += [
+        "look at the spot run's checkpoints and its goodput with:",
+        f"  spotckpt ls {spot}",
+        f"  spotckpt stats {spot}",
+    ]
+    return "\n".join(lines)
 
 
 @contextmanager

@@ -51,6 +51,7 @@ from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, UploadInfo
 from spotckpt.storage.registry import open_store, uri_scheme
+from spotckpt.units import human_size
 from spotckpt.version import __version__
 
 EXIT_OK, EXIT_FAILED_VERIFICATION, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -128,16 +129,6 @@ def _closing_store(uri: str, options: dict[str, Any]) -> Iterator[ObjectStore]:
         yield store
     finally:
         store.close()
-
-
-def human_size(size: float) -> str:
-    """A byte count for people: ``0 B``, ``12.3 KiB``, ``1.5 MiB``."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-    index = 0
-    while abs(size) >= 1024 and index < len(units) - 1:
-        size /= 1024
-        index += 1
-    return f"{size:.0f} B" if index == 0 else f"{size:.1f} {units[index]}"
 
 
 def _human_age(seconds: float | None) -> str:
@@ -238,15 +229,16 @@ def _storage_pair(text: str) -> tuple[str, str]:
 
 
 @contextmanager
-def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
-    """A callback ``(done, total)`` that drives a tqdm bar on stderr when it is a terminal."""
+def _progress_bar(description: str, unit: str = "B") -> Iterator[Callable[[int, int], None]]:
+    """A callback ``(done, total)`` that drives a tqdm bar on stderr when it is a terminal;
+    in bytes (scaled to KiB, MiB, ...), or in another `unit` counted as it is."""
     from tqdm import tqdm  # only the commands with progress bars pay for importing it
 
     bar = tqdm(
         desc=description,
         total=0,
-        unit="B",
-        unit_scale=True,
+        unit=unit,
+        unit_scale=unit == "B",
         unit_divisor=1024,
         file=sys.stderr,
         disable=not sys.stderr.isatty(),
@@ -687,9 +679,13 @@ def gc_command(
     as_json: bool,
 ) -> None:
     """Delete unreferenced attempts, uncommitted steps and stale uploads; apply retention."""
-    with _opened(uri, storage_options) as store:
+    with _opened(uri, storage_options) as store, _progress_bar("gc", unit="step") as progress:
         report = collect_garbage(
-            store, keep_last=keep_last, safety_age_s=safety_age, dry_run=dry_run
+            store,
+            keep_last=keep_last,
+            safety_age_s=safety_age,
+            dry_run=dry_run,
+            progress=progress,
         )
     if as_json:
         _emit_json(report.to_dict())
@@ -778,10 +774,17 @@ def export_command(
     if not 1 <= len(locations) <= 2:
         raise click.UsageError("export-hf takes [URI] OUT: one or two locations")
     uri, out = (None, locations[0]) if len(locations) == 1 else locations
+    try:
+        resolved, options = _resolve(uri, storage_options)
+    except click.UsageError:  # one location, and no URI configured: OUT is what is missing
+        raise click.UsageError(
+            f"missing argument OUT: export-hf writes into a folder or bucket URI given after "
+            f"the checkpoint URI (spotckpt export-hf {locations[0]} OUT); a single location is "
+            "OUT when SPOTCKPT_URI or spotckpt.toml names the checkpoint, and neither does"
+        ) from None
     from spotckpt.export import export_hf  # imports torch: only this command needs it
 
     cast = BY_NAME[dtype].torch_dtype if dtype is not None else None
-    resolved, options = _resolve(uri, storage_options)
     out_options = options if uri_scheme(out) == uri_scheme(resolved) else {}
     with _closing_store(resolved, options) as store:
         _check_root(store)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from spotckpt.errors import ConfigError, InvalidArgumentError, MissingURIError
 from spotckpt.preemption.azure import AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV
+from spotckpt.extras import has_module
 from spotckpt.redact import redact, secret_values
 from spotckpt.tiers.node import NODE_VARIABLE, ZONE_VARIABLE
 from spotckpt.tiers.redundancy import parse_redundancy
@@ -84,6 +85,9 @@ class Settings:
     - `redundancy`: copies of each rank's fast-tier object on other nodes: ``"replicate:F"``,
       ``"ec:K+M"`` (erasure coding), or None (the node's own copy only).
     - `local_keep_last`: fast-tier steps each node keeps.
+    - `progress_interval_s`: a save or restore still running after this many seconds logs its
+      progress at INFO (bytes done of total, rate, time left), again every as many seconds;
+      None: never.
     """
 
     keep_last: int | None = 3
@@ -105,6 +109,7 @@ class Settings:
     local_interval_steps: int | None = None
     redundancy: str | None = None
     local_keep_last: int = 2
+    progress_interval_s: float | None = 5.0
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -186,6 +191,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "local_interval_steps": (int, type(None)),
     "redundancy": (str, type(None)),
     "local_keep_last": (int,),
+    "progress_interval_s": (int, float, type(None)),
 }
 _AT_LEAST_ONE = frozenset(
     {
@@ -198,7 +204,9 @@ _AT_LEAST_ONE = frozenset(
         "local_keep_last",
     }
 )
-_POSITIVE = frozenset({"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour"})
+_POSITIVE = frozenset(
+    {"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour", "progress_interval_s"}
+)
 _CODE_ONLY = frozenset({"metrics"})
 
 Where = Callable[[str], str]
@@ -254,7 +262,8 @@ def _range_problem(key: str, value: Any) -> str | None:
         return f'must be "thread" or "process", got {_shown(value)}'
     if key == "redundancy" and value is not None:
         try:
-            parse_redundancy(value)
+            if parse_redundancy(value).erasure and not has_module("zfec"):
+                return "ec:K+M needs zfec: pip install 'spotckpt[erasure]'"
         except InvalidArgumentError as error:
             return str(error).removeprefix("redundancy ")
     if isinstance(value, str) or value is None:

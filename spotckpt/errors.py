@@ -32,6 +32,10 @@ class LaunchUsageError(InvalidArgumentError):
     """A setting the launcher reads (not a torchrun option) has a value it cannot use."""
 
 
+class MissingDependencyError(CheckpointError, ImportError):
+    """An optional part is used whose extra is not installed; the message names the extra."""
+
+
 class StorageError(CheckpointError):
     """A storage operation failed for a reason that retrying will not fix."""
 

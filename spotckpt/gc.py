@@ -23,6 +23,7 @@ The layout itself is the catalog's (`spotckpt.catalog`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -35,6 +36,7 @@ from spotckpt.errors import (
     ObjectNotFoundError,
 )
 from spotckpt.storage.base import ObjectStore, UploadInfo
+from spotckpt.units import human_size
 
 log = logging.getLogger("spotckpt")
 
@@ -93,11 +95,13 @@ def collect_garbage(
     safety_age_s: float = 3600.0,
     dry_run: bool = False,
     now: datetime | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> GcReport:
     """Collect garbage under `store`'s root; see the module docstring. Returns the report.
 
     `now` is the store's current time when the caller already knows it; by default the store
-    is asked (StoreClockError when it gives no time).
+    is asked (StoreClockError when it gives no time). `progress(done, total)` is called after
+    the scan and as each step folder (then the uploads and probes, as one more) is done.
     """
     if keep_last is not None and keep_last < 1:
         raise InvalidArgumentError(
@@ -112,8 +116,10 @@ def collect_garbage(
     report.kept.extend(f"{name}/ (not a canonical step folder)" for name in scan.look_alikes)
     committed = scan.committed
     retired = set(committed[:-keep_last]) if keep_last is not None else set()
+    advance = _counter(len(scan.steps) + 1, progress)
     for step in sorted(retired):
         _retire(catalog, scan.steps[step], committed[-1], report)
+        advance()
     for step, info in sorted(scan.steps.items()):
         if step in retired:
             continue
@@ -123,9 +129,26 @@ def collect_garbage(
             _collect_attempts(catalog, info, now, safety_age_s, report)
         else:
             _collect_uncommitted(catalog, info, now, safety_age_s, report)
+        advance()
     _abort_uploads(store, scan.uploads, now, safety_age_s, report)
     _collect_probes(catalog, now, safety_age_s, report)
+    advance()
     return report
+
+
+def _counter(total: int, progress: Callable[[int, int], None] | None) -> Callable[[], None]:
+    """A call per unit of work done, reported to `progress` (starting at 0 of `total`)."""
+    done = 0
+    if progress is not None:
+        progress(0, total)
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    return advance
 
 
 def _aware(moment: datetime) -> datetime:
@@ -268,10 +291,10 @@ def _record(report: GcReport, action: GcAction) -> None:
     if action.kind == "upload":
         verb = "would abort" if report.dry_run else "aborted"
     log.info(
-        "gc: %s %s %s (%d objects, %d bytes)",
+        "gc: %s %s %s (%d objects, %s)",
         verb,
         action.kind,
         action.target,
         action.objects,
-        action.bytes,
+        human_size(action.bytes),
     )

@@ -47,6 +47,7 @@ from spotckpt.format.manifest import Manifest
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
 from spotckpt.preemption import PreemptionWatcher
+from spotckpt.progress import ProgressLog, Sample
 from spotckpt.restore import State, StateLoader
 from spotckpt.state import (
     as_dcp_state,
@@ -57,6 +58,7 @@ from spotckpt.storage.base import check_portable
 from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
 from spotckpt.tiers.recovery import Scope
 from spotckpt.tiers.redundancy import parse_redundancy
+from spotckpt.units import human_rate, human_size
 from spotckpt.verify import VerifyReport, verify_checkpoint
 from spotckpt.version import __version__
 
@@ -120,7 +122,12 @@ class CheckpointManager:
         self.checkpointer = Checkpointer(
             self.collective, process_mode=self.settings.async_mode == "process"
         )
-        self.loader = StateLoader(self.catalog, self.collective, self.checkpointer)
+        self.loader = StateLoader(
+            self.catalog,
+            self.collective,
+            self.checkpointer,
+            progress_interval_s=self.settings.progress_interval_s,
+        )
         self.tier = self._open_tier()
         self._check_async_mode()
         self._pending: PendingSave | None = None
@@ -347,6 +354,11 @@ class CheckpointManager:
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
 
+    def _progress_log(self, what: str, sample: Sample) -> ProgressLog:
+        """Progress of a transfer, logged by the coordinator only (its own rank's bytes)."""
+        interval = self.settings.progress_interval_s if self.is_coordinator else None
+        return ProgressLog(what, sample, interval)
+
     def _job_of_saves(self) -> str | None:
         """This job's identity (`spotckpt.catalog.JobIdentity`), created by the coordinator at
         the first save and shared with every rank; None (and the fast tier skipped, with a
@@ -398,10 +410,13 @@ class CheckpointManager:
     ) -> None:
         started = time.monotonic()
         if blocking:
-            self._run_save(step, writer, lambda: self.checkpointer.save(state_dict, writer))
+            with self._progress_log(f"saving step {step}", writer.progress):
+                self._run_save(step, writer, lambda: self.checkpointer.save(state_dict, writer))
             self._blocking_commit(step, writer, started, emergency)
             return
         upload = self.checkpointer.async_save(state_dict, writer)
+        progress = self._progress_log(f"uploading step {step}", writer.progress).start()
+        upload.add_done_callback(lambda _: progress.stop())
         self._hand_over(PendingSave(step, upload, writer, True, started, 0.0), emergency, "")
         self._agree_interval()  # safe during the upload: saves use a group of their own
 
@@ -562,7 +577,10 @@ class CheckpointManager:
         self._run_save(pending.step, pending.writer, pending.upload.result)
         self.last_save_seconds = time.monotonic() - pending.started
         log.info(
-            "checkpoint step %d committed in %.2f s (async)", pending.step, self.last_save_seconds
+            "checkpoint step %d committed in %.2f s (async)%s",
+            pending.step,
+            self.last_save_seconds,
+            _amount(pending.writer, self.last_save_seconds),
         )
         self.goodput.committed(
             pending.step,
@@ -631,7 +649,12 @@ class CheckpointManager:
             self._agree_interval()
         if writer.manifest is None:
             return
-        log.info("checkpoint step %d committed in %.2f s", step, self.last_save_seconds)
+        log.info(
+            "checkpoint step %d committed in %.2f s%s",
+            step,
+            self.last_save_seconds,
+            _amount(writer, self.last_save_seconds),
+        )
         self.goodput.committed(
             step,
             stall_s=self.last_save_seconds,
@@ -950,3 +973,12 @@ class CheckpointManager:
 def _size(writer: ObjectStoreWriter) -> int | None:
     """Bytes of a committed save (known on the coordinator)."""
     return writer.manifest.total_bytes if writer.manifest is not None else None
+
+
+def _amount(writer: ObjectStoreWriter, seconds: float) -> str:
+    """``", 256.0 MiB at 30.1 MiB/s"`` for a committed save's log line (where its size is
+    known: on the coordinator)."""
+    size = _size(writer)
+    if size is None:
+        return ""
+    return f", {human_size(size)} at {human_rate(size / max(seconds, 1e-9))}"

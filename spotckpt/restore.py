@@ -26,6 +26,7 @@ from spotckpt.engine.reader import ObjectStoreReader, ReadStats
 from spotckpt.errors import CheckpointError
 from spotckpt.format.index import Box, Root
 from spotckpt.format.manifest import Manifest
+from spotckpt.progress import ProgressLog
 from spotckpt.state import (
     TrainState,
     as_dcp_state,
@@ -34,6 +35,7 @@ from spotckpt.state import (
     write_back,
 )
 from spotckpt.storage import ObjectStore
+from spotckpt.units import human_size
 
 log = logging.getLogger("spotckpt")
 
@@ -45,11 +47,17 @@ class StateLoader:
     """Loads checkpoints into states for one rank of a job (see the module docstring)."""
 
     def __init__(
-        self, catalog: Catalog, collective: Collective, checkpointer: Checkpointer
+        self,
+        catalog: Catalog,
+        collective: Collective,
+        checkpointer: Checkpointer,
+        *,
+        progress_interval_s: float | None = None,
     ) -> None:
         self.catalog = catalog
         self.collective = collective
         self.checkpointer = checkpointer
+        self.progress_interval_s = progress_interval_s  # the coordinator logs its own reads
 
     def manifest(self, state: State, step: int) -> Manifest:
         """The manifest of committed `step` as far as loading `state` needs it (the coordinator
@@ -90,18 +98,22 @@ class StateLoader:
         reader = ObjectStoreReader(store, manifest, group=self.collective.group, offer_runs=True)
         started = time.monotonic()
         loaded = as_dcp_state(state)
-        with self._restoring(state, manifest):
+        interval = self.progress_interval_s if self.collective.rank == 0 else None
+        with (
+            self._restoring(state, manifest),
+            ProgressLog(f"restoring step {manifest.step}", reader.progress, interval),
+        ):
             self.checkpointer.load(loaded, reader, planner(strict, reader.runs), manifest.step)
         write_back(state, loaded)
         read, needed, requests = self.collective.sum(
             [reader.stats.bytes_read, reader.stats.bytes_needed, reader.stats.requests]
         )
         log.info(
-            "restored step %d in %.2f s (%d bytes read for %d needed, job-wide)",
+            "restored step %d in %.2f s (%s read for %s needed, job-wide)",
             manifest.step,
             time.monotonic() - started,
-            read,
-            needed,
+            human_size(read),
+            human_size(needed),
         )
         return ReadStats(read, needed, requests)
 

@@ -163,6 +163,7 @@ class ObjectStoreReader(StorageReader):
             self._offer_run(name, run)
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
+        self._planned = 0  # bytes this rank's fetches read in all (`progress`)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle as the store, the manifest and the read settings (the stats start afresh)."""
@@ -196,6 +197,12 @@ class ObjectStoreReader(StorageReader):
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.stats = ReadStats()
+        self._planned = 0
+
+    def progress(self) -> tuple[int, int]:
+        """Bytes this rank has fetched so far, and how many its reads fetch in all (0 before
+        they are planned)."""
+        return self.stats.bytes_read, self._planned
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
@@ -255,6 +262,7 @@ class ObjectStoreReader(StorageReader):
             fetches += pieces
         fetches += self._plan_fetches(buffered)
         fetches.sort(key=lambda fetch: (fetch.key, fetch.start))
+        self._planned += sum(fetch.end - fetch.start for fetch in fetches)
         with ThreadPoolExecutor(
             self.max_parallel_reads, thread_name_prefix="spotckpt-read"
         ) as pool:

@@ -124,10 +124,17 @@ class ObjectStoreWriter(StorageWriter):
         self.planned_attempt = attempt
         self.attempt: str | None = attempt
         self.manifest: Manifest | None = None
+        self._stream: SafetensorsStreamWriter | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.attempt = self.planned_attempt
         self.manifest = None
+        self._stream = None
+
+    def progress(self) -> tuple[int, int]:
+        """Bytes of this rank's object written so far, and its size (0 before it starts)."""
+        stream = self._stream
+        return (0, 0) if stream is None else (stream.written, stream.total)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -197,6 +204,7 @@ class ObjectStoreWriter(StorageWriter):
         placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
         with writer:
             stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
+            self._stream = stream
             for item, spec in zip(ordered, specs, strict=True):
                 data = values.get(item.index)
                 if data is None:

@@ -112,7 +112,10 @@ class SafetensorsStreamWriter:
         header = encode_header(specs, metadata)
         self._crc = crc32c(header)
         self._position = len(header)
+        self.total = len(header) + sum(spec.nbytes for spec in specs)  # the object's size
+        self.written = 0  # bytes handed to the object writer so far (`spotckpt.progress`)
         writer.write(header)
+        self.written = len(header)
 
     def write_tensor(self, name: str, data: memoryview) -> StoredRange:
         """Stream the bytes of the next tensor; returns where they landed and their CRCs."""
@@ -129,6 +132,7 @@ class SafetensorsStreamWriter:
             piece = data[start : start + _WRITE_SLICE]
             self._crc = crc32c(piece, self._crc)
             self._writer.write(piece)
+            self.written += piece.nbytes
         stored = StoredRange(self._position, data.nbytes, crcs)
         self._position += data.nbytes
         return stored

@@ -45,17 +45,21 @@ from typing import Any
 
 import torch
 
-try:
-    import lightning.pytorch as pl
-except ImportError:  # only the standalone package is installed
-    import pytorch_lightning as pl  # type: ignore[no-redef]
-
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt.errors import CheckpointError
+from spotckpt.extras import missing_extra
 from spotckpt.loader_rng import loader_randomness
 from spotckpt.manager import CheckpointManager
 from spotckpt.state import PerRankState, TrainState, shield_workers
 from spotckpt.values import decode, encode, load_plain
+
+try:
+    import lightning.pytorch as pl
+except ImportError as missing:  # only the standalone package is installed, or none
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError:
+        raise missing_extra("lightning", "spotckpt.integrations.lightning", missing) from None
 
 log = logging.getLogger("spotckpt")
 

@@ -56,22 +56,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torchtitan.tools.utils as titan_utils
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
-from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
-from torchtitan.train import Trainer
-from torchtitan.train import main as torchtitan_main
 
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt import CheckpointManager as SpotckptManager
 from spotckpt.config import Config
 from spotckpt.errors import ConfigError
+from spotckpt.extras import missing_extra
 from spotckpt.state import RNG_KEY, RNGState, shield_workers
 from spotckpt.values import decode, encode, load_plain
+
+try:
+    import torchtitan.tools.utils as titan_utils
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchtitan.components.checkpoint import MODEL, CheckpointManager
+    from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as torchtitan_main
+except ImportError as missing:
+    raise missing_extra("torchtitan", "spotckpt.integrations.torchtitan", missing) from missing
 
 log = logging.getLogger("spotckpt")
 

@@ -37,8 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import IntervalStrategy
+
+from spotckpt.extras import missing_extra
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_utils import IntervalStrategy
+except ImportError as missing:
+    raise missing_extra("transformers", "spotckpt.integrations.transformers", missing) from missing
 
 from spotckpt import PREEMPTED_EXIT_CODE
 from spotckpt.errors import CheckpointError

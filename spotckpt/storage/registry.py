@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from spotckpt.errors import InvalidArgumentError, StorageError
+from spotckpt.extras import missing_extra
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.local import open_local_store
 from spotckpt.storage.memory import open_memory_store
@@ -110,8 +111,10 @@ def _open_s3(uri: str, options: dict[str, Any]) -> ObjectStore:
 
 
 def _open_gcs(uri: str, options: dict[str, Any]) -> ObjectStore:
-    from spotckpt.storage.gcs import open_gcs_store  # google-cloud-storage loads only for GCS
-
+    try:
+        from spotckpt.storage.gcs import open_gcs_store  # google-cloud-storage loads only for GCS
+    except ImportError as error:
+        raise missing_extra("gcs", "the gs:// store", error) from error
     return open_gcs_store(uri, options)
 
 

@@ -103,6 +103,30 @@ _TRANSIENT_ERRORS = (
 )
 
 
+_CREDENTIAL_ERRORS = (
+    botocore.exceptions.NoCredentialsError,
+    botocore.exceptions.PartialCredentialsError,
+    botocore.exceptions.CredentialRetrievalError,
+    botocore.exceptions.ProfileNotFound,
+)
+CREDENTIAL_SOURCES = (
+    "boto3 looks in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, with "
+    "AWS_SESSION_TOKEN for temporary keys), then a profile (AWS_PROFILE or "
+    "storage_options profile_name, from ~/.aws/credentials or ~/.aws/config, SSO included), "
+    "web identity (AWS_WEB_IDENTITY_TOKEN_FILE, as EKS sets it), then the instance or task "
+    "role (EC2 instance metadata, ECS); or pass the keys as storage_options "
+    "aws_access_key_id and aws_secret_access_key (never logged)"
+)
+"""Where S3 credentials come from, for the message when none are found."""
+
+
+def credentials_error(error: BaseException, what: str) -> PermissionDeniedError:
+    """The error for an S3 request that found no usable credentials: where they come from."""
+    return PermissionDeniedError(
+        f"{what}: no usable AWS credentials ({type(error).__name__}: {error}). {CREDENTIAL_SOURCES}"
+    )
+
+
 def is_transient(error: BaseException) -> bool:
     """Whether an S3 error is worth retrying: throttling, 5xx, timeouts, connection resets."""
     if isinstance(error, botocore.exceptions.ClientError):
@@ -252,18 +276,24 @@ class S3Store(BucketStore[S3Options]):
     """A bucket prefix on S3 or any S3-compatible server."""
 
     SCHEME: ClassVar[str] = "s3"
-    SERVER_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (botocore.exceptions.ClientError,)
+    SERVER_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (
+        botocore.exceptions.ClientError,
+        *_CREDENTIAL_ERRORS,
+    )
     TRANSPORT_ERRORS: ClassVar[tuple[type[BaseException], ...]] = _TRANSIENT_ERRORS
 
     def __init__(self, bucket: str, prefix: str, options: S3Options) -> None:
         super().__init__(bucket, prefix, options)
-        session = boto3.session.Session(
-            aws_access_key_id=options.aws_access_key_id,
-            aws_secret_access_key=options.aws_secret_access_key,
-            aws_session_token=options.aws_session_token,
-            profile_name=options.profile_name,
-            region_name=options.region_name,
-        )
+        try:
+            session = boto3.session.Session(
+                aws_access_key_id=options.aws_access_key_id,
+                aws_secret_access_key=options.aws_secret_access_key,
+                aws_session_token=options.aws_session_token,
+                profile_name=options.profile_name,
+                region_name=options.region_name,
+            )
+        except botocore.exceptions.ProfileNotFound as error:
+            raise credentials_error(error, f"s3://{bucket}") from None
         config = botocore.config.Config(
             max_pool_connections=options.max_concurrency * 2 + 4,
             retries={"max_attempts": 1, "mode": "standard"},
@@ -291,6 +321,8 @@ class S3Store(BucketStore[S3Options]):
         retries as a StorageError."""
         if isinstance(error, botocore.exceptions.ClientError):
             return translate_error(error, what)
+        if isinstance(error, _CREDENTIAL_ERRORS):
+            return credentials_error(error, what)
         return StorageError(f"{what}: still failing after retries: {type(error).__name__}: {error}")
 
     # Writes ---------------------------------------------------------------------------------

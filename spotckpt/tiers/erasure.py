@@ -7,15 +7,20 @@ stripe length), K..K+M-1 the parity blocks. Any K of the K+M blocks give back ev
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import zfec
+from types import ModuleType
 
 from spotckpt.errors import CorruptCheckpointError
+from spotckpt.extras import import_extra
+
+
+def _zfec() -> ModuleType:
+    """zfec, from the ``erasure`` extra (imported on first use: the core install has none)."""
+    return import_extra("zfec", "erasure", 'redundancy "ec:K+M"')
 
 
 def parity_block(data_blocks: list[bytes], parity: int, index: int) -> bytes:
     """Parity block `index` (0-based among the parity blocks) of K equal-length data blocks."""
-    encoder = zfec.Encoder(len(data_blocks), len(data_blocks) + parity)
+    encoder = _zfec().Encoder(len(data_blocks), len(data_blocks) + parity)
     return bytes(encoder.encode(tuple(data_blocks), (len(data_blocks) + index,))[0])
 
 
@@ -26,6 +31,6 @@ def data_block(blocks: Mapping[int, bytes], data: int, parity: int, index: int) 
             f"erasure-coded stripe: {len(blocks)} pieces survive, {data} are needed"
         )
     numbers = tuple(sorted(blocks)[:data])
-    decoder = zfec.Decoder(data, data + parity)
+    decoder = _zfec().Decoder(data, data + parity)
     decoded = decoder.decode(tuple(blocks[n] for n in numbers), numbers)
     return bytes(decoded[index])

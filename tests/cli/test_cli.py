@@ -402,6 +402,31 @@ def _one_document(result: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(result.stdout)
 
 
+def test_s3_without_credentials_says_where_they_come_from(
+    tmp_path: Path, moto_endpoint: str
+) -> None:
+    """boto3's real chain, run dry: no keys in the environment, no profile files, no metadata
+    service (conftest turns it off for the children too)."""
+    nothing = str(tmp_path / "no-such-file")
+    bare = {
+        "AWS_ENDPOINT_URL": moto_endpoint,
+        "AWS_ACCESS_KEY_ID": "",
+        "AWS_SECRET_ACCESS_KEY": "",
+        "AWS_SHARED_CREDENTIALS_FILE": nothing,
+        "AWS_CONFIG_FILE": nothing,
+    }
+    missing, no_profile = run_all(
+        [["ls", "s3://some-bucket/run"], ["ls", "s3://some-bucket/run"]],
+        tmp_path,
+        envs=[bare, {**bare, "AWS_PROFILE": "training"}],
+    )
+    for result, cause in ((missing, "NoCredentialsError"), (no_profile, "ProfileNotFound")):
+        line = one_line_error(result, 2)
+        assert f"no usable AWS credentials ({cause}: " in line, line
+        for source in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "instance or task role", "storage_opt"):
+            assert source in line, (source, line)
+
+
 def test_json_mode_reports_every_error_as_one_document(tmp_path: Path, moto_endpoint: str) -> None:
     root, empty, missing = tmp_path / "ckpt", tmp_path / "empty", tmp_path / "missing"
     _save(str(root), [1])
@@ -423,6 +448,7 @@ def test_json_mode_reports_every_error_as_one_document(tmp_path: Path, moto_endp
         (["gc", str(root), "--safety-age", "soon"], {}, "--safety-age"),
         (["ls", "--bogus"], {}, "--bogus"),
         (["export-hf"], {}, "one or two locations"),
+        (["export-hf", str(root)], {}, "missing argument OUT: export-hf writes into a folder or "),
         (["ls"], {}, "pass the URI argument or set SPOTCKPT_URI"),
         (["ls"], {"SPOTCKPT_CONFIG": str(bad_config)}, "broken.toml: it is not UTF-8 TOML"),
         (["ls"], {"SPOTCKPT_URI": str(root), "SPOTCKPT_KEEP_LAST": "x"}, "SPOTCKPT_KEEP_LAST: "),

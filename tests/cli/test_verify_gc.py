@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import re
 import shutil
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -227,6 +233,54 @@ def test_gc_deletes_old_garbage_and_keeps_fresh_and_newest(messy: Path) -> None:
     assert manager.steps() == [3]
     assert verify_checkpoint(store, 3).ok
     manager.close()
+
+
+def test_gc_reports_progress_per_step_folder(messy: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    collect_garbage(open_store(str(messy)), keep_last=1, progress=lambda d, t: seen.append((d, t)))
+    folders = 5  # steps 1-5; then the uploads and probes count as one more
+    assert seen == [(done, folders + 1) for done in range(folders + 2)]
+
+
+def test_gc_shows_a_bar_on_a_terminal_and_none_elsewhere(messy: Path) -> None:
+    """stderr on a real pseudo-terminal, read as the command runs: tqdm draws its bar there."""
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 wide
+    screen: list[bytes] = []
+    reader = threading.Thread(target=_drain, args=(primary, screen))
+    reader.start()
+    try:
+        shown = subprocess.run(
+            [str(SCRIPT), "gc", str(messy), "--dry-run"],
+            stdout=subprocess.PIPE,
+            stderr=secondary,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(secondary)
+        reader.join()
+        os.close(primary)
+    drawn = b"".join(screen)
+    assert shown.returncode == 0, drawn
+    assert re.search(rb"gc: .*\d+(/6)?step", drawn), drawn
+    assert "would delete" in shown.stdout
+    piped = subprocess.run(
+        [str(SCRIPT), "gc", str(messy), "--dry-run"], capture_output=True, text=True, timeout=300
+    )
+    assert piped.returncode == 0 and piped.stderr == ""
+
+
+def _drain(fd: int, into: list[bytes]) -> None:
+    """Read a terminal until its other end is closed (EIO) and it is drained."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        into.append(chunk)
 
 
 def test_unreferenced_attempt_of_committed_step_goes_when_old(messy: Path) -> None:

@@ -1,0 +1,60 @@
+"""`make demo` ends by saying where each run wrote and how to look at it; the commands it prints
+work as printed (run here through a shell on a real checkpoint in a folder whose name needs
+quoting), and with the embedded server it says that the checkpoints are gone."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from spotckpt import CheckpointManager
+
+from tests_support import REPO, SCRIPT
+
+
+def _demo() -> ModuleType:
+    if "spotckpt_demo" in sys.modules:  # loaded by another test module already
+        return sys.modules["spotckpt_demo"]
+    spec = importlib.util.spec_from_file_location("spotckpt_demo", REPO / "examples" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["spotckpt_demo"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_printed_commands_show_the_spot_run(tmp_path: Path) -> None:
+    base = tmp_path / "my checkpoints" / "demo-1234abcd"
+    runs = {"spot run": f"{base}/spot", "reference run": f"{base}/reference"}
+    with CheckpointManager(runs["spot run"], preemption=False) as mgr:
+        mgr.save(25, {"w": torch.ones(3)}, blocking=True)
+    text = _demo().where_to_look(runs, embedded=False)
+    assert f"spot run:      {runs['spot run']}" in text
+    assert f"reference run: {runs['reference run']}" in text
+    commands = [line.strip() for line in text.splitlines() if line.startswith("  spotckpt ")]
+    assert [c.split()[1] for c in commands] == ["ls", "stats"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
+    env["PATH"] = f"{SCRIPT.parent}{os.pathsep}{env.get('PATH', '')}"  # this checkout's spotckpt
+    listed, stats = (
+        subprocess.run(
+            command, shell=True, capture_output=True, text=True, timeout=300, env=env, check=False
+        )
+        for command in commands
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert "25" in listed.stdout and "no committed" not in listed.stdout
+    assert stats.returncode == 0, stats.stderr
+
+
+def test_embedded_server_run_says_its_checkpoints_are_gone() -> None:
+    runs = {"spot run": "s3://demo-1/runs/tiny/spot", "reference run": "s3://demo-1/x/reference"}
+    text = _demo().where_to_look(runs, embedded=True)
+    assert "s3://demo-1/runs/tiny/spot" in text
+    assert "these checkpoints are gone" in text and "SPOTCKPT_URI=" in text
+    assert "spotckpt ls" not in text  # nothing left to look at
