@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from spotckpt.errors import ConfigError, InvalidArgumentError, MissingURIError
-from spotckpt.preemption.azure import AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV
 from spotckpt.extras import has_module
+from spotckpt.preemption.azure import AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV
 from spotckpt.redact import redact, secret_values
 from spotckpt.tiers.node import NODE_VARIABLE, ZONE_VARIABLE
 from spotckpt.tiers.redundancy import parse_redundancy

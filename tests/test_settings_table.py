@@ -1,5 +1,6 @@
-"""docs/configuration.md's settings table lists every setting, with its variable and default, as the code
-declares them: a setting added to `spotckpt.config.Settings` fails this test until it has a row.
+"""docs/configuration.md's settings table lists every setting, with its variable and default,
+as the code declares them: a setting added to `spotckpt.config.Settings` fails this test until
+it has a row.
 """
 
 from __future__ import annotations
