@@ -78,7 +78,7 @@ PROFILES: dict[str, Profile] = {
     "s3-express": Profile("s3-express", 10 * GBIT, 25 * GBIT, 0.004, 100_000, 200_000),
     # Scaled so that its limits bind at the request rates one 2-core machine produces: a save
     # of 32 ranks into one prefix hits the write rate, the bandwidth limits stay in reach.
-    "stress": Profile("stress", 64 * MIB, 256 * MIB, 0.005, 60, 200, burst_s=0.25),
+    "stress": Profile("stress", 64 * MIB, 256 * MIB, 0.005, 20, 60, burst_s=0.25),
 }
 
 

@@ -635,7 +635,7 @@ class GCSStore(BucketStore[GCSOptions]):
             return blob
 
         try:
-            blob = self.call(f"put {self.where(key)}", upload)
+            blob = self.call(f"put {self.where(key)}", upload, sent=len(data))
         except AlreadyExistsError:
             if attempts > 1 and token and self.written_by(key, token):
                 return ObjectInfo(key, len(data))
