@@ -147,6 +147,11 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, _TRANSIENT_ERRORS)
 
 
+def is_throttle(error: BaseException) -> bool:
+    """429 Too Many Requests: GCS asks to slow down (a bucket's rate ramps up under load)."""
+    return http_status(error) == 429
+
+
 def _is_transient_read(error: BaseException) -> bool:
     # A download whose CRC32C does not match was damaged in transit: fetch it again.
     return is_transient(error) or isinstance(error, DataCorruption)
@@ -580,6 +585,10 @@ class GCSStore(BucketStore[GCSOptions]):
     def is_transient(self, error: BaseException) -> bool:
         """See the module function `is_transient`."""
         return is_transient(error)
+
+    def is_throttle(self, error: BaseException) -> bool:
+        """See the module function `is_throttle`."""
+        return is_throttle(error)
 
     def is_transient_read(self, error: BaseException) -> bool:
         """A whole-object read whose CRC32C does not match was damaged in transit: retried."""

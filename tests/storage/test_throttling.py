@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -156,3 +157,25 @@ def test_throttle_gives_up_at_the_deadline_and_passes_other_errors() -> None:
     with pytest.raises(KeyError):
         throttle.run(lambda: {}["x"], lambda e: False, Deadline.after("test", 60))
     assert throttle.stats().throttled == 1
+
+
+def test_which_answers_are_throttling() -> None:
+    import botocore.exceptions
+    from google.api_core import exceptions as api_exceptions
+
+    from spotckpt.storage import gcs
+
+    def s3_error(code: str, status: int) -> botocore.exceptions.ClientError:
+        answer: Any = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return botocore.exceptions.ClientError(answer, "PutObject")
+
+    store = open_s3_store("s3://bucket/p", {"endpoint_url": "http://127.0.0.1:9"})
+    try:
+        assert store.is_throttle(s3_error("SlowDown", 503))
+        assert store.is_throttle(s3_error("", 429))
+        assert not store.is_throttle(s3_error("InternalError", 500))
+        assert not store.is_throttle(s3_error("AccessDenied", 403))
+    finally:
+        store.close()
+    assert gcs.is_throttle(api_exceptions.TooManyRequests("slow down"))
+    assert not gcs.is_throttle(api_exceptions.ServiceUnavailable("later"))
