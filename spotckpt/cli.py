@@ -35,6 +35,7 @@ import click
 
 from spotckpt.catalog import ATTEMPT_PREFIX, Catalog, Scan, attempt_folders, parse_step_folder
 from spotckpt.config import Config
+from spotckpt.cost import DEFAULT_PRICES, load_prices
 from spotckpt.errors import (
     CheckpointError,
     ConfigError,
@@ -827,16 +828,30 @@ def export_command(
 @_uri_argument
 @_storage_option
 @_json_option
+@click.option(
+    "--prices",
+    "prices_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSON object of prices replacing the defaults (S3 Standard, us-east-1): "
+    "write_per_1000, read_per_1000, delete_per_1000, storage_per_gb_month, egress_per_gb, "
+    "currency.",
+)
 def stats_command(
-    uri: str | None, storage_options: tuple[tuple[str, str], ...], as_json: bool
+    uri: str | None,
+    storage_options: tuple[tuple[str, str], ...],
+    as_json: bool,
+    prices_path: str | None,
 ) -> None:
-    """Goodput from the run's events: evictions, steps lost, save costs, the interval.
+    """Goodput from the run's events: evictions, steps lost, save costs, the interval; and the
+    requests the saves and restores made, with their estimated price.
 
     Save stall is the time the training loop was blocked; the suggested interval is Daly's
-    optimum for the measured save cost, step time and eviction rate.
+    optimum for the measured save cost, step time and eviction rate. Prices are list prices
+    (no free tier, no discounts): an estimate.
     """
+    prices = load_prices(prices_path) if prices_path else DEFAULT_PRICES
     with _opened(uri, storage_options) as store:
-        stats = load_stats(store)
+        stats = load_stats(store, prices)
         if not stats.events:
             _probe_root(store)  # a missing bucket is an error, not "no events"
     if as_json:

@@ -48,6 +48,7 @@ from spotckpt.catalog import (
     parse_event_key,
 )
 from spotckpt.config import DEFAULT_MAX_INTERVAL_STEPS, Settings
+from spotckpt.cost import DEFAULT_PRICES, PriceTable
 from spotckpt.errors import (
     AlreadyExistsError,
     BoundedJSONError,
@@ -56,6 +57,7 @@ from spotckpt.errors import (
 )
 from spotckpt.format import bounded_json
 from spotckpt.storage.base import ObjectStore
+from spotckpt.storage.requests import RequestTally
 
 log = logging.getLogger("spotckpt")
 
@@ -328,20 +330,31 @@ class IntervalModel:
 
 # Events ------------------------------------------------------------------------------------------
 
+REQUEST_FIELDS = (
+    "write_requests",
+    "read_requests",
+    "delete_requests",
+    "bytes_sent",
+    "bytes_received",
+)
+"""What the job's stores counted (`spotckpt.storage.requests`) since the previous event, in the
+save and restore events: so every request of a run is in exactly one event (gc, retention and
+the fast tier's drain in the save or restore that follows or contains them)."""
+_PER_SAVE = ("write_requests", "read_requests", "delete_requests")
 _SUMMED = {
-    "save": ("train_s", "stall_s", "upload_s", "bytes"),
+    "save": ("train_s", "stall_s", "upload_s", "bytes", *REQUEST_FIELDS),
     "preemption": ("train_s", "steps_lost", "emergency_save_s"),
-    "restore": ("train_s", "restore_s"),
+    "restore": ("train_s", "restore_s", *REQUEST_FIELDS),
 }
 _RECENT = {
-    "save": ("stall_s", "upload_s"),
+    "save": ("stall_s", "upload_s", *_PER_SAVE),
     "preemption": ("emergency_save_s", "notice_left_s"),
     "restore": ("restore_s",),
 }
 _LAST = ("interval_steps", "step_time_s", "step", "time")
 _SUM_NAMES = frozenset(name for names in _SUMMED.values() for name in names)
 _RECENT_NAMES = frozenset(name for names in _RECENT.values() for name in names)
-_COUNTED = frozenset({"bytes", "steps_lost"})
+_COUNTED = frozenset({"bytes", "steps_lost", *REQUEST_FIELDS})
 
 
 def _number(value: Any) -> float | None:
@@ -423,7 +436,7 @@ _EVENT_FIELDS: dict[str, _Check] = {
     **dict.fromkeys(("train_s", "stall_s", "upload_s", "emergency_save_s"), _DURATION),
     **dict.fromkeys(("restore_s", "step_time_s"), _DURATION),
     "notice_left_s": _within(-MAX_EVENT_SECONDS, MAX_EVENT_SECONDS),  # negative: notice missed
-    **dict.fromkeys(("bytes", "steps_lost", "step"), _whole(0)),
+    **dict.fromkeys(("bytes", "steps_lost", "step", *REQUEST_FIELDS), _whole(0)),
     "interval_steps": _whole(1),
 }
 """Every field that a figure reads, and what it must be when present and not null."""
@@ -433,7 +446,10 @@ _SUMMARY_TABLES: dict[str, dict[str, _Check]] = {
         name: _within(0.0, float(MAX_COUNT) if name in _COUNTED else MAX_TOTAL_SECONDS)
         for name in _SUM_NAMES
     },
-    "recent": {name: _list_of(_EVENT_FIELDS[name]) for name in _RECENT_NAMES},
+    "recent": {  # counts are kept as numbers like the durations
+        name: _list_of(_within(0.0, float(MAX_COUNT)) if name in _COUNTED else _EVENT_FIELDS[name])
+        for name in _RECENT_NAMES
+    },
     "last": {name: _EVENT_FIELDS[name] for name in _LAST},
 }
 _SUMMARY_FIELDS: dict[str, _Check] = {
@@ -763,21 +779,22 @@ class GoodputTracker:
         size: int | None,
         asynchronous: bool,
         emergency: bool,
+        requests: RequestTally | None = None,
     ) -> None:
-        """A save of `step` committed: record it."""
+        """A save of `step` committed: record it, with the job's `requests` since the last
+        event (None: its store does not count them)."""
         self.last_committed_step = step
-        self._publish(
-            {
-                "kind": "save",
-                "step": step,
-                "stall_s": stall_s,
-                "upload_s": upload_s,
-                "bytes": size,
-                "throughput_bytes_per_s": size / upload_s if size and upload_s > 0 else None,
-                "async": asynchronous,
-                "emergency": emergency,
-            }
-        )
+        event: dict[str, Any] = {
+            "kind": "save",
+            "step": step,
+            "stall_s": stall_s,
+            "upload_s": upload_s,
+            "bytes": size,
+            "throughput_bytes_per_s": size / upload_s if size and upload_s > 0 else None,
+            "async": asynchronous,
+            "emergency": emergency,
+        }
+        self._publish(event | (requests.to_dict() if requests is not None else {}))
 
     def preempted(
         self, *, source: str, notice_left_s: float | None, step: int, emergency_save_s: float
@@ -797,9 +814,12 @@ class GoodputTracker:
             compact=False,  # the deadline is near: no listing now
         )
 
-    def restored(self, step: int | None, seconds: float) -> None:
+    def restored(
+        self, step: int | None, seconds: float, requests: RequestTally | None = None
+    ) -> None:
         """`restore` finished (`step` None: nothing to restore); for ``"auto"`` the run's
-        recorded events seed the model (the manager then recomputes the interval)."""
+        recorded events seed the model (the manager then recomputes the interval). `requests`:
+        as for `committed`."""
         if step is not None:
             self.last_started_step = step
             self.last_committed_step = step
@@ -812,7 +832,8 @@ class GoodputTracker:
                     "could not read the run's events (goodput figures start anew): %s", error
                 )
         if step is not None:
-            self._publish({"kind": "restore", "step": step, "restore_s": seconds})
+            event: dict[str, Any] = {"kind": "restore", "step": step, "restore_s": seconds}
+            self._publish(event | (requests.to_dict() if requests is not None else {}))
 
     def _publish(self, event: dict[str, Any], *, compact: bool = True) -> None:
         """Add the common figures; write the event (coordinator) and pass it to `metrics`."""
@@ -871,6 +892,24 @@ class GoodputStats:
     interval_steps: int | None = None
     suggested_interval_steps: int | None = None
     estimated_goodput: float | None = None
+    write_requests: int = 0
+    read_requests: int = 0
+    delete_requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    requests_per_checkpoint: float | None = None
+    """Median requests of one save (all classes), over the recent saves that counted them."""
+    cost_requests_total: float | None = None
+    """The price of every request the run's events counted."""
+    cost_per_checkpoint: float | None = None
+    """Requests of one save (medians by class), priced."""
+    cost_storage_per_checkpoint_month: float | None = None
+    """Keeping one checkpoint (the mean save's bytes) for a month."""
+    retained_bytes: int | None = None
+    """Bytes under the root now (listed), whatever retention keeps."""
+    cost_retention_per_month: float | None = None
+    """Keeping `retained_bytes` for a month."""
+    currency: str = DEFAULT_PRICES.currency
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -914,9 +953,40 @@ class GoodputStats:
             ("interval", f"{_or_dash(self.interval_steps)} steps (last recorded)"),
             ("suggested", f"{_or_dash(self.suggested_interval_steps)} steps (Daly)"),
             ("goodput", f"{self._goodput()} (estimated, at the current interval)"),
+            *self._cost_rows(),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"goodput at {self.uri}"] + [f"  {n.ljust(width)}  {v}" for n, v in rows])
+
+    def _cost_rows(self) -> list[tuple[str, str]]:
+        if self.cost_requests_total is None:
+            return [("requests", "- (not counted by this store)")]
+        money = self._money
+        return [
+            (
+                "requests",
+                f"{self.write_requests} write, {self.read_requests} read, "
+                f"{self.delete_requests} delete: {money(self.cost_requests_total)}",
+            ),
+            (
+                "per checkpoint",
+                f"{_or_dash(self.requests_per_checkpoint)} requests: "
+                f"{money(self.cost_per_checkpoint)}, storage "
+                f"{money(self.cost_storage_per_checkpoint_month)} per month",
+            ),
+            (
+                "retention",
+                f"{_bytes(self.retained_bytes)} stored: "
+                f"{money(self.cost_retention_per_month)} per month",
+            ),
+        ]
+
+    def _money(self, value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f} {self.currency} (estimated)"
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else f"{value / (1 << 30):.3f} GiB"
 
 
 def _count(number: int, noun: str) -> str:
@@ -949,8 +1019,14 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f} per hour (observed, with the prior)"
 
 
-def stats_from_totals(uri: str, totals: Totals) -> GoodputStats:
-    """The report's figures from a run's `Totals`."""
+def stats_from_totals(
+    uri: str,
+    totals: Totals,
+    prices: PriceTable = DEFAULT_PRICES,
+    retained_bytes: int | None = None,
+) -> GoodputStats:
+    """The report's figures from a run's `Totals`; prices from `prices`, the retention cost
+    from `retained_bytes` (None: not known)."""
     sums, recent, counts = totals.sums, totals.recent, totals.counts
     training_s = sums.get("train_s", 0.0)
     stalls = recent.get("stall_s", [])
@@ -976,7 +1052,44 @@ def stats_from_totals(uri: str, totals: Totals) -> GoodputStats:
     interval = _number(totals.last.get("interval_steps"))
     stats.interval_steps = int(interval) if interval is not None and interval >= 1 else None
     _add_model_figures(stats)
+    _add_cost_figures(stats, totals, prices, retained_bytes)
     return stats
+
+
+def _add_cost_figures(
+    stats: GoodputStats, totals: Totals, prices: PriceTable, retained_bytes: int | None
+) -> None:
+    """Requests and prices; none when no event counted requests (a store that does not)."""
+    sums = totals.sums
+    if not any(name in sums for name in REQUEST_FIELDS):
+        return
+    counted = {name: int(sums.get(name, 0)) for name in REQUEST_FIELDS}
+    tally = RequestTally.from_dict(counted)
+    stats.write_requests, stats.read_requests = tally.write, tally.read
+    stats.delete_requests, stats.bytes_sent, stats.bytes_received = (
+        tally.delete,
+        tally.sent,
+        tally.received,
+    )
+    stats.currency = prices.currency
+    stats.cost_requests_total = prices.requests_cost(tally)
+    medians = {name: median(totals.recent.get(name, [])) for name in _PER_SAVE}
+    if all(value is not None for value in medians.values()):
+        one = RequestTally(
+            write=round(medians["write_requests"] or 0),
+            read=round(medians["read_requests"] or 0),
+            delete=round(medians["delete_requests"] or 0),
+        )
+        stats.requests_per_checkpoint = one.requests
+        stats.cost_per_checkpoint = prices.requests_cost(one)
+    saves_with_bytes = totals.counts.get("save", 0)
+    if saves_with_bytes and sums.get("bytes"):
+        stats.cost_storage_per_checkpoint_month = prices.storage_cost_per_month(
+            sums["bytes"] / saves_with_bytes
+        )
+    if retained_bytes is not None:
+        stats.retained_bytes = retained_bytes
+        stats.cost_retention_per_month = prices.storage_cost_per_month(retained_bytes)
 
 
 def _add_model_figures(stats: GoodputStats) -> None:
@@ -1002,9 +1115,12 @@ def _add_model_figures(stats: GoodputStats) -> None:
         )
 
 
-def load_stats(store: ObjectStore) -> GoodputStats:
-    """The report for the root of `store` (raises StorageError)."""
-    return stats_from_totals(store.uri, EventLog(store).totals())
+def load_stats(store: ObjectStore, prices: PriceTable = DEFAULT_PRICES) -> GoodputStats:
+    """The report for the root of `store` (raises StorageError); the bytes retained are listed
+    (one request per 1,000 objects)."""
+    totals = EventLog(store).totals()
+    retained = sum(info.size for info in store.list("")) if totals.events else None
+    return stats_from_totals(store.uri, totals, prices, retained)
 
 
 __all__ = [

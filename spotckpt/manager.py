@@ -55,6 +55,7 @@ from spotckpt.state import (
 )
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.storage.base import check_portable
+from spotckpt.storage.requests import RequestTally, store_tally
 from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
 from spotckpt.tiers.recovery import Scope
 from spotckpt.tiers.redundancy import parse_redundancy
@@ -143,6 +144,7 @@ class CheckpointManager:
         self._deadline: float | None = None
         self._continuation_pool: ThreadPoolExecutor | None = None
         self._job: str | None = None
+        self._requests_mark = store_tally(self.store)
 
     def _open_tier(self) -> FastTier | None:
         settings = self.settings
@@ -589,7 +591,9 @@ class CheckpointManager:
             size=_size(pending.writer),
             asynchronous=True,
             emergency=False,
+            requests=self._job_requests(),
         )
+        self._requests_recorded()
 
     def _run_save(self, step: int, writer: ObjectStoreWriter, run: Callable[[], Any]) -> None:
         """Run a save to its end; after its commit point nothing can fail it any more.
@@ -647,6 +651,7 @@ class CheckpointManager:
         self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
         if not emergency:
             self._agree_interval()
+        requests = self._job_requests(local=emergency)  # before: every rank must take part
         if writer.manifest is None:
             return
         log.info(
@@ -662,7 +667,34 @@ class CheckpointManager:
             size=_size(writer),
             asynchronous=False,
             emergency=emergency,
+            requests=requests,
         )
+        self._requests_recorded()
+
+    def _job_requests(self, local: bool = False) -> RequestTally | None:
+        """The requests every rank's store counted since the last call, summed over the job
+        (a collective: every rank calls it at the same point); `local`: this rank's alone (an
+        emergency, where no extra collective should stand between the save and the deadline).
+        None for a store that does not count. The event's own PUT is counted in it, and
+        `_requests_recorded` leaves it out of the next."""
+        now = store_tally(self.store)
+        if now is None or self._requests_mark is None:
+            return None
+        since, self._requests_mark = now.minus(self._requests_mark), now
+        if self.is_coordinator:  # the event about to be written: one PUT, counted in it
+            since = since.plus(RequestTally(write=1))
+        if local or self.group is None:
+            return since
+        fields = list(since.to_dict().values())
+        return RequestTally.from_dict(
+            dict(zip(since.to_dict(), self.collective.sum(fields), strict=True))
+        )
+
+    def _requests_recorded(self) -> None:
+        """After an event with requests was written: its PUT, counted in it already, is left
+        out of the next one (see `_job_requests`)."""
+        if self._requests_mark is not None and self.is_coordinator:
+            self._requests_mark = self._requests_mark.plus(RequestTally(write=1))
 
     def _agree_interval(self) -> None:
         """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""
@@ -725,7 +757,8 @@ class CheckpointManager:
             restored = self._restore_in_order(state, step, fallback, strict)
         if self.tier is not None:
             self.tier.discard_newer(restored)
-        self.goodput.restored(restored, time.monotonic() - started)
+        self.goodput.restored(restored, time.monotonic() - started, self._job_requests())
+        self._requests_recorded()
         self._agree_interval()
         return restored
 

@@ -51,7 +51,9 @@ from spotckpt.storage.base import (
     ProcessSecrets,
     check_key,
 )
+from spotckpt.storage.requests import RequestCounter
 from spotckpt.storage.retry import Deadline, RetryPolicy
+from spotckpt.storage.throttle import Throttle
 
 T = TypeVar("T")
 Page: TypeAlias = tuple[list[ObjectInfo], list[str], str | None]
@@ -136,6 +138,8 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
             options.max_concurrency, thread_name_prefix=f"spotckpt-{options.KIND.lower()}"
         )
         self._delimiters = DelimiterSupport()
+        self.throttle = Throttle(options.max_concurrency)
+        self.requests = RequestCounter()
 
     @classmethod
     def from_uri(cls, uri: str, options: OptionsT) -> Self:
@@ -198,11 +202,29 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         fn: Callable[[], T],
         transient: Callable[[BaseException], bool] | None = None,
         deadline: Deadline | None = None,
+        *,
+        sent: int = 0,
     ) -> T:
         """Run one request under the retry policy (retrying the errors `transient` accepts,
-        `is_transient` by default); errors leave it as the storage layer's."""
+        `is_transient` by default) and the store's `Throttle`; each attempt is counted in
+        `requests` (`sent`: the object bytes it carries); errors leave it as the storage
+        layer's."""
+        deadline = deadline or self.options.retry.deadline(what)
+
+        def attempt() -> T:
+            self.requests.request(what)
+            result = fn()
+            if sent:
+                self.requests.add_sent(sent)
+            return result
+
+        def throttled() -> T:
+            return self.throttle.run(attempt, self.is_throttle, deadline)
+
         try:
-            return self.options.retry.call(fn, transient or self.is_transient, what, deadline)
+            return self.options.retry.call(
+                throttled, transient or self.is_transient, what, deadline
+            )
         except StorageError:
             raise
         except self.SERVER_ERRORS as error:
@@ -213,6 +235,11 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
     @abc.abstractmethod
     def is_transient(self, error: BaseException) -> bool:
         """Whether an error of the SDK is worth retrying (throttling, 5xx, timeouts, resets)."""
+
+    def is_throttle(self, error: BaseException) -> bool:
+        """Whether an error of the SDK says the service is asked too fast (S3's SlowDown): the
+        `Throttle` backs off and lowers the concurrency. None by default."""
+        return False
 
     def is_transient_read(self, error: BaseException) -> bool:
         """Whether an error of a whole-object read is worth retrying; a service that checks the
@@ -242,7 +269,10 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         what = f"get {self.where(key)}"
         deadline = self.options.retry.deadline(what)
         return self.call(
-            what, lambda: self._download(key, deadline, 0, None), self.is_transient_read, deadline
+            what,
+            lambda: self._received(self._download(key, deadline, 0, None)),
+            self.is_transient_read,
+            deadline,
         )
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -256,7 +286,9 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         what = f"get bytes {start}-{last} of {self.where(key)}"
         deadline = self.options.retry.deadline(what)
         return self.call(
-            what, lambda: self._download(key, deadline, start, last), deadline=deadline
+            what,
+            lambda: self._received(self._download(key, deadline, start, last)),
+            deadline=deadline,
         )
 
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
@@ -269,8 +301,18 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         what = f"get bytes {start}-{start + buffer.nbytes - 1} of {self.where(key)}"
         deadline = self.options.retry.deadline(what)
         return self.call(
-            what, lambda: self._download_into(key, deadline, start, buffer), deadline=deadline
+            what,
+            lambda: self._received_count(self._download_into(key, deadline, start, buffer)),
+            deadline=deadline,
         )
+
+    def _received(self, data: bytes) -> bytes:
+        self.requests.add_received(len(data))
+        return data
+
+    def _received_count(self, size: int) -> int:
+        self.requests.add_received(size)
+        return size
 
     def exists(self, key: str) -> bool:
         """Whether the object exists."""

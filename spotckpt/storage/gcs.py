@@ -147,6 +147,11 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, _TRANSIENT_ERRORS)
 
 
+def is_throttle(error: BaseException) -> bool:
+    """429 Too Many Requests: GCS asks to slow down (a bucket's rate ramps up under load)."""
+    return http_status(error) == 429
+
+
 def _is_transient_read(error: BaseException) -> bool:
     # A download whose CRC32C does not match was damaged in transit: fetch it again.
     return is_transient(error) or isinstance(error, DataCorruption)
@@ -581,6 +586,10 @@ class GCSStore(BucketStore[GCSOptions]):
         """See the module function `is_transient`."""
         return is_transient(error)
 
+    def is_throttle(self, error: BaseException) -> bool:
+        """See the module function `is_throttle`."""
+        return is_throttle(error)
+
     def is_transient_read(self, error: BaseException) -> bool:
         """A whole-object read whose CRC32C does not match was damaged in transit: retried."""
         return _is_transient_read(error)
@@ -635,7 +644,7 @@ class GCSStore(BucketStore[GCSOptions]):
             return blob
 
         try:
-            blob = self.call(f"put {self.where(key)}", upload)
+            blob = self.call(f"put {self.where(key)}", upload, sent=len(data))
         except AlreadyExistsError:
             if attempts > 1 and token and self.written_by(key, token):
                 return ObjectInfo(key, len(data))

@@ -85,6 +85,9 @@ _TRANSIENT_CODES = frozenset(
         "OperationAborted",
     }
 )
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded"}
+)
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404", "NoSuchUpload"})
 _DENIED_CODES = frozenset({"AccessDenied", "Forbidden", "403", "InvalidAccessKeyId"})
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "412"})
@@ -296,7 +299,7 @@ class S3Store(BucketStore[S3Options]):
             raise credentials_error(error, f"s3://{bucket}") from None
         config = botocore.config.Config(
             max_pool_connections=options.max_concurrency * 2 + 4,
-            retries={"max_attempts": 1, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},  # no retries of its own
             connect_timeout=min(options.connect_timeout_s, options.retry.deadline_s),
             read_timeout=min(options.read_timeout_s, options.retry.deadline_s),
             request_checksum_calculation="when_required",
@@ -315,6 +318,13 @@ class S3Store(BucketStore[S3Options]):
     def is_transient(self, error: BaseException) -> bool:
         """See the module function `is_transient`."""
         return is_transient(error)
+
+    def is_throttle(self, error: BaseException) -> bool:
+        """SlowDown, 503 or 429: S3 asked to reduce the request rate."""
+        if not isinstance(error, botocore.exceptions.ClientError):
+            return False
+        code, status = _error_code(error)
+        return code in _THROTTLE_CODES or status in (429, 503)
 
     def translate_error(self, error: BaseException, what: str) -> StorageError:
         """A ClientError as `translate_error` has it; a transport error that outlived its
@@ -339,7 +349,7 @@ class S3Store(BucketStore[S3Options]):
             args["IfNoneMatch"] = "*"
         if self.options.send_checksums:
             args["ChecksumCRC32C"] = crc32c_b64(data)
-        self.call(f"put {self.where(key)}", lambda: self.client.put_object(**args))
+        self.call(f"put {self.where(key)}", lambda: self.client.put_object(**args), sent=len(data))
         return ObjectInfo(key, len(data))
 
     def create_multipart(self, key: str) -> str:
@@ -365,7 +375,9 @@ class S3Store(BucketStore[S3Options]):
         if self.options.send_checksums:
             args["ChecksumCRC32C"] = part["ChecksumCRC32C"] = crc32c_b64(body)
         response = self.call(
-            f"upload part {number} of {self.where(key)}", lambda: self.client.upload_part(**args)
+            f"upload part {number} of {self.where(key)}",
+            lambda: self.client.upload_part(**args),
+            sent=len(body),
         )
         part["ETag"] = response["ETag"]
         return part
