@@ -252,7 +252,7 @@ class CountingStore:
     one list request per page of 1,000 keys (1,000 keys and common prefixes for a delimited
     listing; at least one per listing), one delete request per 1,000 keys, one request per put,
     get, ranged get and head. The ranks' data objects are stand-ins, known by their size only
-    (`stand_in`): HEAD answers for them, nothing else sees them."""
+    (`stand_in`): HEAD and listings answer for them, reads do not."""
 
     def __init__(self, name: str = "scale") -> None:
         self._name = name
@@ -263,7 +263,13 @@ class CountingStore:
 
     def stand_in(self, key: str, size: int) -> None:
         """A data object of `size` bytes that a simulated rank wrote (no bytes are kept)."""
-        self._stand_ins[check_key(key)] = size
+        if key not in self._stand_ins and key not in self._objects:
+            bisect.insort(self._keys, check_key(key))
+        self._stand_ins[key] = size
+
+    def _size(self, key: str) -> int:
+        data = self._objects.get(key)
+        return self._stand_ins[key] if data is None else len(data)
 
     @property
     def uri(self) -> str:
@@ -288,7 +294,7 @@ class CountingStore:
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
         """Write one object (create-only raises AlreadyExistsError)."""
         self._count("put")
-        if key in self._objects:
+        if key in self._objects or key in self._stand_ins:
             if create_only:
                 raise AlreadyExistsError(f"{self.uri}/{key} already exists")
         else:
@@ -346,7 +352,7 @@ class CountingStore:
             if number % PAGE_KEYS == 0:
                 self._count("list")
             self._count("list_keys")
-            yield ObjectInfo(key, len(self._objects[key]), None)
+            yield ObjectInfo(key, self._size(key), None)
 
     def list_delimited(self, prefix: str, delimiter: str) -> Listing:
         """The delimited listing, rolled up as a server does it (skipping each common prefix's
@@ -359,7 +365,7 @@ class CountingStore:
             key = self._keys[position]
             common = rolled_up(key, prefix, delimiter)
             if common is None:
-                objects.append(ObjectInfo(key, len(self._objects[key]), None))
+                objects.append(ObjectInfo(key, self._size(key), None))
                 position += 1
             else:
                 prefixes.append(common)
@@ -375,6 +381,7 @@ class CountingStore:
         keys = list(keys)
         self._count("delete", math.ceil(len(keys) / PAGE_KEYS))
         gone = {key for key in keys if self._objects.pop(key, None) is not None}
+        gone |= {key for key in keys if self._stand_ins.pop(key, None) is not None}
         if gone:
             self._keys = [key for key in self._keys if key not in gone]
 
