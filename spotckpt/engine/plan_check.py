@@ -112,7 +112,7 @@ def _overlap_errors(fqn: str, offsets: np.ndarray, sizes: np.ndarray) -> list[st
 def _disjoint_intervals(starts: np.ndarray, lengths: np.ndarray) -> bool:
     """Whether the distinct intervals [start, start + length) of one dimension never overlap
     each other in DCP's sense (an empty one overlaps an interval it lies strictly inside)."""
-    pairs = np.unique(np.stack([starts, starts + lengths], axis=1), axis=0)
+    pairs = _distinct_pairs(starts, starts + lengths)
     full = pairs[pairs[:, 1] > pairs[:, 0]]
     if len(full) > 1 and (full[1:, 0] < np.maximum.accumulate(full[:-1, 1])).any():
         return False
@@ -125,6 +125,17 @@ def _disjoint_intervals(starts: np.ndarray, lengths: np.ndarray) -> bool:
     before = np.searchsorted(full[:, 0], points, side="left") - 1
     inside = (before >= 0) & (full[np.maximum(before, 0), 1] > points)
     return not inside.any()
+
+
+def _distinct_pairs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The distinct (start, end) rows, sorted: one integer key per row and a 1-D sort where the
+    values allow it (a row-wise unique is several times slower)."""
+    low = int(min(starts.min(), ends.min()))
+    span = int(max(starts.max(), ends.max())) - low + 1
+    if span * span >= 1 << 62:
+        return np.unique(np.stack([starts, ends], axis=1), axis=0)
+    keys = np.unique((starts - low) * span + (ends - low))
+    return np.stack([keys // span + low, keys % span + low], axis=1)
 
 
 def _duplicate_boxes(fqn: str, offsets: np.ndarray, sizes: np.ndarray) -> list[str]:
