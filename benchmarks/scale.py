@@ -67,8 +67,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from spotckpt.catalog import Catalog, index_part_key, manifest_key, rank_object_key, step_key
+from spotckpt.engine.global_plan import PlanCache, apply_global, summarize
 from spotckpt.engine.manifests import WrittenItem, build_root, index_part, indexed_references
-from spotckpt.engine.planners import wanted_boxes
+from spotckpt.engine.planners import ScalingSavePlanner, wanted_boxes
 from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.engine.writer import ObjectStoreWriter, RankAssignment, _item_name
 from spotckpt.errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
@@ -252,7 +253,7 @@ class CountingStore:
     one list request per page of 1,000 keys (1,000 keys and common prefixes for a delimited
     listing; at least one per listing), one delete request per 1,000 keys, one request per put,
     get, ranged get and head. The ranks' data objects are stand-ins, known by their size only
-    (`stand_in`): HEAD answers for them, nothing else sees them."""
+    (`stand_in`): HEAD and listings answer for them, reads do not."""
 
     def __init__(self, name: str = "scale") -> None:
         self._name = name
@@ -263,7 +264,13 @@ class CountingStore:
 
     def stand_in(self, key: str, size: int) -> None:
         """A data object of `size` bytes that a simulated rank wrote (no bytes are kept)."""
-        self._stand_ins[check_key(key)] = size
+        if key not in self._stand_ins and key not in self._objects:
+            bisect.insort(self._keys, check_key(key))
+        self._stand_ins[key] = size
+
+    def _size(self, key: str) -> int:
+        data = self._objects.get(key)
+        return self._stand_ins[key] if data is None else len(data)
 
     @property
     def uri(self) -> str:
@@ -288,7 +295,7 @@ class CountingStore:
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
         """Write one object (create-only raises AlreadyExistsError)."""
         self._count("put")
-        if key in self._objects:
+        if key in self._objects or key in self._stand_ins:
             if create_only:
                 raise AlreadyExistsError(f"{self.uri}/{key} already exists")
         else:
@@ -346,7 +353,7 @@ class CountingStore:
             if number % PAGE_KEYS == 0:
                 self._count("list")
             self._count("list_keys")
-            yield ObjectInfo(key, len(self._objects[key]), None)
+            yield ObjectInfo(key, self._size(key), None)
 
     def list_delimited(self, prefix: str, delimiter: str) -> Listing:
         """The delimited listing, rolled up as a server does it (skipping each common prefix's
@@ -359,7 +366,7 @@ class CountingStore:
             key = self._keys[position]
             common = rolled_up(key, prefix, delimiter)
             if common is None:
-                objects.append(ObjectInfo(key, len(self._objects[key]), None))
+                objects.append(ObjectInfo(key, self._size(key), None))
                 position += 1
             else:
                 prefixes.append(common)
@@ -375,6 +382,7 @@ class CountingStore:
         keys = list(keys)
         self._count("delete", math.ceil(len(keys) / PAGE_KEYS))
         gone = {key for key in keys if self._objects.pop(key, None) is not None}
+        gone |= {key for key in keys if self._stand_ins.pop(key, None) is not None}
         if gone:
             self._keys = [key for key in self._keys if key not in gone]
 
@@ -612,9 +620,8 @@ class Settings:
     block_size: int = DEFAULT_BLOCK_SIZE
     seed: int = 0
     gc: bool = False
-    dcp_validation: bool = (
-        True  # False: DCP's quadratic overlap check is not run (see docs/scale.md)
-    )
+    dcp_validation: bool = True  # False: the global plan check is not run (docs/scale.md)
+    planner: str = "spotckpt"  # or "dcp": DCP's default save planner
 
 
 @dataclass
@@ -677,28 +684,14 @@ def simulate_save(
     gathered outputs and the final plans (rank 0 keeps them through the save, as DCP does)."""
     step = settings.steps + 1
     mapping = {t.fqn: t.path for t in tensors} | {v: tuple(v.split(".", 1)) for v in VALUES}
-    with paused_gc():
-        blobs = [
-            pickle.dumps(local_save_plan(tensors, layout, rank, mapping))
-            for rank in range(layout.world)
-        ]
     report.add(local_plan_items=layout.world * (len(tensors) + len(VALUES)))
-    report.add(dcp_plan_gather_bytes=sum(map(len, blobs)))
-    report.mark("local plans")
-    all_plans, unpickle_s = timed(unpickle_all, blobs)
-    del blobs
-    planner = TimedSavePlanner()
-    with dcp_validation(settings.dcp_validation):
-        (global_plans, metadata), global_s = timed(planner.create_global_plan, all_plans)
-    report.add(dcp_validation=settings.dcp_validation)
-    report.mark("DCP global plan")
-    del all_plans
-    report.add(
-        dcp_plan_unpickle_s=unpickle_s, dcp_global_plan_s=global_s, dcp_dedup_s=planner.dedup_s
-    )
-    plans, assign_s = timed(key_assignment_phase, store, step, global_plans)
-    del global_plans
-    report.add(spotckpt_key_assignment_s=assign_s)
+    report.add(planner=settings.planner, dcp_validation=settings.dcp_validation)
+    if settings.planner == "dcp":
+        plans, metadata = dcp_global_plan(settings, store, step, tensors, layout, mapping, report)
+    else:
+        plans, metadata = spotckpt_global_plan(
+            settings, store, step, tensors, layout, mapping, report
+        )
     rng = random.Random(settings.seed)
     rank_s = 0.0
     with paused_gc():
@@ -718,6 +711,101 @@ def simulate_save(
     assignment = plans[0].storage_data
     attempt = assignment.attempt if isinstance(assignment, RankAssignment) else "unknown"
     return attempt, metadata, gathered, plans
+
+
+def dcp_global_plan(
+    settings: Settings,
+    store: CountingStore,
+    step: int,
+    tensors: list[SimTensor],
+    layout: Layout,
+    mapping: dict[str, tuple[str, ...]],
+    report: Report,
+) -> tuple[list[SavePlan], Metadata]:
+    """DCP's default planner: every rank's full plan gathered, planned and checked by DCP.
+    Returns the final plans and the metadata."""
+    with paused_gc():
+        blobs = [
+            pickle.dumps(local_save_plan(tensors, layout, rank, mapping))
+            for rank in range(layout.world)
+        ]
+    report.add(dcp_plan_gather_bytes=sum(map(len, blobs)))
+    report.mark("local plans")
+    all_plans, unpickle_s = timed(unpickle_all, blobs)
+    del blobs
+    planner = TimedSavePlanner()
+    with dcp_validation(settings.dcp_validation):
+        (global_plans, metadata), global_s = timed(planner.create_global_plan, all_plans)
+    report.mark("DCP global plan")
+    del all_plans
+    report.add(
+        dcp_plan_unpickle_s=unpickle_s, dcp_global_plan_s=global_s, dcp_dedup_s=planner.dedup_s
+    )
+    plans, assign_s = timed(key_assignment_phase, store, step, global_plans)
+    report.add(spotckpt_key_assignment_s=assign_s)
+    return plans, metadata
+
+
+def spotckpt_global_plan(
+    settings: Settings,
+    store: CountingStore,
+    step: int,
+    tensors: list[SimTensor],
+    layout: Layout,
+    mapping: dict[str, tuple[str, ...]],
+    report: Report,
+) -> tuple[list[SavePlan], Metadata]:
+    """spotckpt's `ScalingSavePlanner`: each rank sends a compact summary; the coordinator plans
+    and checks on arrays (timed, then once more under tracemalloc for its peak with the gathered
+    bytes); then a second save whose plans did not change (each rank sends a digest). Returns
+    the final plans of the first save and its metadata."""
+    caches = [PlanCache() for _ in range(layout.world)]  # one per simulated process
+
+    def gather() -> tuple[list[bytes], list[bytes]]:
+        blobs, digests = [], []
+        for rank in range(layout.world):
+            summary = summarize(local_save_plan(tensors, layout, rank, mapping))
+            sent = caches[rank].to_send(summary)
+            blobs.append(pickle.dumps(SavePlan([], planner_data=sent)))
+            digests.append(summary.digest)
+        return blobs, digests
+
+    with paused_gc():
+        blobs, digests = gather()
+    report.add(dcp_plan_gather_bytes=sum(map(len, blobs)))
+    report.mark("local plans")
+    all_plans, unpickle_s = timed(unpickle_all, blobs)
+    planner = ScalingSavePlanner(caches[0])
+    (global_plans, metadata), global_s = timed(planner.create_global_plan, all_plans)
+    del all_plans
+    report.add(dcp_plan_unpickle_s=unpickle_s, dcp_global_plan_s=global_s, dcp_dedup_s=None)
+    report.mark("spotckpt global plan")
+    gc.collect()
+    tracemalloc.start()
+    ScalingSavePlanner(PlanCache()).create_global_plan(unpickle_all(blobs))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    report.add(peak_planning_mib=(peak + sum(map(len, blobs))) / MIB)
+    report.mark("traced global plan")
+    del blobs
+    plans, assign_s = timed(key_assignment_phase, store, step, global_plans)
+    report.add(spotckpt_key_assignment_s=assign_s)
+    finals = []
+    for rank, (central, digest) in enumerate(zip(plans, digests, strict=True)):
+        finals.append(apply_global(local_save_plan(tensors, layout, rank, mapping), central))
+        caches[rank].promote(digest)
+    with paused_gc():
+        blobs, _ = gather()
+    all_plans, again_unpickle_s = timed(unpickle_all, blobs)
+    (_, cached_metadata), again_s = timed(planner.create_global_plan, all_plans)
+    report.add(
+        cached_plan_gather_bytes=sum(map(len, blobs)),
+        cached_plan_unpickle_s=again_unpickle_s,
+        cached_global_plan_s=again_s,
+        cached_plan_reused=cached_metadata is metadata,
+    )
+    report.mark("cached global plan")
+    return finals, metadata
 
 
 def measure_commit(
@@ -758,6 +846,15 @@ def measure_commit(
     values["spotckpt_coordinator_s"] = round(
         values["spotckpt_key_assignment_s"] + outcome.seconds, 6
     )
+    after_plan = values["spotckpt_key_assignment_s"] + values["results_unpickle_s"]
+    after_plan += outcome.seconds
+    values["first_save_coordinator_s"] = round(
+        values["dcp_plan_unpickle_s"] + values["dcp_global_plan_s"] + after_plan, 6
+    )
+    if "cached_global_plan_s" in values:
+        values["cached_save_coordinator_s"] = round(
+            values["cached_plan_unpickle_s"] + values["cached_global_plan_s"] + after_plan, 6
+        )
 
 
 def measure_restore(
@@ -901,6 +998,7 @@ def case_command(settings: Settings) -> list[str]:
         f"--replicas={settings.replicas}",
         f"--hidden={settings.hidden}",
         f"--objects-per-step={settings.objects_per_step}",
+        f"--planner={settings.planner}",
         "--json",
     ]
 
@@ -1108,6 +1206,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip DCP's global-plan overlap check (quadratic in ranks for FSDP): for the "
         "largest cases, to measure everything else in minutes",
     )
+    parser.add_argument(
+        "--planner",
+        choices=("spotckpt", "dcp"),
+        default="spotckpt",
+        help="the save planner: spotckpt's ScalingSavePlanner (compact plans, its own check, a "
+        "second save with cached plans) or DCP's DefaultSavePlanner",
+    )
     parser.add_argument("--progress", action="store_true", help="phase lines on stderr")
     parser.add_argument(
         "--gc", action="store_true", help="keep the cyclic garbage collector on in the phases"
@@ -1155,6 +1260,7 @@ def main(argv: list[str] | None = None) -> None:
             args.objects_per_step,
             gc=args.gc,
             dcp_validation=not args.no_dcp_validation,
+            planner=args.planner,
         ),
         progress=args.progress,
     )

@@ -232,3 +232,19 @@ def test_scale_simulator_reports_every_phase_for_a_small_fsdp_case() -> None:
     assert figures["restore_error"] is None and figures["restore_read_items"] == 23, figures
     assert figures["list_requests_latest"] >= 1 and figures["list_requests_retention"] >= 1
     assert figures["retired_steps"] == 10 - 3, figures  # retire(keep_last=3) over 10 steps
+    # spotckpt's planner: the second save's unchanged plans travel as digests and are reused.
+    assert figures["planner"] == "spotckpt" and figures["cached_plan_reused"] is True, figures
+    assert figures["cached_plan_gather_bytes"] < figures["dcp_plan_gather_bytes"], figures
+
+
+def test_plan_check_bench_agrees_with_dcp_on_a_small_2d_layout() -> None:
+    bench = REPO / "benchmarks" / "plan_check_bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--ranks", "32", "--tensors", "6", "--tp", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only, never a performance bound
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "layout=fsdp x tp4 ranks=32 tensors=6 chunks=192" in proc.stdout, proc.stdout

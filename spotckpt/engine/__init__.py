@@ -14,7 +14,11 @@ knows nothing of policy.
 - `reader`: `ObjectStoreReader`, DCP's storage reader: read planning, in-place reads, coalescing.
 - `shared_reads`: a piece wanted by several ranks is read once and broadcast.
 - `chunks`: verified reads of stored chunks (sizes and CRC32Cs), shared with verify and export.
-- `planners`: load planning with checked keys, a rank's local plan, what a load reads.
+- `planners`: load planning with checked keys, a rank's local plan, what a load reads; the save
+  planner of indexed saves (`ScalingSavePlanner`).
+- `global_plan`: the coordinator's global save plan from compact local plans, and the cache of
+  unchanged plans.
+- `plan_check`: DCP's global-plan rules (bounds, overlaps, fill) in O(n log n) per tensor.
 
 Save, in order: `Checkpointer.save` -> DCP -> `ObjectStoreWriter` (``prepare_global_plan``,
 ``write_data``, ``finish`` -> `manifests.build_manifest` -> `Catalog.commit`). Restore:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from spotckpt.distributed import Collective, RankProgress
+from spotckpt.engine.global_plan import PlanCache
 from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
     CheckpointAlreadyCommittedError,
@@ -61,6 +62,7 @@ class Checkpointer:
         self.collective = collective
         self.process_mode = process_mode
         self._stager: DefaultStager | None = None
+        self.plan_cache = PlanCache()  # saves of unchanged plans send digests, not plans
 
     @property
     def _no_dist(self) -> bool:
@@ -71,7 +73,7 @@ class Checkpointer:
         dcp.save(
             state_dict,
             storage_writer=writer,
-            planner=writer.save_planner(self.collective.world_size),
+            planner=writer.save_planner(self.collective.world_size, self.plan_cache),
             process_group=self.collective.save_group,
             no_dist=self._no_dist,
         )
@@ -84,7 +86,7 @@ class Checkpointer:
         response = dcp.async_save(
             state_dict,
             storage_writer=writer,
-            planner=writer.save_planner(self.collective.world_size),
+            planner=writer.save_planner(self.collective.world_size, self.plan_cache),
             process_group=self.collective.save_group,
             async_checkpointer_type=kind,
             async_stager=self._async_stager(),

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -36,6 +35,7 @@ from spotckpt.catalog import (
     step_folder,
     step_key,
 )
+from spotckpt.engine.global_plan import PlanCache
 from spotckpt.engine.manifests import (
     ManifestHeader,
     WrittenItem,
@@ -46,6 +46,7 @@ from spotckpt.engine.manifests import (
     is_indexed,
 )
 from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
+from spotckpt.engine.planners import ScalingSavePlanner
 from spotckpt.errors import InvalidTypeError, UnsupportedValueError, ValueLoadError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
@@ -143,14 +144,15 @@ class ObjectStoreWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
-    def save_planner(self, world_size: int) -> SavePlanner:
+    def save_planner(self, world_size: int, cache: PlanCache | None = None) -> SavePlanner:
         """The planner to save through this writer with: small tensors in packs
         (`spotckpt.engine.packing`), unless the save writes index parts (from `INDEX_MIN_RANKS`
-        ranks), whose summaries describe DCP's items as they are."""
+        ranks), whose summaries describe DCP's items as they are; those plan at scale
+        (`spotckpt.engine.planners.ScalingSavePlanner`, remembering plans in `cache`)."""
         indexed = self.index_parts
         if indexed is None:
             indexed = world_size >= INDEX_MIN_RANKS
-        return DefaultSavePlanner() if indexed else PackingSavePlanner()
+        return ScalingSavePlanner(cache) if indexed else PackingSavePlanner()
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.check_step_free()
