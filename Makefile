@@ -13,7 +13,7 @@ BENCH_STAMP := $(dir $(PY)).spotckpt-bench-installed
 # checkov pins versions that clash with the project's, so it lives in a venv of its own.
 CHECKOV_VENV := .venv-checkov
 CHECKOV := $(CHECKOV_VENV)/bin/checkov
-PYTEST_ARGS ?= -m "not slow"
+PYTEST_ARGS ?= -m "not slow" --durations=25
 
 .PHONY: help setup demo test test-all lint bench bench-smoke faketime azurite
 
