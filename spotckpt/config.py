@@ -81,6 +81,10 @@ class Settings:
     - `redundancy`: copies of each rank's fast-tier object on other nodes: ``"replicate:F"``,
       ``"ec:K+M"`` (erasure coding), or None (the node's own copy only).
     - `local_keep_last`: fast-tier steps each node keeps.
+    - `incremental`: bucket saves upload only the tensor chunks whose bytes (BLAKE3) changed
+      since the newest committed step and reference the others there (`spotckpt.engine.
+      incremental`); off by default: hashing costs CPU time on every save of a state that
+      changes whole, and older spotckpt versions cannot read a step that holds references.
     """
 
     keep_last: int | None = 3
@@ -102,6 +106,7 @@ class Settings:
     local_interval_steps: int | None = None
     redundancy: str | None = None
     local_keep_last: int = 2
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -183,6 +188,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "local_interval_steps": (int, type(None)),
     "redundancy": (str, type(None)),
     "local_keep_last": (int,),
+    "incremental": (bool,),
 }
 _AT_LEAST_ONE = frozenset(
     {

@@ -343,6 +343,8 @@ class CheckpointManager:
                     step,
                     prefix_spread=self.prefix_spread,
                     attempt=self._child_attempt(blocking),
+                    incremental=self.settings.incremental,
+                    job=job,
                     **self._writer_options(user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
