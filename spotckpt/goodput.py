@@ -329,7 +329,7 @@ class IntervalModel:
 # Events ------------------------------------------------------------------------------------------
 
 _SUMMED = {
-    "save": ("train_s", "stall_s", "upload_s", "bytes"),
+    "save": ("train_s", "stall_s", "upload_s", "bytes", "referenced_bytes"),
     "preemption": ("train_s", "steps_lost", "emergency_save_s"),
     "restore": ("train_s", "restore_s"),
 }
@@ -341,7 +341,7 @@ _RECENT = {
 _LAST = ("interval_steps", "step_time_s", "step", "time")
 _SUM_NAMES = frozenset(name for names in _SUMMED.values() for name in names)
 _RECENT_NAMES = frozenset(name for names in _RECENT.values() for name in names)
-_COUNTED = frozenset({"bytes", "steps_lost"})
+_COUNTED = frozenset({"bytes", "referenced_bytes", "steps_lost"})
 
 
 def _number(value: Any) -> float | None:
@@ -423,7 +423,7 @@ _EVENT_FIELDS: dict[str, _Check] = {
     **dict.fromkeys(("train_s", "stall_s", "upload_s", "emergency_save_s"), _DURATION),
     **dict.fromkeys(("restore_s", "step_time_s"), _DURATION),
     "notice_left_s": _within(-MAX_EVENT_SECONDS, MAX_EVENT_SECONDS),  # negative: notice missed
-    **dict.fromkeys(("bytes", "steps_lost", "step"), _whole(0)),
+    **dict.fromkeys(("bytes", "referenced_bytes", "steps_lost", "step"), _whole(0)),
     "interval_steps": _whole(1),
 }
 """Every field that a figure reads, and what it must be when present and not null."""
@@ -763,8 +763,10 @@ class GoodputTracker:
         size: int | None,
         asynchronous: bool,
         emergency: bool,
+        referenced: int | None = None,
     ) -> None:
-        """A save of `step` committed: record it."""
+        """A save of `step` committed: record it (`size`: bytes it wrote; `referenced`: bytes
+        an incremental save referenced in earlier steps instead)."""
         self.last_committed_step = step
         self._publish(
             {
@@ -773,6 +775,7 @@ class GoodputTracker:
                 "stall_s": stall_s,
                 "upload_s": upload_s,
                 "bytes": size,
+                "referenced_bytes": referenced,
                 "throughput_bytes_per_s": size / upload_s if size and upload_s > 0 else None,
                 "async": asynchronous,
                 "emergency": emergency,
@@ -859,6 +862,8 @@ class GoodputStats:
     restores: int = 0
     evictions: int = 0
     steps_lost: int = 0
+    saved_bytes: int = 0
+    referenced_bytes: int = 0
     training_s: float = 0.0
     stall_median_s: float | None = None
     stall_p95_s: float | None = None
@@ -907,6 +912,7 @@ class GoodputStats:
             ("training time", _duration(self.training_s)),
             ("save stall", _spread(self.stall_median_s, self.stall_p95_s)),
             ("save upload", _spread(self.upload_median_s, self.upload_p95_s)),
+            ("save bytes", _bytes(self.saved_bytes, self.referenced_bytes)),
             ("restore", f"median {_seconds(self.restore_median_s)}"),
             ("overhead", _share(self.overhead_share) + " of training time"),
             ("eviction rate", _rate(self.evictions_per_hour)),
@@ -927,6 +933,12 @@ def _duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f} s"
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def _bytes(written: int, referenced: int) -> str:
+    """``812.0 MiB written, 7.5 GiB referenced (incremental)``."""
+    text = f"{written / 2**20:.1f} MiB written"
+    return text + (f", {referenced / 2**20:.1f} MiB referenced (incremental)" if referenced else "")
 
 
 def _or_dash(value: Any) -> str:
@@ -963,6 +975,8 @@ def stats_from_totals(uri: str, totals: Totals) -> GoodputStats:
         restores=counts.get("restore", 0),
         evictions=evictions,
         steps_lost=int(sums.get("steps_lost", 0)),
+        saved_bytes=int(sums.get("bytes", 0)),
+        referenced_bytes=int(sums.get("referenced_bytes", 0)),
         training_s=training_s,
         stall_median_s=median(stalls),
         stall_p95_s=p95(stalls),

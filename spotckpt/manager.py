@@ -571,6 +571,7 @@ class CheckpointManager:
             stall_s=pending.stall_s,
             upload_s=self.last_save_seconds - pending.stall_s,
             size=_size(pending.writer),
+            referenced=_referenced(pending.writer),
             asynchronous=True,
             emergency=False,
         )
@@ -639,6 +640,7 @@ class CheckpointManager:
             stall_s=self.last_save_seconds,
             upload_s=self.last_save_seconds,
             size=_size(writer),
+            referenced=_referenced(writer),
             asynchronous=False,
             emergency=emergency,
         )
@@ -950,5 +952,10 @@ class CheckpointManager:
 
 
 def _size(writer: ObjectStoreWriter) -> int | None:
-    """Bytes of a committed save (known on the coordinator)."""
-    return writer.manifest.total_bytes if writer.manifest is not None else None
+    """Bytes a committed save wrote (known on the coordinator)."""
+    return writer.manifest.written_bytes if writer.manifest is not None else None
+
+
+def _referenced(writer: ObjectStoreWriter) -> int | None:
+    """Bytes a committed save referenced in earlier steps instead of writing them."""
+    return writer.manifest.referenced_bytes if writer.manifest is not None else None
