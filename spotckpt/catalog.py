@@ -823,9 +823,11 @@ class Catalog:
         folder = step_folder(step)
         if held is None:
             held = self.held_by_references(s for s in self.steps() if s != step)
+        released = self._referenced_by([step])
         self.store.delete_many([manifest_key(step)])
         keys = [info.key for info in self.store.list(f"{folder}/")]
         self.store.delete_many([k for k in keys if not is_held(k, held)])
+        self._release(released - held)
 
     def retire(self, keep_last: int) -> list[int]:
         """Delete committed checkpoints beyond the newest `keep_last`; returns their steps.
@@ -845,10 +847,26 @@ class Catalog:
         retired = committed[:cut]
         if retired:
             held = self.held_by_references(committed[cut:])
+            released = self._referenced_by(retired)
             self.store.delete_many([manifest_key(step) for step in retired])
             keys = self._folder_keys({step_folder(s) for s in retired})
             self.store.delete_many([k for k in keys if not is_held(k, held)])
+            self._release(released - held)
         return retired
+
+    def _referenced_by(self, steps: list[int]) -> set[str]:
+        """The earlier steps' attempt folders that the manifests of `steps` (about to go)
+        reference; what cannot be read is left to gc."""
+        try:
+            return self.held_by_references(steps)
+        except (ManifestError, CorruptCheckpointError):
+            return set()
+
+    def _release(self, folders: set[str]) -> None:
+        """Delete the objects of attempt folders of retired steps that no kept step references
+        any more (their step's manifest went earlier, while a kept step still held them)."""
+        for folder in sorted(folders):
+            self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
 
     def _folder_keys(self, folders: set[str]) -> list[str]:
         """Every key under the given step folders (``<folder>/...``), from as few listings as

@@ -104,8 +104,8 @@ def base_of(manifest: Manifest, job: str) -> Base | None:
 
 def load_base(catalog: Catalog, step: int | None, job: str | None) -> Base | None:
     """The base step `step` (the newest committed one, chosen by the coordinator) read from
-    `catalog`, or None: none, not this job's, too deep, or unreadable (then the save writes
-    everything, which is always correct)."""
+    `catalog`, or None: none, not this job's, too deep, unreadable, or missing objects (then the
+    save writes everything, which is always correct)."""
     if step is None or not job:
         return None
     try:
@@ -113,6 +113,10 @@ def load_base(catalog: Catalog, step: int | None, job: str | None) -> Base | Non
     except CheckpointError:
         return None
     if manifest.format.split("+")[0] != FORMAT_VERSION:
+        return None
+    try:  # what the base references must still be there, or the new step could not commit
+        catalog.check_referenced(step, {k: r.size for k, r in manifest.objects.items()})
+    except CheckpointError:
         return None
     return base_of(manifest, job)
 
