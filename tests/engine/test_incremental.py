@@ -25,7 +25,8 @@ from spotckpt.gc import collect_garbage
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 
-from tests_support import assert_equal
+from dist_worker import run_ranks
+from tests_support import assert_equal, load_saved
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -378,3 +379,17 @@ def test_a_reader_that_does_not_know_references_refuses_the_step(
         assert mgr.restore(TrainState(model=fresh, rng=False)) == 2
     assert (tmp_path / manifest_key(3)).exists()
     assert_equal(snapshot(model), snapshot(fresh))
+
+
+def test_two_ranks_save_incrementally_and_restore_on_other_world_sizes(tmp_path: Path) -> None:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    run_ranks(2, "fsdp_incremental_save", {"uri": str(root), "out": str(out)})
+    second = manifest(root, 2)
+    assert second.format == "spotckpt/1+references" and second.world_size == 2
+    refs = referenced(root, 2)
+    assert "model.0.weight" in refs and "model.2.weight" in refs
+    assert not any(name.startswith("model.4.") for name in refs)
+    for world in (1, 3):
+        run_ranks(world, "fsdp_restore", {"uri": str(root), "out": str(out)})
+        assert_equal(load_saved(out / "saved.pt"), load_saved(out / f"restored-{world}.pt"))
