@@ -62,8 +62,8 @@ class LoraLinear(nn.Module):
 
 
 def lora_model(base_mib: int) -> nn.Module:
-    """Layers of WIDTH x WIDTH bf16 (8 MiB each) up to `base_mib`, smaller for a smoke run."""
-    width = WIDTH if base_mib >= 64 else 256
+    """Layers of WIDTH x WIDTH bf16 (8 MiB each; 2 MiB for a smoke run) up to `base_mib`."""
+    width = WIDTH if base_mib >= 64 else 1024
     layers = max(1, (base_mib << 20) // (width * width * 2))
     torch.manual_seed(0)
     return nn.Sequential(*(LoraLinear(width) for _ in range(layers)))

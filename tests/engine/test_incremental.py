@@ -393,3 +393,39 @@ def test_two_ranks_save_incrementally_and_restore_on_other_world_sizes(tmp_path:
     for world in (1, 3):
         run_ranks(world, "fsdp_restore", {"uri": str(root), "out": str(out)})
         assert_equal(load_saved(out / "saved.pt"), load_saved(out / f"restored-{world}.pt"))
+
+
+def test_verify_and_export_hf_read_referenced_chunks(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from spotckpt.export import export_hf
+
+    model = make_model()
+    with manager(tmp_path / "ckpt") as mgr:
+        save(mgr, 1, model)
+        save(mgr, 2, model)
+    store = open_store(str(tmp_path / "ckpt"))
+    report = verify_checkpoint(store, 2)
+    assert report.ok and report.objects_checked == 2  # its own object and step 1's
+    export_hf(store, 2, str(tmp_path / "hf"))
+    exported: dict[str, torch.Tensor] = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        exported |= load_file(str(shard))
+    assert_equal(snapshot(model), exported)
+
+
+def test_an_indexed_save_writes_everything_in_its_own_format(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from spotckpt.engine.writer import ObjectStoreWriter
+    from spotckpt.format.index import INDEXED_FORMAT
+
+    store = open_store(str(tmp_path))
+    job = Catalog(store).ensure_job().id
+    for step in (1, 2):
+        writer = ObjectStoreWriter(store, step, index_parts=True, incremental=True, job=job)
+        state = {"w": torch.arange(300_000.0)}
+        dcp.save(state, storage_writer=writer, planner=writer.save_planner(1), no_dist=True)
+    second = Catalog(store).read_manifest(2)
+    assert second.format == INDEXED_FORMAT
+    assert not any(is_reference(key) for key in second.objects)
