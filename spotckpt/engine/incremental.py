@@ -34,7 +34,8 @@ from spotckpt.format.manifest import (
 from spotckpt.format.references import FEATURE, is_reference, object_path
 
 FULL_REWRITE_AFTER = 16
-"""Incremental saves in a row after which a save writes everything again."""
+"""Incremental saves in a row (saves that referenced something) after which the next save
+writes everything again."""
 
 Chunk = tuple[str, tuple[int, ...]]
 """A tensor chunk by name and offsets."""
@@ -81,7 +82,7 @@ class Base:
 def base_of(manifest: Manifest, job: str) -> Base | None:
     """`manifest` as the base of a save of `job`, or None when it may not be one."""
     info = manifest.incremental
-    if info is None or not job or info.job != job or info.depth + 1 >= FULL_REWRITE_AFTER:
+    if info is None or not job or info.job != job or info.depth >= FULL_REWRITE_AFTER:
         return None
     folder = step_folder(manifest.step)
     chunks: dict[Chunk, Stored] = {}

@@ -235,20 +235,17 @@ def test_a_full_rewrite_follows_after_the_bound_and_retention_frees_the_old_obje
         assert list((tmp_path / step_folder(1)).glob("a-*/*.safetensors"))
         assert not (tmp_path / manifest_key(1)).exists()
         assert_equal(snapshot(model), restored(tmp_path, 3))
-        depths = [manifest(tmp_path, s).incremental for s in (2, 3)]
-        assert [d.depth for d in depths if d] == [1, 2]
-        save(mgr, 4, model)  # depth 3 would reach the bound: everything is written again
-        assert referenced(tmp_path, 4) == set()
-        save(mgr, 5, model)
+        save(mgr, 4, model)
+        depths = [manifest(tmp_path, s).incremental for s in (3, 4)]
+        assert [d.depth for d in depths if d] == [2, 3]
+        save(mgr, 5, model)  # after 3 incremental saves in a row, everything is written again
+        assert referenced(tmp_path, 5) == set()
+        save(mgr, 6, model)
     assert not (tmp_path / step_folder(1)).exists()  # no kept step references it any more
-    assert referenced(tmp_path, 5) >= WEIGHTS
-    assert (
-        manifest(tmp_path, 5)
-        .tensors["model.0.weight"]
-        .chunks[0]
-        .location.key.startswith(step_folder(4))
-    )
-    assert_equal(snapshot(model), restored(tmp_path, 5))
+    assert referenced(tmp_path, 6) >= WEIGHTS
+    location = manifest(tmp_path, 6).tensors["model.0.weight"].chunks[0].location
+    assert location.key.startswith(step_folder(5))
+    assert_equal(snapshot(model), restored(tmp_path, 6))
 
 
 def test_gc_and_delete_step_keep_what_kept_steps_reference(tmp_path: Path) -> None:
