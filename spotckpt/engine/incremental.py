@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import blake3
 
 from spotckpt.catalog import Catalog, step_folder
+from spotckpt.checksum import crc32c
 from spotckpt.errors import CheckpointError
 from spotckpt.format.manifest import (
     FORMAT_VERSION,
@@ -60,23 +61,35 @@ class Stored:
 
 @dataclass(frozen=True)
 class Base:
-    """The base step of an incremental save: its chunks by name and offsets, and the depth the
-    save gets when it references any of them."""
+    """The base step of an incremental save: its chunks by name and offsets, its block size,
+    and the depth the save gets when it references any of them."""
 
     step: int
     depth: int
+    block_size: int
     chunks: dict[Chunk, Stored]
 
     def find(
-        self, chunk: Chunk, dtype: str, shape: tuple[int, ...], sizes: tuple[int, ...], digest: str
-    ) -> Stored | None:
-        """The base's stored chunk with exactly these bytes and this layout, or None."""
+        self,
+        chunk: Chunk,
+        dtype: str,
+        shape: tuple[int, ...],
+        sizes: tuple[int, ...],
+        data: memoryview,
+    ) -> tuple[Stored | None, str]:
+        """The base's stored chunk when it holds exactly `data` in this layout (else None),
+        and the hash of `data` when it had to be computed ("" when the layout or the first
+        block's CRC32C, recorded by the base, already shows that the bytes differ: then the
+        writer hashes them while they upload)."""
         stored = self.chunks.get(chunk)
-        if stored is None or not digest or stored.location.blake3 != digest:
-            return None
-        if (stored.dtype, stored.shape, stored.sizes) != (dtype, shape, sizes):
-            return None
-        return stored
+        if stored is None or (stored.dtype, stored.shape, stored.sizes) != (dtype, shape, sizes):
+            return None, ""
+        if stored.location.length != data.nbytes:
+            return None, ""
+        if crc32c(data[: self.block_size]) != stored.location.block_crc32c[0]:
+            return None, ""  # a different first block: certainly changed
+        digest = chunk_hash(data)
+        return (stored if digest == stored.location.blake3 else None), digest
 
 
 def base_of(manifest: Manifest, job: str) -> Base | None:
@@ -100,7 +113,7 @@ def base_of(manifest: Manifest, job: str) -> Base | None:
                 replace(location, key=key),
                 replace(record, key=key),
             )
-    return Base(manifest.step, info.depth + 1, chunks)
+    return Base(manifest.step, info.depth + 1, manifest.block_size, chunks)
 
 
 def load_base(catalog: Catalog, step: int | None, job: str | None) -> Base | None:

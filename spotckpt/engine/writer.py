@@ -251,6 +251,8 @@ class ObjectStoreWriter(StorageWriter):
                 # While the object's last parts upload: where each item (or member) lies.
                 members = members_of(planner, item.index.fqn)
                 hashes = digests.get(item.index, ())
+                if hashing and not hashes and item.index not in values:
+                    hashes = _hashes(data, members)
                 if members is None:
                     location = ChunkLocation(
                         key=key,
@@ -290,34 +292,38 @@ class ObjectStoreWriter(StorageWriter):
         data: memoryview,
         digests: dict[MetadataIndex, tuple[str, ...]],
     ) -> list[WriteResult] | None:
-        """Hash a tensor item (each member of a pack) into `digests`; the results that reference
-        the base step's bytes instead when every one of them is unchanged there, else None."""
+        """The results that reference the base step's bytes instead of a tensor item (every
+        member of a pack) when all of them are unchanged there, else None; the hashes computed
+        on the way go into `digests` (the others are computed while the item uploads)."""
+        base = self.base
+        if base is None:
+            return None
         members = members_of(planner, item.index.fqn)
         if members is None:
             tensor = item.tensor_data
             if tensor is None:
                 raise InvalidTypeError(f"write item {item.index.fqn!r} has no tensor data")
-            digests[item.index] = (chunk_hash(data),)
-            stored = self.base and self.base.find(
+            stored, digest = base.find(
                 (item.index.fqn, tuple(tensor.chunk.offsets)),
                 dtype_of(tensor.properties.dtype).name,
                 tuple(tensor.size),
                 tuple(tensor.chunk.sizes),
-                digests[item.index][0],
+                data,
             )
-            if not stored:
+            if digest:
+                digests[item.index] = (digest,)
+            if stored is None:
                 return None
             written = WrittenItem(stored.location, stored.record)
             return [WriteResult(item.index, stored.location.length, written)]
-        hashes = tuple(chunk_hash(data[m.offset : m.offset + m.nbytes]) for m in members)
-        digests[item.index] = hashes
         found = []
-        for member, digest in zip(members, hashes, strict=True):
+        for member in members:
             zeros = (0,) * len(member.shape)
-            stored = self.base and self.base.find(
-                (member.fqn, zeros), member.dtype, member.shape, member.shape, digest
+            piece = data[member.offset : member.offset + member.nbytes]
+            stored, _digest = base.find(
+                (member.fqn, zeros), member.dtype, member.shape, member.shape, piece
             )
-            if not stored:
+            if stored is None:
                 return None
             index = MetadataIndex(member.fqn, torch.Size(zeros))
             written = WrittenItem(stored.location, stored.record, member)
@@ -395,6 +401,13 @@ class ObjectStoreWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def _hashes(data: memoryview, members: tuple[PackedMember, ...] | None) -> tuple[str, ...]:
+    """The hash of an item's bytes, or of each member's of a pack."""
+    if members is None:
+        return (chunk_hash(data),)
+    return tuple(chunk_hash(data[m.offset : m.offset + m.nbytes]) for m in members)
 
 
 def _value_bytes(data: Any, fqn: str) -> memoryview:
