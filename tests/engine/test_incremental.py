@@ -200,8 +200,11 @@ def test_a_tensor_changed_back_to_old_bytes_is_written_and_restores_exactly(
         with torch.no_grad():
             model[0].weight.copy_(original)
         save(mgr, 3, model)
+        save(mgr, 4, model)
     assert "model.0.weight" not in referenced(tmp_path, 2)
     assert "model.0.weight" not in referenced(tmp_path, 3)  # the base (2) holds other bytes
+    # hashed while it uploaded (its first block differed), so the next save can reference it
+    assert "model.0.weight" in referenced(tmp_path, 4)
     assert torch.equal(restored(tmp_path, 3)["0.weight"], original)
     assert torch.equal(restored(tmp_path, 2)["0.weight"], original + 1.0)
 
