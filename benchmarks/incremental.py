@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -250,6 +251,7 @@ def main() -> int:
     parser.add_argument("--servers", default="weed,moto")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     apply_fake_env()
     results = []
     with tempfile.TemporaryDirectory(prefix="spotckpt-incremental-") as scratch:
