@@ -12,10 +12,11 @@ object it references is there, then writes it create-only: the commit point).
 A value (non-tensor state) is refused at save time unless it loads back with
 ``torch.load(weights_only=True)``.
 
-An incremental save (`incremental`, one-document manifests only) hashes every tensor chunk first
-and references, instead of uploading, each chunk whose bytes the base step already holds
-(`spotckpt.engine.incremental`); the coordinator names the base (the newest committed step) in
-each rank's assignment.
+An incremental save (`incremental`, one-document manifests only) first compares every tensor
+chunk with the base step (the newest committed one, named by the coordinator in each rank's
+assignment) and references, instead of uploading, each chunk whose bytes the base already holds
+(`spotckpt.engine.incremental`); every chunk it writes is hashed too (while it uploads, when the
+comparison did not need its hash), for the next save to compare with.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ class ObjectStoreWriter(StorageWriter):
         digests: dict[MetadataIndex, tuple[str, ...]] = {}
         reused: list[WriteResult] = []
         skipped: set[MetadataIndex] = set()
-        if hashing:  # hash every chunk first: what is unchanged is never uploaded
+        if self.base is not None:  # compare every chunk first: what is unchanged never uploads
             for item in items:
                 if item.type != WriteItemType.BYTE_IO:
                     data = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
