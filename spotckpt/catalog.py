@@ -821,9 +821,10 @@ class Catalog:
                 f"{self.uri}"
             )
         folder = step_folder(step)
+        incremental, released = self._referenced_by([step])
         if held is None:
-            held = self.held_by_references(s for s in self.steps() if s != step)
-        released = self._referenced_by([step])
+            others = [s for s in self.steps() if s != step] if incremental else []
+            held = self.held_by_references(others)
         self.store.delete_many([manifest_key(step)])
         keys = [info.key for info in self.store.list(f"{folder}/")]
         self.store.delete_many([k for k in keys if not is_held(k, held)])
@@ -836,7 +837,10 @@ class Catalog:
         of the retired step folders and nothing else: no other folder, look-alike or event.
         Listing costs one delimited listing of the steps, then one listing per retired folder
         or, when more than `RETIRE_FOLDER_LISTINGS` retire at once, one listing that stops past
-        the last of them.
+        the last of them. References (incremental saves): the retired manifests are read (one
+        GET each); when one of them was incremental the kept ones are read too, and the objects
+        they reference stay (`held_by_references`), while the folders that only the retired
+        steps referenced go with them.
         """
         if keep_last < 1:
             raise InvalidArgumentError(
@@ -846,21 +850,28 @@ class Catalog:
         cut = max(0, len(committed) - keep_last)
         retired = committed[:cut]
         if retired:
-            held = self.held_by_references(committed[cut:])
-            released = self._referenced_by(retired)
+            incremental, released = self._referenced_by(retired)
+            held = self.held_by_references(committed[cut:]) if incremental else set()
             self.store.delete_many([manifest_key(step) for step in retired])
             keys = self._folder_keys({step_folder(s) for s in retired})
             self.store.delete_many([k for k in keys if not is_held(k, held)])
             self._release(released - held)
         return retired
 
-    def _referenced_by(self, steps: list[int]) -> set[str]:
-        """The earlier steps' attempt folders that the manifests of `steps` (about to go)
-        reference; what cannot be read is left to gc."""
-        try:
-            return self.held_by_references(steps)
-        except (ManifestError, CorruptCheckpointError):
-            return set()
+    def _referenced_by(self, steps: list[int]) -> tuple[bool, set[str]]:
+        """Of the manifests of `steps` (about to go): whether any was written by an incremental
+        save (only then may a kept step reference their objects, and the kept manifests are
+        read), and the earlier steps' attempt folders they reference. A manifest that cannot be
+        read counts as neither (its references are left to gc)."""
+        incremental, folders = False, set()
+        for step in steps:
+            try:
+                manifest = self.read_manifest(step, wanted=_NO_CHUNKS)
+            except (ManifestError, CorruptCheckpointError, NoCheckpointError):
+                continue
+            incremental = incremental or manifest.incremental is not None
+            folders |= referenced_folders(manifest)
+        return incremental, folders
 
     def _release(self, folders: set[str]) -> None:
         """Delete the objects of attempt folders of retired steps that no kept step references
