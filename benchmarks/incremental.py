@@ -250,7 +250,14 @@ def main() -> int:
     parser.add_argument("--dense-saves", type=int, default=4)
     parser.add_argument("--servers", default="weed,moto")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch intra-op threads (on a loaded machine, 1 keeps OpenMP from spinning)",
+    )
     args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     apply_fake_env()
     results = []
