@@ -82,6 +82,8 @@ from spotckpt.format.index import (
     part_ranks,
 )
 from spotckpt.format.manifest import MAX_INT, Manifest, check_manifest_size
+from spotckpt.format.references import FEATURE as REFERENCES
+from spotckpt.format.references import attempt_of, is_reference, object_path
 from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo
 
 log = logging.getLogger("spotckpt")
@@ -220,13 +222,22 @@ def tier_record_key(step: int) -> str:
 
 
 def step_key(step: int, relative: str) -> str:
-    """A key relative to the root, from one relative to the step folder (as manifests hold)."""
-    return f"{step_folder(step)}/{relative}"
+    """A key relative to the root, from one relative to the step folder (as manifests hold;
+    a reference into an earlier step's folder is already relative to the root)."""
+    return object_path(step_folder(step), relative)
 
 
 def attempt_folders(manifest: Manifest) -> set[str]:
-    """The attempt folders (``a-<id>``) whose objects a manifest references."""
-    return {key.partition("/")[0] for key in manifest.objects} | {attempt_folder(manifest.attempt)}
+    """The attempt folders (``a-<id>``) of its own step folder whose objects a manifest
+    references."""
+    own = {key.partition("/")[0] for key in manifest.objects if not is_reference(key)}
+    return own | {attempt_folder(manifest.attempt)}
+
+
+def referenced_folders(manifest: Manifest) -> set[str]:
+    """The attempt folders of earlier steps (``step-N/a-<id>``, relative to the root) whose
+    objects a manifest references: they outlive their own step while it is kept."""
+    return {attempt_of(key) for key in manifest.objects if is_reference(key)}
 
 
 @dataclass(frozen=True)
@@ -272,6 +283,21 @@ def is_job_id(value: object) -> bool:
 
 def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def _no_chunks(root: Root) -> tuple[Mapping[str, list[Box]], Iterable[str]]:
+    """What `Catalog.held_by_references` wants of an indexed root: no chunk, no value (an
+    indexed save never references)."""
+    return {}, []
+
+
+_NO_CHUNKS: WantedFromRoot = _no_chunks
+
+
+def is_held(key: str, held: set[str]) -> bool:
+    """Whether `key` (relative to the root) lies in one of the `held` attempt folders."""
+    folder, _slash, rest = key.partition("/")
+    return f"{folder}/{rest.partition('/')[0]}" in held
 
 
 def _described(key: str, size: int, found: ObjectInfo | None) -> str:
@@ -423,6 +449,8 @@ class Catalog:
             data = self.manifest_bytes(step)
         header = self._parse(data, step)
         if isinstance(header, Manifest):
+            if REFERENCES in header.features:
+                self._check_job(header)
             return header
         if wanted is None:
             return self._from_parts(header, every_chunk(header), header.values, set(header.parts))
@@ -436,6 +464,30 @@ class Catalog:
         if declared is not None and declared.split("+")[0] == INDEXED_FORMAT:
             return parse_root(data, step)
         return Manifest.from_json(data, expected_step=step)
+
+    def _check_job(self, manifest: Manifest) -> None:
+        """ManifestError unless a manifest with references was written by this root's job: a
+        reference is trusted only into the steps of the job that owns the root."""
+        job = self.job()
+        claimed = manifest.incremental.job if manifest.incremental else ""
+        if job is None or job.id != claimed:
+            raise ManifestError(
+                f"step {manifest.step} references earlier steps as job {claimed[:32]!r}, but "
+                f"{self.uri} belongs to job {job.id if job else None!r}: its references are not "
+                "trusted"
+            )
+
+    def held_by_references(self, steps: Iterable[int]) -> set[str]:
+        """The attempt folders of other steps (``step-N/a-<id>``) that the manifests of `steps`
+        reference: retention and gc keep them. ManifestError when one does not validate (then
+        what it references is unknown, and the caller deletes no step's objects)."""
+        held: set[str] = set()
+        for step in steps:
+            try:
+                held |= referenced_folders(self.read_manifest(step, wanted=_NO_CHUNKS))
+            except NoCheckpointError:
+                continue  # deleted meanwhile: it holds nothing any more
+        return held
 
     def _from_parts(
         self, root: Root, wanted: Wanted, values: Iterable[str], ranks: set[int]
@@ -753,8 +805,12 @@ class Catalog:
 
     # Deleting ---------------------------------------------------------------------------------
 
-    def delete_step(self, step: int, *, newest: int | None = None) -> None:
-        """Delete a committed checkpoint, manifest first (never half-visible).
+    def delete_step(
+        self, step: int, *, newest: int | None = None, held: set[str] | None = None
+    ) -> None:
+        """Delete a committed checkpoint, manifest first (never half-visible), but not the
+        objects that other steps reference (`held`, else read from every other step's manifest:
+        `held_by_references`); those outlive it.
 
         Refuses the newest committed step: `newest` if the caller knows it, else a fresh listing.
         """
@@ -765,8 +821,14 @@ class Catalog:
                 f"{self.uri}"
             )
         folder = step_folder(step)
+        incremental, released = self._referenced_by([step])
+        if held is None:
+            others = [s for s in self.steps() if s != step] if incremental else []
+            held = self.held_by_references(others)
         self.store.delete_many([manifest_key(step)])
-        self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
+        keys = [info.key for info in self.store.list(f"{folder}/")]
+        self.store.delete_many([k for k in keys if not is_held(k, held)])
+        self._release(released - held)
 
     def retire(self, keep_last: int) -> list[int]:
         """Delete committed checkpoints beyond the newest `keep_last`; returns their steps.
@@ -775,18 +837,47 @@ class Catalog:
         of the retired step folders and nothing else: no other folder, look-alike or event.
         Listing costs one delimited listing of the steps, then one listing per retired folder
         or, when more than `RETIRE_FOLDER_LISTINGS` retire at once, one listing that stops past
-        the last of them.
+        the last of them. References (incremental saves): the retired manifests are read (one
+        GET each); when one of them was incremental the kept ones are read too, and the objects
+        they reference stay (`held_by_references`), while the folders that only the retired
+        steps referenced go with them.
         """
         if keep_last < 1:
             raise InvalidArgumentError(
                 "keep_last must be at least 1: the newest checkpoint is never deleted"
             )
         committed = self.steps()
-        retired = committed[: max(0, len(committed) - keep_last)]
+        cut = max(0, len(committed) - keep_last)
+        retired = committed[:cut]
         if retired:
+            incremental, released = self._referenced_by(retired)
+            held = self.held_by_references(committed[cut:]) if incremental else set()
             self.store.delete_many([manifest_key(step) for step in retired])
-            self.store.delete_many(self._folder_keys({step_folder(s) for s in retired}))
+            keys = self._folder_keys({step_folder(s) for s in retired})
+            self.store.delete_many([k for k in keys if not is_held(k, held)])
+            self._release(released - held)
         return retired
+
+    def _referenced_by(self, steps: list[int]) -> tuple[bool, set[str]]:
+        """Of the manifests of `steps` (about to go): whether any was written by an incremental
+        save (only then may a kept step reference their objects, and the kept manifests are
+        read), and the earlier steps' attempt folders they reference. A manifest that cannot be
+        read counts as neither (its references are left to gc)."""
+        incremental, folders = False, set()
+        for step in steps:
+            try:
+                manifest = self.read_manifest(step, wanted=_NO_CHUNKS)
+            except (ManifestError, CorruptCheckpointError, NoCheckpointError):
+                continue
+            incremental = incremental or manifest.incremental is not None
+            folders |= referenced_folders(manifest)
+        return incremental, folders
+
+    def _release(self, folders: set[str]) -> None:
+        """Delete the objects of attempt folders of retired steps that no kept step references
+        any more (their step's manifest went earlier, while a kept step still held them)."""
+        for folder in sorted(folders):
+            self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
 
     def _folder_keys(self, folders: set[str]) -> list[str]:
         """Every key under the given step folders (``<folder>/...``), from as few listings as

@@ -351,7 +351,16 @@ def ls_command(
         click.echo(_table(_LS_HEADERS, [_ls_cells(r) for r in rows]))
 
 
-_LS_HEADERS = ("STEP", "STATUS", "CREATED (UTC)", "SIZE", "WORLD", "OBJECTS", "ATTEMPT")
+_LS_HEADERS = (
+    "STEP",
+    "STATUS",
+    "CREATED (UTC)",
+    "SIZE",
+    "REFERENCED",
+    "WORLD",
+    "OBJECTS",
+    "ATTEMPT",
+)
 
 
 def _committed_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
@@ -362,22 +371,27 @@ def _committed_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
         except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
             rows.append(_row(step, "invalid", None, None, None, None, None, _redact(str(error))))
             continue
-        rows.append(
-            _row(
-                step,
-                "committed",
-                manifest.created_at,
-                manifest.total_bytes,
-                manifest.world_size,
-                len(manifest.objects),
-                manifest.attempt,
-            )
+        row = _row(
+            step,
+            "committed",
+            manifest.created_at,
+            manifest.written_bytes,
+            manifest.world_size,
+            len(manifest.objects),
+            manifest.attempt,
         )
+        rows.append(row | {"referenced_bytes": manifest.referenced_bytes})
     return rows
 
 
 def _uncommitted_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
+    """Attempt folders no manifest of their own step holds: an unfinished save's, or (status
+    ``referenced``) a retired step's objects that a kept step still references."""
     rows = []
+    try:
+        held = catalog.held_by_references(scan.committed)
+    except (ManifestError, CorruptCheckpointError):
+        held = set()
     for step, folder in sorted(scan.steps.items()):
         referenced: set[str] = set()
         if folder.has_manifest:
@@ -394,7 +408,7 @@ def _uncommitted_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
             rows.append(
                 _row(
                     step,
-                    "uncommitted",
+                    "referenced" if f"{folder.folder}/{name}" in held else "uncommitted",
                     _iso(newest),
                     sum(o.size for o in group.objects),
                     None,
@@ -466,6 +480,7 @@ def _ls_cells(row: dict[str, Any]) -> list[str]:
         row["status"],
         _when(row["created_at"]),
         "-" if row["bytes"] is None else human_size(row["bytes"]),
+        human_size(row["referenced_bytes"]) if row.get("referenced_bytes") else "-",
         text(row["world_size"]),
         text(row["objects"]),
         text(attempt),
@@ -528,6 +543,9 @@ def _inspect_json(
         "created_at": manifest.created_at,
         "world_size": manifest.world_size,
         "bytes": manifest.total_bytes,
+        "written_bytes": manifest.written_bytes,
+        "referenced_bytes": manifest.referenced_bytes,
+        "format": manifest.format,
         "versions": manifest.versions,
         "user_metadata": manifest.user_metadata,
         "objects": [
@@ -589,6 +607,9 @@ def _inspect_header(store: ObjectStore, manifest: Manifest) -> list[str]:
         f"  created        {_when(manifest.created_at)} UTC",
         f"  world size     {manifest.world_size}",
         f"  size           {human_size(manifest.total_bytes)} in {_plural(objects, 'object')}",
+        f"  written        {human_size(manifest.written_bytes)}, referenced in earlier steps "
+        f"{human_size(manifest.referenced_bytes)}",
+        f"  format         {manifest.format}",
         f"  versions       {versions}",
         f"  user metadata  {json.dumps(manifest.user_metadata, sort_keys=True)}",
     ]

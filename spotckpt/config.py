@@ -88,6 +88,10 @@ class Settings:
     - `progress_interval_s`: a save or restore still running after this many seconds logs its
       progress at INFO (bytes done of total, rate, time left), again every as many seconds;
       None: never.
+    - `incremental`: bucket saves upload only the tensor chunks whose bytes (BLAKE3) changed
+      since the newest committed step and reference the others there (`spotckpt.engine.
+      incremental`); off by default: hashing costs CPU time on every save of a state that
+      changes whole, and older spotckpt versions cannot read a step that holds references.
     """
 
     keep_last: int | None = 3
@@ -110,6 +114,7 @@ class Settings:
     redundancy: str | None = None
     local_keep_last: int = 2
     progress_interval_s: float | None = 5.0
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -192,6 +197,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "redundancy": (str, type(None)),
     "local_keep_last": (int,),
     "progress_interval_s": (int, float, type(None)),
+    "incremental": (bool,),
 }
 _AT_LEAST_ONE = frozenset(
     {

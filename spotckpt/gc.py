@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, parse_step_folder
+from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, is_held, parse_step_folder
 from spotckpt.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
@@ -117,8 +117,14 @@ def collect_garbage(
     committed = scan.committed
     retired = set(committed[:-keep_last]) if keep_last is not None else set()
     advance = _counter(len(scan.steps) + 1, progress)
-    for step in sorted(retired):
-        _retire(catalog, scan.steps[step], committed[-1], report)
+    try:
+        held: set[str] | None = catalog.held_by_references(s for s in committed if s not in retired)
+    except (ManifestError, CorruptCheckpointError) as error:
+        held = None  # what the kept steps reference is unknown: no step's objects go
+        report.kept.append(f"every retired and uncommitted step folder (a kept manifest: {error})")
+        log.warning("gc: deleting no step's objects, a kept manifest does not validate: %s", error)
+    for step in sorted(retired if held is not None else ()):
+        _retire(catalog, scan.steps[step], committed[-1], held or set(), report)
         advance()
     for step, info in sorted(scan.steps.items()):
         if step in retired:
@@ -127,8 +133,8 @@ def collect_garbage(
             report.kept.append(f"{info.folder}/{record}/ (quarantined for inspection)")
         if info.has_manifest:
             _collect_attempts(catalog, info, now, safety_age_s, report)
-        else:
-            _collect_uncommitted(catalog, info, now, safety_age_s, report)
+        elif held is not None:
+            _collect_uncommitted(catalog, info, now, safety_age_s, held, report)
         advance()
     _abort_uploads(store, scan.uploads, now, safety_age_s, report)
     _collect_probes(catalog, now, safety_age_s, report)
@@ -189,16 +195,26 @@ def _collect_attempts(
 
 
 def _collect_uncommitted(
-    catalog: Catalog, info: StepFolder, now: datetime, safety_age_s: float, report: GcReport
+    catalog: Catalog,
+    info: StepFolder,
+    now: datetime,
+    safety_age_s: float,
+    referenced: set[str],
+    report: GcReport,
 ) -> None:
-    """A step folder without a manifest: a save that never committed, or a quarantined step.
+    """A step folder without a manifest: a save that never committed, a quarantined step, or a
+    retired step whose objects a kept step still references.
 
-    Quarantine records and the attempt folders they name are kept for inspection.
+    Quarantine records and the attempt folders they name are kept for inspection; attempt
+    folders that a kept step references (`referenced`) are kept for it.
     """
     held = catalog.quarantined_attempts(info.step) if info.quarantined else set()
     for attempt, group in sorted(info.attempts.items()):
         if attempt in held:
             report.kept.append(f"{group.prefix} (held by a quarantine record)")
+            continue
+        if f"{info.folder}/{attempt}" in referenced:
+            report.kept.append(f"{group.prefix} (referenced by a kept step)")
             continue
         age = _age_s(group, now)
         if not _old_enough(age, safety_age_s):
@@ -238,19 +254,16 @@ def _delete_group(
     _record(report, action)
 
 
-def _retire(catalog: Catalog, info: StepFolder, newest: int, report: GcReport) -> None:
-    """Retention: delete a committed checkpoint, manifest first; never the newest."""
+def _retire(
+    catalog: Catalog, info: StepFolder, newest: int, held: set[str], report: GcReport
+) -> None:
+    """Retention: delete a committed checkpoint, manifest first; never the newest, nor the
+    objects that a kept step references (`held`)."""
     folder = f"{info.folder}/"
-    action = GcAction(
-        "retention",
-        folder,
-        len(info.everything),
-        sum(o.size for o in info.everything),
-        None,
-        info.step,
-    )
+    going = [o for o in info.everything if not is_held(o.key, held)]
+    action = GcAction("retention", folder, len(going), sum(o.size for o in going), None, info.step)
     if not report.dry_run:
-        catalog.delete_step(info.step, newest=newest)
+        catalog.delete_step(info.step, newest=newest, held=held)
     _record(report, action)
 
 

@@ -58,6 +58,7 @@ from spotckpt.errors import (
 from spotckpt.format import bounded_json
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.requests import RequestTally
+from spotckpt.units import human_size
 
 log = logging.getLogger("spotckpt")
 
@@ -342,7 +343,7 @@ save and restore events: so every request of a run is in exactly one event (gc, 
 the fast tier's drain in the save or restore that follows or contains them)."""
 _PER_SAVE = ("write_requests", "read_requests", "delete_requests")
 _SUMMED = {
-    "save": ("train_s", "stall_s", "upload_s", "bytes", *REQUEST_FIELDS),
+    "save": ("train_s", "stall_s", "upload_s", "bytes", "referenced_bytes", *REQUEST_FIELDS),
     "preemption": ("train_s", "steps_lost", "emergency_save_s"),
     "restore": ("train_s", "restore_s", *REQUEST_FIELDS),
 }
@@ -354,7 +355,7 @@ _RECENT = {
 _LAST = ("interval_steps", "step_time_s", "step", "time")
 _SUM_NAMES = frozenset(name for names in _SUMMED.values() for name in names)
 _RECENT_NAMES = frozenset(name for names in _RECENT.values() for name in names)
-_COUNTED = frozenset({"bytes", "steps_lost", *REQUEST_FIELDS})
+_COUNTED = frozenset({"bytes", "referenced_bytes", "steps_lost", *REQUEST_FIELDS})
 
 
 def _number(value: Any) -> float | None:
@@ -436,7 +437,9 @@ _EVENT_FIELDS: dict[str, _Check] = {
     **dict.fromkeys(("train_s", "stall_s", "upload_s", "emergency_save_s"), _DURATION),
     **dict.fromkeys(("restore_s", "step_time_s"), _DURATION),
     "notice_left_s": _within(-MAX_EVENT_SECONDS, MAX_EVENT_SECONDS),  # negative: notice missed
-    **dict.fromkeys(("bytes", "steps_lost", "step", *REQUEST_FIELDS), _whole(0)),
+    **dict.fromkeys(
+        ("bytes", "referenced_bytes", "steps_lost", "step", *REQUEST_FIELDS), _whole(0)
+    ),
     "interval_steps": _whole(1),
 }
 """Every field that a figure reads, and what it must be when present and not null."""
@@ -779,10 +782,12 @@ class GoodputTracker:
         size: int | None,
         asynchronous: bool,
         emergency: bool,
+        referenced: int | None = None,
         requests: RequestTally | None = None,
     ) -> None:
-        """A save of `step` committed: record it, with the job's `requests` since the last
-        event (None: its store does not count them)."""
+        """A save of `step` committed: record it (`size`: bytes it wrote; `referenced`: bytes
+        an incremental save referenced in earlier steps instead), with the job's `requests`
+        since the last event (None: its store does not count them)."""
         self.last_committed_step = step
         event: dict[str, Any] = {
             "kind": "save",
@@ -790,6 +795,7 @@ class GoodputTracker:
             "stall_s": stall_s,
             "upload_s": upload_s,
             "bytes": size,
+            "referenced_bytes": referenced,
             "throughput_bytes_per_s": size / upload_s if size and upload_s > 0 else None,
             "async": asynchronous,
             "emergency": emergency,
@@ -880,6 +886,8 @@ class GoodputStats:
     restores: int = 0
     evictions: int = 0
     steps_lost: int = 0
+    saved_bytes: int = 0
+    referenced_bytes: int = 0
     training_s: float = 0.0
     stall_median_s: float | None = None
     stall_p95_s: float | None = None
@@ -946,6 +954,7 @@ class GoodputStats:
             ("training time", _duration(self.training_s)),
             ("save stall", _spread(self.stall_median_s, self.stall_p95_s)),
             ("save upload", _spread(self.upload_median_s, self.upload_p95_s)),
+            ("save bytes", _written_and_referenced(self.saved_bytes, self.referenced_bytes)),
             ("restore", f"median {_seconds(self.restore_median_s)}"),
             ("overhead", _share(self.overhead_share) + " of training time"),
             ("eviction rate", _rate(self.evictions_per_hour)),
@@ -986,7 +995,7 @@ class GoodputStats:
 
 
 def _bytes(value: int | None) -> str:
-    return "-" if value is None else f"{value / (1 << 30):.3f} GiB"
+    return "-" if value is None else human_size(value)
 
 
 def _count(number: int, noun: str) -> str:
@@ -997,6 +1006,12 @@ def _duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f} s"
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def _written_and_referenced(written: int, referenced: int) -> str:
+    """``812.0 MiB written, 7.5 GiB referenced (incremental)``."""
+    text = f"{human_size(written)} written"
+    return text + (f", {human_size(referenced)} referenced (incremental)" if referenced else "")
 
 
 def _or_dash(value: Any) -> str:
@@ -1039,6 +1054,8 @@ def stats_from_totals(
         restores=counts.get("restore", 0),
         evictions=evictions,
         steps_lost=int(sums.get("steps_lost", 0)),
+        saved_bytes=int(sums.get("bytes", 0)),
+        referenced_bytes=int(sums.get("referenced_bytes", 0)),
         training_s=training_s,
         stall_median_s=median(stalls),
         stall_p95_s=p95(stalls),

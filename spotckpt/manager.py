@@ -352,6 +352,8 @@ class CheckpointManager:
                     step,
                     prefix_spread=self.prefix_spread,
                     attempt=self._child_attempt(blocking),
+                    incremental=self.settings.incremental,
+                    job=job,
                     **self._writer_options(user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
@@ -589,6 +591,7 @@ class CheckpointManager:
             stall_s=pending.stall_s,
             upload_s=self.last_save_seconds - pending.stall_s,
             size=_size(pending.writer),
+            referenced=_referenced(pending.writer),
             asynchronous=True,
             emergency=False,
             requests=self._job_requests(),
@@ -665,6 +668,7 @@ class CheckpointManager:
             stall_s=self.last_save_seconds,
             upload_s=self.last_save_seconds,
             size=_size(writer),
+            referenced=_referenced(writer),
             asynchronous=False,
             emergency=emergency,
             requests=requests,
@@ -1004,8 +1008,13 @@ class CheckpointManager:
 
 
 def _size(writer: ObjectStoreWriter) -> int | None:
-    """Bytes of a committed save (known on the coordinator)."""
-    return writer.manifest.total_bytes if writer.manifest is not None else None
+    """Bytes a committed save wrote (known on the coordinator)."""
+    return writer.manifest.written_bytes if writer.manifest is not None else None
+
+
+def _referenced(writer: ObjectStoreWriter) -> int | None:
+    """Bytes a committed save referenced in earlier steps instead of writing them."""
+    return writer.manifest.referenced_bytes if writer.manifest is not None else None
 
 
 def _amount(writer: ObjectStoreWriter, seconds: float) -> str:

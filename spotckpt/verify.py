@@ -1,6 +1,7 @@
 """`verify_checkpoint`: check every byte of a committed checkpoint against its manifest.
 
-The manifest must parse and validate; every data object it lists must exist with the listed size;
+The manifest must parse and validate; every data object it lists (its own, and those of earlier
+steps it references) must exist with the listed size;
 each object is streamed with ranged reads (``piece_size`` at a time, never whole) and its CRC32C
 compared with the manifest's. In the same pass the per-block CRC32Cs of every tensor chunk and
 value are checked, so a damaged object is reported with the tensors whose bytes are damaged, and
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spotckpt.catalog import Catalog, manifest_key, step_folder
+from spotckpt.catalog import Catalog, manifest_key, referenced_folders, step_folder
 from spotckpt.checksum import crc32c
 from spotckpt.engine.chunks import BlockCheck, ChunkReader, describe
 from spotckpt.errors import (
@@ -165,7 +166,8 @@ def _check_objects(
     folder = step_folder(manifest.step)
     sizes = {key: record.size for key, record in manifest.objects.items()}
     reader = ChunkReader(store, folder, manifest.block_size, sizes)
-    listed = {info.key: info for info in store.list(f"{folder}/")}
+    prefixes = [f"{folder}/", *(f"{f}/" for f in sorted(referenced_folders(manifest)))]
+    listed = {info.key: info for prefix in prefixes for info in store.list(prefix)}
     inside = _chunks_by_object(manifest)
     present: list[ObjectRecord] = []
     for record in manifest.objects.values():

@@ -203,6 +203,25 @@ def fsdp_restore(rank: int, world: int, args: dict[str, Any]) -> None:
     mgr.close()
 
 
+def fsdp_incremental_save(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Save FSDP2 + AdamW at step 1, change the last layer's shards in place, then save step 2
+    incrementally: every other chunk is referenced in step 1's objects."""
+    out = Path(args["out"])
+    model = fsdp(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, 1, rank)
+    mgr = _manager(args, incremental=True)
+    mgr.save(1, TrainState(model=model, optimizer=optimizer, rng=False))
+    with torch.no_grad():
+        for p in model[4].parameters():
+            p.to_local().add_(1.0)  # type: ignore[operator]
+    mgr.save(2, TrainState(model=model, optimizer=optimizer, rng=False))
+    saved = full_state(model, optimizer)
+    if rank == 0:
+        torch.save(saved, out / "saved.pt")
+    mgr.close()
+
+
 def ddp_save(rank: int, world: int, args: dict[str, Any]) -> None:
     """DDP replicas: the checkpoint must hold one copy of each parameter."""
     model = DistributedDataParallel(make_model())
@@ -459,6 +478,7 @@ def distributed_sampler(rank: int, world: int, args: dict[str, Any]) -> None:
 
 
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
+    "fsdp_incremental_save": fsdp_incremental_save,
     "per_rank_state": per_rank_state,
     "distributed_sampler": distributed_sampler,
     "fsdp_save": fsdp_save,

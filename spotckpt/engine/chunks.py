@@ -35,6 +35,7 @@ from spotckpt.errors import (
     ObjectSizeError,
 )
 from spotckpt.format.manifest import ChunkLocation
+from spotckpt.format.references import object_path
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore
 
 _NAMES_SHOWN = 3
@@ -122,8 +123,8 @@ class ChunkReader:
         self._lock = threading.Lock()
 
     def path(self, key: str) -> str:
-        """The store key of object `key`."""
-        return f"{self.folder}/{key}"
+        """The store key of object `key` (in the step folder, or referenced in an earlier one)."""
+        return object_path(self.folder, key)
 
     def span(self, location: ChunkLocation, start: int, end: int) -> BlockSpan:
         """Bytes `start`..`end` of a chunk, widened to the blocks that hold them."""

@@ -11,6 +11,12 @@ object it references is there, then writes it create-only: the commit point).
 
 A value (non-tensor state) is refused at save time unless it loads back with
 ``torch.load(weights_only=True)``.
+
+An incremental save (`incremental`, one-document manifests only) first compares every tensor
+chunk with the base step (the newest committed one, named by the coordinator in each rank's
+assignment) and references, instead of uploading, each chunk whose bytes the base already holds
+(`spotckpt.engine.incremental`); every chunk it writes is hashed too (while it uploads, when the
+comparison did not need its hash), for the next save to compare with.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from spotckpt.catalog import (
     step_key,
 )
 from spotckpt.engine.global_plan import PlanCache
+from spotckpt.engine.incremental import (
+    Base,
+    chunk_hash,
+    features_of,
+    load_base,
+    record_of,
+)
 from spotckpt.engine.manifests import (
     ManifestHeader,
     WrittenItem,
@@ -49,7 +62,8 @@ from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
 from spotckpt.engine.planners import ScalingSavePlanner
 from spotckpt.errors import InvalidTypeError, UnsupportedValueError, ValueLoadError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
-from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
+from spotckpt.format.features import format_string
+from spotckpt.format.manifest import FORMAT_VERSION, ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.safetensors_io import (
     DEFAULT_BLOCK_SIZE,
     SafetensorsStreamWriter,
@@ -70,12 +84,13 @@ INDEX_MIN_RANKS = 32
 
 @dataclass(frozen=True)
 class RankAssignment:
-    """What the coordinator tells each rank: the attempt, the key of its object and whether
-    it writes an index part."""
+    """What the coordinator tells each rank: the attempt, the key of its object, whether
+    it writes an index part, and (incremental saves) the base step it may reference."""
 
     attempt: str
     key: str
     indexed: bool = False
+    base: int | None = None
 
 
 def _item_name(item: WriteItem) -> str:
@@ -95,6 +110,8 @@ class ObjectStoreWriter(StorageWriter):
     None and ``attempt`` at what it was given: read the outcome back from the store). `attempt`
     is the attempt id the coordinator uses instead of drawing one, given by a caller that must
     know it without hearing back from that child (to discard the attempt after a failure).
+    `incremental` references unchanged chunks of the newest committed step of job `job` (the
+    root's `spotckpt.catalog.JobIdentity` id; without it every chunk is written, with hashes).
     """
 
     def __init__(
@@ -109,8 +126,13 @@ class ObjectStoreWriter(StorageWriter):
         on_written: Callable[[], None] | None = None,
         index_parts: bool | None = None,
         attempt: str | None = None,
+        incremental: bool = False,
+        job: str | None = None,
     ) -> None:
         super().__init__()
+        self.incremental = incremental
+        self.job = job
+        self.base: Base | None = None
         self.index_parts = index_parts
         self.store = store
         self.catalog = Catalog(store)
@@ -160,11 +182,15 @@ class ObjectStoreWriter(StorageWriter):
         indexed = self.index_parts
         if indexed is None:
             indexed = len(plans) >= INDEX_MIN_RANKS
+        base = None
+        if self.incremental and not indexed:
+            latest = self.catalog.latest()
+            base = latest if latest is not None and latest < self.step else None
         return [
             dataclasses.replace(
                 plan,
                 storage_data=RankAssignment(
-                    attempt, rank_object_key(attempt, rank, self.prefix_spread), indexed
+                    attempt, rank_object_key(attempt, rank, self.prefix_spread), indexed, base
                 ),
             )
             for rank, plan in enumerate(plans)
@@ -183,7 +209,11 @@ class ObjectStoreWriter(StorageWriter):
                 "ObjectStoreWriter.write_data needs a plan from prepare_global_plan"
             )
         self.attempt = assignment.attempt
-        results = self._write_object(plan.items, planner, assignment.key) if plan.items else []
+        hashing = self.incremental and not assignment.indexed
+        self.base = load_base(self.catalog, assignment.base, self.job) if hashing else None
+        results = (
+            self._write_object(plan.items, planner, assignment.key, hashing) if plan.items else []
+        )
         if assignment.indexed and results:
             results = [self._write_index_part(results, plan.items)]
         if self.on_written is not None:
@@ -192,14 +222,33 @@ class ObjectStoreWriter(StorageWriter):
         return future
 
     def _write_object(
-        self, items: list[WriteItem], planner: SavePlanner, key: str
+        self, items: list[WriteItem], planner: SavePlanner, key: str, hashing: bool
     ) -> list[WriteResult]:
         values = {
             item.index: _value_bytes(planner.resolve_data(item), item.index.fqn)
             for item in items
             if item.type == WriteItemType.BYTE_IO
         }
-        ordered = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+        tensors: dict[MetadataIndex, memoryview] = {}
+        digests: dict[MetadataIndex, tuple[str, ...]] = {}
+        reused: list[WriteResult] = []
+        skipped: set[MetadataIndex] = set()
+        if self.base is not None:  # compare every chunk first: what is unchanged never uploads
+            for item in items:
+                if item.type != WriteItemType.BYTE_IO:
+                    data = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
+                    found = self._unchanged(item, planner, data, digests)
+                    if found is None:
+                        tensors[item.index] = data
+                    else:
+                        reused += found
+                        skipped.add(item.index)
+        ordered = sorted(
+            (item for item in items if item.index not in skipped),
+            key=lambda i: i.type != WriteItemType.BYTE_IO,
+        )
+        if not ordered:
+            return reused
         specs = [self._spec(item, values) for item in ordered]
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
         writer = self.store.open_writer(step_key(self.step, key))
@@ -208,42 +257,109 @@ class ObjectStoreWriter(StorageWriter):
             stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
             self._stream = stream
             for item, spec in zip(ordered, specs, strict=True):
-                data = values.get(item.index)
-                if data is None:
-                    data = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
+                data = self._bytes_of(item, planner, values, tensors)
                 stored = stream.write_tensor(spec.name, data)
                 # While the object's last parts upload: where each item (or member) lies.
                 members = members_of(planner, item.index.fqn)
+                hashes = digests.get(item.index, ())
+                if hashing and not hashes and item.index not in values:
+                    hashes = _hashes(data, members)
                 if members is None:
                     location = ChunkLocation(
                         key=key,
                         offset=stored.offset,
                         length=stored.length,
                         block_crc32c=stored.block_crc32c,
+                        blake3=hashes[0] if hashes else "",
                     )
                     placed.append((item.index, location, None))
                 else:
-                    placed += self._member_locations(members, stored, data, key)
+                    placed += self._member_locations(members, stored, data, key, hashes)
             size, crc = stream.finish()
         record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank)
-        return [
+        return reused + [
             WriteResult(index, location.length, WrittenItem(location, record, member))
             for index, location, member in placed
         ]
 
-    def _member_locations(
-        self, members: tuple[PackedMember, ...], stored: StoredRange, data: memoryview, key: str
-    ) -> list[tuple[MetadataIndex, ChunkLocation, PackedMember]]:
-        """Where each member of a pack lies in object `key`, with its own block CRC32Cs, as if
-        it had been written alone."""
-        located = []
+    @staticmethod
+    def _bytes_of(
+        item: WriteItem,
+        planner: SavePlanner,
+        values: dict[MetadataIndex, memoryview],
+        hashed: dict[MetadataIndex, memoryview],
+    ) -> memoryview:
+        """An item's bytes: a value's, a hashed tensor's (resolved once), else resolved now."""
+        if item.index in values:
+            return values[item.index]
+        if item.index in hashed:
+            return hashed.pop(item.index)
+        return tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
+
+    def _unchanged(
+        self,
+        item: WriteItem,
+        planner: SavePlanner,
+        data: memoryview,
+        digests: dict[MetadataIndex, tuple[str, ...]],
+    ) -> list[WriteResult] | None:
+        """The results that reference the base step's bytes instead of a tensor item (every
+        member of a pack) when all of them are unchanged there, else None; the hashes computed
+        on the way go into `digests` (the others are computed while the item uploads)."""
+        base = self.base
+        if base is None:
+            return None
+        members = members_of(planner, item.index.fqn)
+        if members is None:
+            tensor = item.tensor_data
+            if tensor is None:
+                raise InvalidTypeError(f"write item {item.index.fqn!r} has no tensor data")
+            stored, digest = base.find(
+                (item.index.fqn, tuple(tensor.chunk.offsets)),
+                dtype_of(tensor.properties.dtype).name,
+                tuple(tensor.size),
+                tuple(tensor.chunk.sizes),
+                data,
+            )
+            if digest:
+                digests[item.index] = (digest,)
+            if stored is None:
+                return None
+            written = WrittenItem(stored.location, stored.record)
+            return [WriteResult(item.index, stored.location.length, written)]
+        found = []
         for member in members:
+            zeros = (0,) * len(member.shape)
+            piece = data[member.offset : member.offset + member.nbytes]
+            stored, _digest = base.find(
+                (member.fqn, zeros), member.dtype, member.shape, member.shape, piece
+            )
+            if stored is None:
+                return None
+            index = MetadataIndex(member.fqn, torch.Size(zeros))
+            written = WrittenItem(stored.location, stored.record, member)
+            found.append(WriteResult(index, stored.location.length, written))
+        return found
+
+    def _member_locations(
+        self,
+        members: tuple[PackedMember, ...],
+        stored: StoredRange,
+        data: memoryview,
+        key: str,
+        hashes: tuple[str, ...],
+    ) -> list[tuple[MetadataIndex, ChunkLocation, PackedMember]]:
+        """Where each member of a pack lies in object `key`, with its own block CRC32Cs (and
+        hashes, when the save hashed them), as if it had been written alone."""
+        located = []
+        for number, member in enumerate(members):
             piece = data[member.offset : member.offset + member.nbytes]
             location = ChunkLocation(
                 key=key,
                 offset=stored.offset + member.offset,
                 length=member.nbytes,
                 block_crc32c=block_crcs(piece, self.block_size),
+                blake3=hashes[number] if hashes else "",
             )
             index = MetadataIndex(member.fqn, torch.Size([0] * len(member.shape)))
             located.append((index, location, member))
@@ -280,6 +396,9 @@ class ObjectStoreWriter(StorageWriter):
             self.manifest = summary  # committed: nothing after this point may undo it
             return
         manifest = self.build_manifest(metadata, results)
+        if self.incremental:
+            manifest.incremental = record_of(manifest, self.job or "", self.base)
+            manifest.format = format_string(FORMAT_VERSION, features_of(manifest))
         self.catalog.commit(manifest, manifest.to_json())
         self.manifest = manifest  # committed: nothing after this point may undo it
 
@@ -293,6 +412,13 @@ class ObjectStoreWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def _hashes(data: memoryview, members: tuple[PackedMember, ...] | None) -> tuple[str, ...]:
+    """The hash of an item's bytes, or of each member's of a pack."""
+    if members is None:
+        return (chunk_hash(data),)
+    return tuple(chunk_hash(data[m.offset : m.offset + m.nbytes]) for m in members)
 
 
 def _value_bytes(data: Any, fqn: str) -> memoryview:

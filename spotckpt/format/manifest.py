@@ -21,6 +21,8 @@ from spotckpt.errors import ManifestError
 from spotckpt.format import bounded_json
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.features import parse_format
+from spotckpt.format.references import FEATURE as REFERENCES
+from spotckpt.format.references import is_reference, referenced_step
 from spotckpt.storage.base import InvalidKeyError, check_key
 
 if TYPE_CHECKING:  # torch loads only for DCP metadata (`Manifest.to_dcp`)
@@ -34,6 +36,7 @@ MAX_BLOCK_SIZE = 1 << 30
 MAX_INT = (1 << 63) - 1  # sizes, offsets, steps and element counts must fit an int64
 MAX_DIMS = 64
 MAX_TILING_CORNERS = 1 << 24  # work bound of the tiling check, summed over all chunks
+_HEX = frozenset("0123456789abcdef")
 
 
 def check_manifest_size(size: int, step: int) -> None:
@@ -56,12 +59,15 @@ class ObjectRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkLocation:
-    """Where one stored chunk's bytes lie, with a CRC32C per `block_size` block."""
+    """Where one stored chunk's bytes lie, with a CRC32C per `block_size` block; `blake3`
+    (hex, incremental saves only) is the hash of the chunk's bytes that a later save compares
+    with to reference them instead of uploading them again."""
 
     key: str
     offset: int
     length: int
     block_crc32c: tuple[int, ...]
+    blake3: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +88,16 @@ class TensorRecord:
     chunks: tuple[TensorChunk, ...]
 
 
+@dataclass(frozen=True)
+class Incremental:
+    """What an incremental save records: the job whose steps it may reference (a later save
+    references only a step of its own job), and how many incremental saves in a row led to it
+    (a full rewrite follows after `spotckpt.engine.incremental.FULL_REWRITE_AFTER`)."""
+
+    job: str
+    depth: int
+
+
 @dataclass(kw_only=True)
 class Manifest:
     """The commit record of one checkpoint."""
@@ -98,6 +114,7 @@ class Manifest:
     user_metadata: dict[str, Any] = field(default_factory=dict)
     planner_data: dict[str, list[str | int]] = field(default_factory=dict)
     format: str = FORMAT_VERSION
+    incremental: Incremental | None = None
 
     @property
     def features(self) -> frozenset[str]:
@@ -108,6 +125,18 @@ class Manifest:
     def total_bytes(self) -> int:
         """Bytes of all data objects."""
         return sum(o.size for o in self.objects.values())
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes of the objects this step's save wrote (not those it references)."""
+        return sum(o.size for o in self.objects.values() if not is_reference(o.key))
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of tensor chunks and values that lie in earlier steps' objects (references)."""
+        locations = [c.location for t in self.tensors.values() for c in t.chunks]
+        locations += self.values.values()
+        return sum(loc.length for loc in locations if is_reference(loc.key))
 
     def to_json(self) -> bytes:
         """Serialise to UTF-8 JSON; ValueError if `user_metadata` is beyond what `from_json` reads
@@ -131,6 +160,11 @@ class Manifest:
             "planner_data": self.planner_data,
             "user_metadata": self.user_metadata,
         }
+        if self.incremental is not None:
+            document["incremental"] = {
+                "job": self.incremental.job,
+                "depth": self.incremental.depth,
+            }
         return json.dumps(document, separators=(",", ":")).encode()
 
     @classmethod
@@ -178,12 +212,15 @@ def _object_json(record: ObjectRecord) -> dict[str, Any]:
 
 
 def _location_json(location: ChunkLocation) -> dict[str, Any]:
-    return {
+    document = {
         "key": location.key,
         "offset": location.offset,
         "length": location.length,
         "block_crc32c": list(location.block_crc32c),
     }
+    if location.blake3:
+        document["blake3"] = location.blake3
+    return document
 
 
 def _tensor_json(tensor: TensorRecord) -> dict[str, Any]:
@@ -241,7 +278,7 @@ def manifest_document(data: bytes) -> dict[str, Any]:
 
 def _parse(data: bytes, expected_step: int | None) -> Manifest:
     document = manifest_document(data)
-    parse_format(document.get("format"), (FORMAT_VERSION,))
+    _layout, features = parse_format(document.get("format"), (FORMAT_VERSION,))
     version = str(document["format"])
     step = _count(document, "step", "manifest")
     if expected_step is not None and step != expected_step:
@@ -252,7 +289,12 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     world_size = _count(document, "world_size", "manifest")
     if world_size < 1:
         raise _fail(f"manifest world_size must be at least 1, got {world_size}")
-    objects = _parse_objects(_get(document, "objects", list, "manifest"), world_size)
+    objects = _parse_objects(
+        _get(document, "objects", list, "manifest"), world_size, step, REFERENCES in features
+    )
+    incremental = _parse_incremental(document.get("incremental"))
+    if incremental is None and REFERENCES in features:
+        raise _fail("manifest uses references but does not say of which job (no 'incremental')")
     tensors_json = _get(document, "tensors", dict, "manifest")
     values_json = _get(document, "values", dict, "manifest")
     if len(tensors_json) + len(values_json) > MAX_ENTRIES:
@@ -292,10 +334,24 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         user_metadata=user_metadata,
         planner_data=planner_data,
         format=version,
+        incremental=incremental,
     )
 
 
-def _parse_objects(entries: list[Any], world_size: int) -> dict[str, ObjectRecord]:
+def _parse_incremental(entry: Any) -> Incremental | None:
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise _fail("manifest 'incremental' must be a JSON object")
+    job = _get(entry, "job", str, "manifest incremental")
+    if len(job) > 64:
+        raise _fail("manifest incremental job id is too long")
+    return Incremental(job=job, depth=_count(entry, "depth", "manifest incremental"))
+
+
+def _parse_objects(
+    entries: list[Any], world_size: int, step: int, references: bool
+) -> dict[str, ObjectRecord]:
     if len(entries) > MAX_OBJECTS:
         raise _fail(f"manifest lists {len(entries)} objects, more than {MAX_OBJECTS}")
     objects: dict[str, ObjectRecord] = {}
@@ -310,7 +366,13 @@ def _parse_objects(entries: list[Any], world_size: int) -> dict[str, ObjectRecor
         if crc >= 1 << 32:
             raise _fail(f"{where}: crc32c is not a 32-bit value")
         rank = _count(entry, "rank", where)
-        if rank >= world_size:
+        if is_reference(key):  # written by an earlier step, maybe at another world size
+            if not references:
+                raise _fail(
+                    f"{where} lies outside the step folder, in a manifest without references"
+                )
+            referenced_step(key, step)
+        elif rank >= world_size:
             raise _fail(f"{where}: rank {rank} is not below the world_size of {world_size}")
         objects[key] = ObjectRecord(
             key=key, size=_count(entry, "size", where), crc32c=crc, rank=rank
@@ -337,7 +399,10 @@ def parse_location(
     crcs = _ints(_get(entry, "block_crc32c", list, where), where)
     if len(crcs) != max(1, -(-length // block_size)) or any(c >= 1 << 32 for c in crcs):
         raise _fail(f"{where}: block_crc32c does not match its length of {length} bytes")
-    return ChunkLocation(key=key, offset=offset, length=length, block_crc32c=crcs)
+    digest = entry.get("blake3", "")
+    if not isinstance(digest, str) or (digest and (len(digest) != 64 or set(digest) - _HEX)):
+        raise _fail(f"{where}: blake3 is not 64 lowercase hex digits")
+    return ChunkLocation(key=key, offset=offset, length=length, block_crc32c=crcs, blake3=digest)
 
 
 def _parse_tensor(
@@ -491,8 +556,8 @@ def check_disjoint(stored: Iterable[Stored]) -> None:
     writes a replicated item once (the manifest lists one location for it), a pack's members lie
     back to back, and an empty item holds no bytes. Bytes claimed twice can only be a forgery that
     points one item at another's bytes with their CRC32Cs copied, which every checksum passes.
-    (References into an earlier step's objects, once a manifest may hold them, are outside this
-    rule: they are checked against the step that wrote those bytes.)
+    References into an earlier step's objects keep the ranges that step gave them, disjoint there,
+    so the rule holds for them too.
     """
     ranges = sorted(item for item in stored if item[2] > item[1])
     for before, after in itertools.pairwise(ranges):

@@ -133,7 +133,17 @@ def test_ls_inspect_verify_on_local_folder(fsdp_copy: Path, tmp_path: Path) -> N
     )
     assert ls.returncode == 0, ls.stderr
     header, row = ls.stdout.splitlines()
-    columns = ["STEP", "STATUS", "CREATED", "(UTC)", "SIZE", "WORLD", "OBJECTS", "ATTEMPT"]
+    columns = [
+        "STEP",
+        "STATUS",
+        "CREATED",
+        "(UTC)",
+        "SIZE",
+        "REFERENCED",
+        "WORLD",
+        "OBJECTS",
+        "ATTEMPT",
+    ]
     assert header.split() == columns
     manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
     cells = row.split()
