@@ -28,6 +28,7 @@ from spotckpt.collector import collector_paused
 from spotckpt.config import Config, Settings
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.engine.checkpointer import Checkpointer, is_save_failure
+from spotckpt.engine.guards import Guard
 from spotckpt.engine.reader import ReadStats
 from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
@@ -35,10 +36,12 @@ from spotckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     IncompleteRestoreError,
+    IntegrityRefusedError,
     KeyMismatchError,
     ManifestError,
     NoCheckpointError,
     PeerLostError,
+    ReplicaMismatchError,
     StorageError,
     TierSaveError,
     UnknownFormatError,
@@ -268,9 +271,20 @@ class CheckpointManager:
         pending = self._pending.step if self._pending is not None else None
         self._deadline = deadline
         self.wait()  # an in-flight upload is closest to done: let it commit first
+        refused: IntegrityRefusedError | None = None
         if pending != step and self.collective.all(self._time_for_another_save(deadline)):
-            self._save(step, state, True, user_metadata, emergency=True)
-            committed = step
+            try:
+                self._save(step, state, True, user_metadata, emergency=True)
+                committed: int | None = step
+            except IntegrityRefusedError as error:  # the previous checkpoint stays the newest
+                refused = error
+                committed = self.goodput.last_committed_step
+                log.error(
+                    "emergency save of step %d refused by an integrity check; stopping without "
+                    "it (resuming starts after step %s)",
+                    step,
+                    committed,
+                )
         else:
             committed = pending if pending is not None else step
             if pending != step:
@@ -280,12 +294,14 @@ class CheckpointManager:
                     pending,
                 )
         elapsed = time.monotonic() - started
-        log.warning("emergency save of step %d committed in %.2f s", committed, elapsed)
+        if refused is None:
+            log.warning("emergency save of step %d committed in %.2f s", committed, elapsed)
         self.goodput.preempted(
             source=(watcher.reason if watcher is not None else None) or "peer rank",
             notice_left_s=remaining,
             step=step,
             emergency_save_s=elapsed,
+            refused=None if refused is None else str(refused),
         )
         self._stop = True
         release_worker_shields()  # the save is in: loader workers may now be shut down
@@ -343,7 +359,7 @@ class CheckpointManager:
                     step,
                     prefix_spread=self.prefix_spread,
                     attempt=self._child_attempt(blocking),
-                    **self._writer_options(user_metadata, blocking),
+                    **self._writer_options(step, user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
 
@@ -369,15 +385,22 @@ class CheckpointManager:
             return None
 
     def _writer_options(
-        self, user_metadata: Mapping[str, Any] | None, blocking: bool
+        self, step: int, user_metadata: Mapping[str, Any] | None, blocking: bool
     ) -> dict[str, Any]:
         """What every save's writer records: the caller's metadata, versions, and (where it can
-        be set: not from a process-mode upload's child) this rank's progress marker."""
+        be set: not from a process-mode upload's child) this rank's progress marker; and what it
+        checks before its commit point (`spotckpt.engine.guards`)."""
         marks = self.group is not None and (blocking or self.settings.async_mode != "process")
         return {
             "user_metadata": dict(user_metadata or {}),
             "versions": {"spotckpt": __version__, "torch": torch.__version__},
             "on_written": self._progress.mark_written if marks else None,
+            "guard": Guard(
+                step,
+                replica_check=self.settings.replica_check,
+                health_check=self.settings.health_check,
+                world_size=self.world_size,
+            ),
         }
 
     def _child_attempt(self, blocking: bool) -> str | None:
@@ -398,7 +421,8 @@ class CheckpointManager:
     ) -> None:
         started = time.monotonic()
         if blocking:
-            self._run_save(step, writer, lambda: self.checkpointer.save(state_dict, writer))
+            save = lambda: self.checkpointer.save(state_dict, writer)  # noqa: E731
+            self._run_save(step, writer, save, emergency)
             self._blocking_commit(step, writer, started, emergency)
             return
         upload = self.checkpointer.async_save(state_dict, writer)
@@ -441,7 +465,7 @@ class CheckpointManager:
     ) -> None:
         """A save through the fast tier: stage once, copy to peers, then (`durable`) drain."""
         tier = cast(FastTier, self.tier)
-        writer = tier.writer(step, **self._writer_options(user_metadata, blocking))
+        writer = tier.writer(step, **self._writer_options(step, user_metadata, blocking))
         started = time.monotonic()
 
         def finish() -> None:
@@ -573,7 +597,19 @@ class CheckpointManager:
             emergency=False,
         )
 
-    def _run_save(self, step: int, writer: ObjectStoreWriter, run: Callable[[], Any]) -> None:
+    def _refused(self, step: int, failure: IntegrityRefusedError, emergency: bool) -> None:
+        """An integrity check refused the save of `step`: log it and record the event."""
+        check = "replicas" if isinstance(failure, ReplicaMismatchError) else "health"
+        log.error("%s", failure)
+        self.goodput.refused(step, check, str(failure), emergency=emergency)
+
+    def _run_save(
+        self,
+        step: int,
+        writer: ObjectStoreWriter,
+        run: Callable[[], Any],
+        emergency: bool = False,
+    ) -> None:
         """Run a save to its end; after its commit point nothing can fail it any more.
 
         A failure is first checked against the bucket: if this attempt's manifest is there (a
@@ -589,6 +625,8 @@ class CheckpointManager:
                 if not committed:
                     self._discard_attempt(step, writer)
                 failure = self.checkpointer.save_failure(step, error, self._progress)
+                if isinstance(failure, IntegrityRefusedError):
+                    self._refused(step, failure, emergency)
                 if failure is None or failure is error:
                     raise
                 raise failure from error

@@ -1,7 +1,8 @@
 """`ObjectStoreWriter`: DCP's storage writer for any `ObjectStore`, one streamed object per rank.
 
 DCP's call order: ``reset`` -> ``set_up_storage_writer`` -> ``prepare_local_plan`` ->
-``prepare_global_plan`` (coordinator: refuses a step that is already committed, draws the attempt
+``prepare_global_plan`` (coordinator: refuses a save whose replicas disagree,
+`spotckpt.engine.guards`, and a step that is already committed, draws the attempt
 id, assigns each rank its object key) -> ``write_data`` (every rank streams one safetensors object
 of its own items: header first, then each item's bytes, through a multipart upload with
 part-sized buffers; block CRC32Cs as it goes; from `INDEX_MIN_RANKS` ranks on, also an index part
@@ -35,6 +36,12 @@ from spotckpt.catalog import (
     rank_object_key,
     step_folder,
     step_key,
+)
+from spotckpt.engine.guards import (
+    Guard,
+    GuardedPackingSavePlanner,
+    GuardedSavePlanner,
+    check_replicas,
 )
 from spotckpt.engine.manifests import (
     ManifestHeader,
@@ -108,8 +115,10 @@ class ObjectStoreWriter(StorageWriter):
         on_written: Callable[[], None] | None = None,
         index_parts: bool | None = None,
         attempt: str | None = None,
+        guard: Guard | None = None,
     ) -> None:
         super().__init__()
+        self.guard = guard
         self.index_parts = index_parts
         self.store = store
         self.catalog = Catalog(store)
@@ -139,13 +148,19 @@ class ObjectStoreWriter(StorageWriter):
     def save_planner(self, world_size: int) -> SavePlanner:
         """The planner to save through this writer with: small tensors in packs
         (`spotckpt.engine.packing`), unless the save writes index parts (from `INDEX_MIN_RANKS`
-        ranks), whose summaries describe DCP's items as they are."""
+        ranks), whose summaries describe DCP's items as they are; with the checks of `guard`
+        (`spotckpt.engine.guards`) when it has any."""
         indexed = self.index_parts
         if indexed is None:
             indexed = world_size >= INDEX_MIN_RANKS
+        if self.guard is not None and self.guard.active:
+            guarded = GuardedSavePlanner if indexed else GuardedPackingSavePlanner
+            return guarded(self.guard)
         return DefaultSavePlanner() if indexed else PackingSavePlanner()
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.guard is not None and self.guard.compares_replicas:
+            check_replicas(self.step, [plan.storage_data for plan in plans])
         self.check_step_free()
         attempt = self.planned_attempt or new_attempt_id()
         indexed = self.index_parts
