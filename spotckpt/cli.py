@@ -46,6 +46,7 @@ from spotckpt.errors import (
 )
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import Manifest, TensorRecord
+from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import collect_garbage
 from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
@@ -89,6 +90,13 @@ def _resolve(uri: str | None, pairs: Sequence[tuple[str, str]]) -> tuple[str, di
         ) from None
     _secrets.update(secret_values(config.storage_options))
     return config.uri, {**config.storage_options, **cli_options}
+
+
+def _keyring(uri: str | None) -> Keyring | None:
+    """The signing keys of the configuration (``SPOTCKPT_SIGNING_KEY``, ``SPOTCKPT_VERIFY_KEYS``,
+    ``SPOTCKPT_ACCEPT_UNSIGNED`` or the config file): with any, unsigned and wrongly signed
+    steps are refused."""
+    return keyring_of(Config.load(uri=uri or None))
 
 
 @contextmanager
@@ -633,7 +641,7 @@ def verify_command(
     with _opened(uri, storage_options) as store:
         chosen = _resolve_step(store, step)
         with _progress_bar(f"verify step {chosen}") as progress:
-            report = verify_checkpoint(store, chosen, progress=progress)
+            report = verify_checkpoint(store, chosen, progress=progress, keyring=_keyring(uri))
     if as_json:
         _emit_json(report.to_dict())
     elif report.ok:
@@ -794,6 +802,7 @@ def export_command(
                 store,
                 chosen,
                 out_store,
+                keyring=_keyring(uri),
                 max_shard_size=max_shard_size,
                 dtype=cast,
                 prefix=prefix,

@@ -47,6 +47,7 @@ from spotckpt.errors import (
     UnknownFormatError,
 )
 from spotckpt.format.manifest import Manifest
+from spotckpt.format.signing import keyring_of
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
 from spotckpt.preemption import PreemptionWatcher
@@ -111,7 +112,8 @@ class CheckpointManager:
         self.agree_every = self.settings.agree_every
         storage_options = self.settings.storage_options
         self.store = store if store is not None else open_store(uri, **dict(storage_options or {}))
-        self.catalog = Catalog(self.store)
+        self.keyring = keyring_of(self.settings)
+        self.catalog = Catalog(self.store, self.keyring)
         self.collective = Collective(self.settings.collective_timeout_s)
         self.rank = self.collective.rank
         self.world_size = self.collective.world_size
@@ -395,6 +397,8 @@ class CheckpointManager:
             "user_metadata": dict(user_metadata or {}),
             "versions": {"spotckpt": __version__, "torch": torch.__version__},
             "on_written": self._progress.mark_written if marks else None,
+            "keyring": self.keyring,
+            "job": self._job,
             "guard": Guard(
                 step,
                 replica_check=self.settings.replica_check,
@@ -938,7 +942,8 @@ class CheckpointManager:
 
     def verify(self, step: int | None = None, *, progress: Any = None) -> VerifyReport:
         """Check every byte of a committed checkpoint (default: the latest) against its manifest."""
-        return verify_checkpoint(self.store, self.catalog.resolve(step), progress=progress)
+        step = self.catalog.resolve(step)
+        return verify_checkpoint(self.store, step, progress=progress, keyring=self.keyring)
 
     def gc(
         self,

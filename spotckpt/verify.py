@@ -31,6 +31,7 @@ from spotckpt.errors import (
     ValueLoadError,
 )
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
+from spotckpt.format.signing import Keyring, new_hasher
 from spotckpt.storage.base import ObjectInfo, ObjectStore
 from spotckpt.values import load_plain
 
@@ -44,11 +45,12 @@ ProgressFn = Callable[[int, int], None]
 class Problem:
     """One thing wrong with a checkpoint.
 
-    `kind` is ``manifest`` (does not parse or validate, or one of its index parts is missing or
-    damaged), ``missing`` (object absent), ``size`` (object size differs), ``crc32c`` (object
-    checksum differs), ``blocks`` (a tensor chunk's block checksums differ while the object's
-    matches: the manifest disagrees with itself) or ``value`` (a stored value's bytes are intact
-    but do not load with weights_only=True).
+    `kind` is ``manifest`` (does not parse or validate, is unsigned or wrongly signed while a key
+    is configured, or one of its index parts is missing or damaged), ``blake3`` (the object's
+    strong hash differs from its signed manifest's), ``missing`` (object absent), ``size``
+    (object size differs), ``crc32c`` (object checksum differs), ``blocks`` (a tensor chunk's
+    block checksums differ while the object's matches: the manifest disagrees with itself) or
+    ``value`` (a stored value's bytes are intact but do not load with weights_only=True).
     `key` is relative to the checkpoint root; `tensors` names what is stored in the damaged part.
     """
 
@@ -135,8 +137,11 @@ def verify_checkpoint(
     progress: ProgressFn | None = None,
     piece_size: int = DEFAULT_PIECE_SIZE,
     max_workers: int = 4,
+    keyring: Keyring | None = None,
 ) -> VerifyReport:
-    """Check the committed checkpoint of `step` in `store`; see the module docstring.
+    """Check the committed checkpoint of `step` in `store`; see the module docstring. With a
+    `keyring`, the manifest must also be signed for this step and job, and in a signed
+    manifest every object's BLAKE3 is checked too (`spotckpt.format.signing`).
 
     Raises NoCheckpointError when the step has no manifest. Storage failures that say nothing
     about the checkpoint itself (permission denied, network) propagate.
@@ -146,7 +151,7 @@ def verify_checkpoint(
     report = VerifyReport(step=step)
     key = manifest_key(step)
     try:
-        manifest = Catalog(store).read_manifest(step)
+        manifest = Catalog(store, keyring).read_manifest(step)
     except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
         report.problems.append(Problem("manifest", key, str(error)))
         return report
@@ -254,6 +259,7 @@ def _check_object(
     )
     names = _names(inside)
     crc = 0
+    strong = new_hasher() if record.blake3 is not None else None
     position = 0
     while position < record.size:
         length = min(piece_size, record.size - position)
@@ -264,11 +270,24 @@ def _check_object(
         except ObjectSizeError as error:
             return [Problem("size", key, str(error), names)]
         crc = crc32c(piece, crc)
+        if strong is not None:
+            strong.update(piece)
         follower.feed(position, memoryview(piece))
         position += length
         counter.add(length)
     damaged = follower.damaged()
-    return _crc_problems(key, record, crc, damaged) + _value_problems(key, follower, damaged)
+    problems = _crc_problems(key, record, crc, damaged)
+    if strong is not None and strong.hexdigest() != record.blake3:
+        problems.append(
+            Problem(
+                "blake3",
+                key,
+                f"object {key}: its BLAKE3 differs from the signed manifest's (bytes replaced, "
+                f"perhaps with their CRC32Cs kept; it holds {describe(names)})",
+                names,
+            )
+        )
+    return problems + _value_problems(key, follower, damaged)
 
 
 def _value_problems(key: str, follower: _Follower, damaged: list[str]) -> list[Problem]:

@@ -53,9 +53,15 @@ from spotckpt.engine.manifests import (
     is_indexed,
 )
 from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
-from spotckpt.errors import InvalidTypeError, UnsupportedValueError, ValueLoadError
+from spotckpt.errors import (
+    InvalidTypeError,
+    SaveFailedError,
+    UnsupportedValueError,
+    ValueLoadError,
+)
 from spotckpt.format.dtypes import BY_NAME, dtype_of
-from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
+from spotckpt.format.index import INDEXED_FORMAT
+from spotckpt.format.manifest import FORMAT_VERSION, ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.safetensors_io import (
     DEFAULT_BLOCK_SIZE,
     SafetensorsStreamWriter,
@@ -64,6 +70,7 @@ from spotckpt.format.safetensors_io import (
     block_crcs,
     tensor_bytes,
 )
+from spotckpt.format.signing import Keyring, new_hasher
 from spotckpt.storage.base import ObjectStore
 from spotckpt.values import load_plain
 
@@ -116,9 +123,18 @@ class ObjectStoreWriter(StorageWriter):
         index_parts: bool | None = None,
         attempt: str | None = None,
         guard: Guard | None = None,
+        keyring: Keyring | None = None,
+        job: str | None = None,
     ) -> None:
         super().__init__()
         self.guard = guard
+        self.keyring = keyring if keyring is not None and keyring.signer is not None else None
+        if self.keyring is not None and job is None:
+            raise SaveFailedError(
+                f"save of step {step} refused: a signing key is configured, but the root has no "
+                "readable job identity (job.json) to sign the manifest for"
+            )
+        self.job = job
         self.index_parts = index_parts
         self.store = store
         self.catalog = Catalog(store)
@@ -210,8 +226,9 @@ class ObjectStoreWriter(StorageWriter):
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
         writer = self.store.open_writer(step_key(self.step, key))
         placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
+        hasher = new_hasher() if self.keyring is not None else None
         with writer:
-            stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
+            stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size, hasher)
             for item, spec in zip(ordered, specs, strict=True):
                 data = values.get(item.index)
                 if data is None:
@@ -230,7 +247,8 @@ class ObjectStoreWriter(StorageWriter):
                 else:
                     placed += self._member_locations(members, stored, data, key)
             size, crc = stream.finish()
-        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank)
+        strong = hasher.hexdigest() if hasher is not None else None
+        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank, blake3=strong)
         return [
             WriteResult(index, location.length, WrittenItem(location, record, member))
             for index, location, member in placed
@@ -257,7 +275,7 @@ class ObjectStoreWriter(StorageWriter):
     def _write_index_part(self, results: list[WriteResult], items: list[WriteItem]) -> WriteResult:
         """Store this rank's index part (indexed saves) and return its `RankSummary` result."""
         key = index_part_key(self.attempt or "unknown", self.rank)
-        data, summary = index_part(self.header(), self.rank, results, items, key)
+        data, summary = index_part(self.header(), self.rank, results, items, key, self._seal)
         self.store.put(step_key(self.step, key), data, create_only=True)
         return summary
 
@@ -280,13 +298,26 @@ class ObjectStoreWriter(StorageWriter):
         """On the coordinator, after every rank wrote: commit the manifest (or indexed root)."""
         if is_indexed(results):
             summary, data = build_root(self.header(), metadata, results)
+            data = self._seal(data, INDEXED_FORMAT)
             referenced = indexed_references(results)
             self.catalog.commit_bytes(self.step, summary.attempt, data, referenced)
             self.manifest = summary  # committed: nothing after this point may undo it
             return
         manifest = self.build_manifest(metadata, results)
-        self.catalog.commit(manifest, manifest.to_json())
+        self.catalog.commit(manifest, self.encode(manifest))
         self.manifest = manifest  # committed: nothing after this point may undo it
+
+    def encode(self, manifest: Manifest) -> bytes:
+        """The bytes of a flat manifest as this save commits it: signed when the writer has a
+        signing key (`spotckpt.format.signing`)."""
+        return self._seal(manifest.to_json(), FORMAT_VERSION)
+
+    def _seal(self, data: bytes, layout: str | None = None) -> bytes:
+        """`data` signed for this job when the writer signs (a manifest or root names the
+        ``signed`` feature in its format: `layout`); else as it is."""
+        if self.keyring is None or self.job is None:
+            return data
+        return self.keyring.sign(data, self.job, layout=layout)
 
     def build_manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> Manifest:
         """This save's manifest, from DCP's global metadata and every rank's results."""
