@@ -632,16 +632,29 @@ def _values_text(names: list[str], name_filter: str) -> str:
 @_step_option
 @_storage_option
 @_json_option
+@click.option(
+    "--digest",
+    "with_digest",
+    is_flag=True,
+    help="Also print the step's digest: equal for every intact copy of the step.",
+)
 def verify_command(
-    uri: str | None, step: int | None, storage_options: tuple[tuple[str, str], ...], as_json: bool
+    uri: str | None,
+    step: int | None,
+    storage_options: tuple[tuple[str, str], ...],
+    as_json: bool,
+    with_digest: bool,
 ) -> None:
-    """Check every object of a checkpoint: presence, size, CRC32C. Exit 1 on problems."""
+    """Check every object of a checkpoint: presence, size, CRC32C (and BLAKE3 and signature
+    when signed). Exit 1 on problems."""
     from spotckpt.verify import verify_checkpoint  # imports torch to load the stored values
 
     with _opened(uri, storage_options) as store:
         chosen = _resolve_step(store, step)
         with _progress_bar(f"verify step {chosen}") as progress:
-            report = verify_checkpoint(store, chosen, progress=progress, keyring=_keyring(uri))
+            report = verify_checkpoint(
+                store, chosen, progress=progress, keyring=_keyring(uri), digest=with_digest
+            )
     if as_json:
         _emit_json(report.to_dict())
     elif report.ok:
@@ -649,6 +662,8 @@ def verify_command(
             f"step {chosen}: OK ({_plural(report.objects_checked, 'object')}, "
             f"{human_size(report.bytes_checked)} checked)"
         )
+        if report.digest is not None:
+            click.echo(f"digest {report.digest}")
     else:
         click.echo(f"step {chosen}: {_plural(len(report.problems), 'problem')}")
         for problem in report.problems:

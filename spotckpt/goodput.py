@@ -763,8 +763,9 @@ class GoodputTracker:
         size: int | None,
         asynchronous: bool,
         emergency: bool,
+        digest: str | None = None,
     ) -> None:
-        """A save of `step` committed: record it."""
+        """A save of `step` committed: record it (with its `spotckpt.digest` when known)."""
         self.last_committed_step = step
         self._publish(
             {
@@ -776,6 +777,7 @@ class GoodputTracker:
                 "throughput_bytes_per_s": size / upload_s if size and upload_s > 0 else None,
                 "async": asynchronous,
                 "emergency": emergency,
+                "digest": digest,
             }
         )
 

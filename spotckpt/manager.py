@@ -599,6 +599,7 @@ class CheckpointManager:
             size=_size(pending.writer),
             asynchronous=True,
             emergency=False,
+            digest=pending.writer.digest,
         )
 
     def _refused(self, step: int, failure: IntegrityRefusedError, emergency: bool) -> None:
@@ -681,6 +682,7 @@ class CheckpointManager:
             size=_size(writer),
             asynchronous=False,
             emergency=emergency,
+            digest=writer.digest,
         )
 
     def _agree_interval(self) -> None:

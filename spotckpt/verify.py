@@ -19,6 +19,7 @@ from typing import Any
 
 from spotckpt.catalog import Catalog, manifest_key, step_folder
 from spotckpt.checksum import crc32c
+from spotckpt.digest import step_digest
 from spotckpt.engine.chunks import BlockCheck, ChunkReader, describe
 from spotckpt.errors import (
     CheckpointError,
@@ -68,6 +69,8 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     bytes_checked: int = 0
     objects_checked: int = 0
+    digest: str | None = None
+    """The step's digest (`spotckpt.digest`), when asked for: stands for the bytes if ok."""
 
     @property
     def ok(self) -> bool:
@@ -90,7 +93,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked,
             "objects_checked": self.objects_checked,
             "problems": [asdict(p) | {"tensors": list(p.tensors)} for p in self.problems],
-        }
+        } | ({} if self.digest is None else {"digest": self.digest})
 
 
 _ERRORS: dict[str, type[CheckpointError]] = {
@@ -138,10 +141,12 @@ def verify_checkpoint(
     piece_size: int = DEFAULT_PIECE_SIZE,
     max_workers: int = 4,
     keyring: Keyring | None = None,
+    digest: bool = False,
 ) -> VerifyReport:
     """Check the committed checkpoint of `step` in `store`; see the module docstring. With a
     `keyring`, the manifest must also be signed for this step and job, and in a signed
-    manifest every object's BLAKE3 is checked too (`spotckpt.format.signing`).
+    manifest every object's BLAKE3 is checked too (`spotckpt.format.signing`). With `digest`,
+    the report also holds the step's digest (`spotckpt.digest`).
 
     Raises NoCheckpointError when the step has no manifest. Storage failures that say nothing
     about the checkpoint itself (permission denied, network) propagate.
@@ -150,11 +155,15 @@ def verify_checkpoint(
         raise InvalidArgumentError("piece_size and max_workers must be positive")
     report = VerifyReport(step=step)
     key = manifest_key(step)
+    catalog = Catalog(store, keyring)
     try:
-        manifest = Catalog(store, keyring).read_manifest(step)
+        data = catalog.manifest_bytes(step)
+        manifest = catalog.read_manifest(step, data=data)
     except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
         report.problems.append(Problem("manifest", key, str(error)))
         return report
+    if digest:
+        report.digest = step_digest(data, manifest.objects.values())
     _check_objects(store, manifest, report, progress, piece_size, max_workers)
     return report
 

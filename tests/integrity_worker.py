@@ -140,10 +140,41 @@ def emergency_refused(rank: int, world: int, args: dict[str, Any]) -> None:
     sys.exit(PREEMPTED_EXIT_CODE)
 
 
+def signed_indexed(rank: int, world: int, args: dict[str, Any]) -> None:
+    """An indexed manifest (a root and one index part per rank) saved with a signing key:
+    restores with the key; then rank 1's part is re-signed by a forger and the step is refused."""
+    import spotckpt.engine.writer
+
+    spotckpt.engine.writer.INDEX_MIN_RANKS = 1
+    model = DistributedDataParallel(make_model())
+    state = TrainState(model=model, rng=False)
+    manager = _manager(args, signing_key=args["key"])
+    manager.save(1, state)
+    manager.save(2, state)
+    assert manager.restore(state) == 2
+    dist.barrier()
+    if rank == 0:
+        import spotckpt.format.signing as signing
+        from spotckpt.catalog import index_part_key, step_key
+
+        root = manager.catalog._parse(manager.catalog.manifest_bytes(2), 2)
+        part = step_key(2, index_part_key(root.attempt, 1))
+        document = json.loads(manager.store.get(part))
+        assert document["job"] == manager.catalog.job().id and "signature" in document
+        document.pop("signature")
+        forged = signing.Keyring.generate().sign(json.dumps(document).encode(), document["job"])
+        manager.store.put(part, forged)  # refused: by the root's CRC32C, or else its signature
+    dist.barrier()
+    outcome = {"restored": manager.restore(state), "steps": manager.steps()}
+    (Path(args["out"]) / f"indexed-{rank}.json").write_text(json.dumps(outcome))
+    manager.close()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "replica_flip": replica_flip,
     "nan_gate": nan_gate,
     "emergency_refused": emergency_refused,
+    "signed_indexed": signed_indexed,
 }
 
 

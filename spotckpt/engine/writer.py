@@ -37,6 +37,7 @@ from spotckpt.catalog import (
     step_folder,
     step_key,
 )
+from spotckpt.digest import step_digest
 from spotckpt.engine.guards import (
     Guard,
     GuardedPackingSavePlanner,
@@ -149,10 +150,13 @@ class ObjectStoreWriter(StorageWriter):
         self.planned_attempt = attempt
         self.attempt: str | None = attempt
         self.manifest: Manifest | None = None
+        self.digest: str | None = None
+        """The committed step's digest (`spotckpt.digest`), for its save event."""
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.attempt = self.planned_attempt
         self.manifest = None
+        self.digest = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -300,12 +304,15 @@ class ObjectStoreWriter(StorageWriter):
             summary, data = build_root(self.header(), metadata, results)
             data = self._seal(data, INDEXED_FORMAT)
             referenced = indexed_references(results)
+            digest = step_digest(data, summary.objects.values())
             self.catalog.commit_bytes(self.step, summary.attempt, data, referenced)
-            self.manifest = summary  # committed: nothing after this point may undo it
+            self.manifest, self.digest = summary, digest  # committed: nothing may undo it now
             return
         manifest = self.build_manifest(metadata, results)
-        self.catalog.commit(manifest, self.encode(manifest))
-        self.manifest = manifest  # committed: nothing after this point may undo it
+        data = self.encode(manifest)
+        digest = step_digest(data, manifest.objects.values())
+        self.catalog.commit(manifest, data)
+        self.manifest, self.digest = manifest, digest  # committed: nothing may undo it now
 
     def encode(self, manifest: Manifest) -> bytes:
         """The bytes of a flat manifest as this save commits it: signed when the writer has a

@@ -313,3 +313,18 @@ def test_catalog_without_keyring_reads_signed_steps(
     manifest = Catalog(open_store(str(root))).read_manifest(1)
     assert manifest.features == frozenset({"signed"})
     assert all(record.blake3 for record in manifest.objects.values())
+
+
+def test_an_indexed_manifest_is_signed_root_and_parts(
+    tmp_path: Path, key: tuple[Path, list[str]]
+) -> None:
+    from integrity_worker import launch
+
+    args = {"uri": str(tmp_path / "ck"), "out": str(tmp_path), "key": str(key[0])}
+    for rank, result in enumerate(launch(2, "signed_indexed", args)):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    root = json.loads((tmp_path / "ck" / manifest_key(1)).read_bytes())
+    assert root["format"] == "spotckpt/2+signed" and "signature" in root
+    for rank in range(2):
+        outcome = json.loads((tmp_path / f"indexed-{rank}.json").read_text())
+        assert outcome == {"restored": 1, "steps": [1]}  # the tampered step 2 set aside
