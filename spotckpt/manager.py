@@ -853,7 +853,7 @@ class CheckpointManager:
         reports a damaged one as its first problem)."""
 
         def check() -> None:
-            error = verify_checkpoint(self.store, step).error()
+            error = verify_checkpoint(self.store, step, keyring=self.keyring).error()
             if error is not None:
                 raise error
 

@@ -102,6 +102,7 @@ _ERRORS: dict[str, type[CheckpointError]] = {
     "size": ObjectSizeError,
     "crc32c": ChecksumMismatchError,
     "blocks": ChecksumMismatchError,
+    "blake3": ChecksumMismatchError,
     "value": ValueLoadError,
 }
 """The error of each kind of `Problem`, as a restore that meets it raises it."""

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog, manifest_key
 from spotckpt.checksum import crc32c
-from spotckpt.errors import ConfigError, SignatureError
+from spotckpt.errors import ConfigError, CorruptCheckpointError, SignatureError
 from spotckpt.format.signing import Keyring
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
@@ -304,6 +304,12 @@ def test_bytes_replaced_with_their_crc32c_kept_fail_the_strong_hash(
     for keyring in (None, Keyring.from_files(str(key[0]))):
         report = verify_checkpoint(open_store(str(root)), 1, keyring=keyring)
         assert [p.kind for p in report.problems] == ["blake3"]  # every CRC32C still matches
+        assert isinstance(report.error(), CorruptCheckpointError)
+    with (
+        _manager(root, signing_key=str(key[0])) as manager,
+        pytest.raises(CorruptCheckpointError, match="BLAKE3"),
+    ):
+        manager.restorable_step()  # checked whole: the forgery is seen
 
 
 def test_catalog_without_keyring_reads_signed_steps(
