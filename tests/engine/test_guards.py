@@ -117,3 +117,17 @@ def test_settings_take_the_checks_from_the_environment(monkeypatch: pytest.Monke
     with pytest.raises(ConfigError, match="replica_check"):
         Settings(replica_check="some")
     assert Settings().replica_check == "all"
+
+
+def test_an_async_save_is_gated_in_the_background_and_refused_at_wait(tmp_path: Path) -> None:
+    state = {"w": torch.ones(1000)}
+    with CheckpointManager(
+        str(tmp_path), preemption=False, health_check="finite", async_save=True
+    ) as manager:
+        manager.save(1, state)
+        manager.wait()
+        state["w"][5] = float("-inf")
+        manager.save(2, state)  # staged: the gate runs on the staged copy, in the background
+        with pytest.raises(HealthCheckError, match="'w'"):
+            manager.wait()
+        assert manager.steps() == [1]
