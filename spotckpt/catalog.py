@@ -84,6 +84,7 @@ from spotckpt.format.index import (
 from spotckpt.format.manifest import MAX_INT, Manifest, check_manifest_size
 from spotckpt.format.references import FEATURE as REFERENCES
 from spotckpt.format.references import attempt_of, is_reference, object_path
+from spotckpt.format.signing import Keyring
 from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo
 
 log = logging.getLogger("spotckpt")
@@ -359,8 +360,12 @@ class Scan:
 class Catalog:
     """The layout of one checkpoint root over an `ObjectStore`; see the module docstring."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, keyring: Keyring | None = None) -> None:
+        """With a `keyring` that holds any key, every manifest read must be signed for this
+        root's job (`spotckpt.format.signing`)."""
         self.store = store
+        self.keyring = keyring if keyring is not None and keyring.enforcing else None
+        self._job_id: str | None = None
         self._reported: set[str] = set()
 
     @property
@@ -448,6 +453,7 @@ class Catalog:
         if data is None:
             data = self.manifest_bytes(step)
         header = self._parse(data, step)
+        self._check_signed(data, step, f"manifest of step {step}")
         if isinstance(header, Manifest):
             if REFERENCES in header.features:
                 self._check_job(header)
@@ -457,6 +463,16 @@ class Catalog:
         boxes, values = wanted(header)
         chunks = overlapping_chunks(header, boxes)
         return self._from_parts(header, chunks, values, part_ranks(header, chunks))
+
+    def _check_signed(self, data: bytes, step: int, what: str) -> None:
+        """SignatureError unless `data` is signed for `step` of this root's job (only with a
+        keyring; the job identity is read when first needed)."""
+        if self.keyring is None:
+            return
+        if self._job_id is None:  # job.json is create-only: once read, it stays
+            job = self.job()
+            self._job_id = job.id if job is not None else None
+        self.keyring.check(data, step=step, job=self._job_id, what=what)
 
     def _parse(self, data: bytes, step: int) -> Manifest | Root:
         """A flat manifest whole, or an indexed one's root."""
@@ -515,6 +531,7 @@ class Catalog:
         except ObjectNotFoundError:
             raise ObjectMissingError(f"index part {key} of rank {rank} is missing") from None
         part = parse_part(data, root, rank, folder)
+        self._check_signed(data, root.step, f"index part {key}")
         own = {rank_object_key(root.attempt, rank, spread) for spread in (False, True)}
         if part.record.key not in own:
             raise ManifestError(

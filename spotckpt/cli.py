@@ -47,6 +47,7 @@ from spotckpt.errors import (
 )
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import Manifest, TensorRecord
+from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import collect_garbage
 from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
@@ -91,6 +92,13 @@ def _resolve(uri: str | None, pairs: Sequence[tuple[str, str]]) -> tuple[str, di
         ) from None
     _secrets.update(secret_values(config.storage_options))
     return config.uri, {**config.storage_options, **cli_options}
+
+
+def _keyring(uri: str | None) -> Keyring | None:
+    """The signing keys of the configuration (``SPOTCKPT_SIGNING_KEY``, ``SPOTCKPT_VERIFY_KEYS``,
+    ``SPOTCKPT_ACCEPT_UNSIGNED`` or the config file): with any, unsigned and wrongly signed
+    steps are refused."""
+    return keyring_of(Config.load(uri=uri or None))
 
 
 @contextmanager
@@ -638,16 +646,29 @@ def _values_text(names: list[str], name_filter: str) -> str:
 @_step_option
 @_storage_option
 @_json_option
+@click.option(
+    "--digest",
+    "with_digest",
+    is_flag=True,
+    help="Also print the step's digest: equal for every intact copy of the step.",
+)
 def verify_command(
-    uri: str | None, step: int | None, storage_options: tuple[tuple[str, str], ...], as_json: bool
+    uri: str | None,
+    step: int | None,
+    storage_options: tuple[tuple[str, str], ...],
+    as_json: bool,
+    with_digest: bool,
 ) -> None:
-    """Check every object of a checkpoint: presence, size, CRC32C. Exit 1 on problems."""
+    """Check every object of a checkpoint: presence, size, CRC32C (and BLAKE3 and signature
+    when signed). Exit 1 on problems."""
     from spotckpt.verify import verify_checkpoint  # imports torch to load the stored values
 
     with _opened(uri, storage_options) as store:
         chosen = _resolve_step(store, step)
         with _progress_bar(f"verify step {chosen}") as progress:
-            report = verify_checkpoint(store, chosen, progress=progress)
+            report = verify_checkpoint(
+                store, chosen, progress=progress, keyring=_keyring(uri), digest=with_digest
+            )
     if as_json:
         _emit_json(report.to_dict())
     elif report.ok:
@@ -655,6 +676,8 @@ def verify_command(
             f"step {chosen}: OK ({_plural(report.objects_checked, 'object')}, "
             f"{human_size(report.bytes_checked)} checked)"
         )
+        if report.digest is not None:
+            click.echo(f"digest {report.digest}")
     else:
         click.echo(f"step {chosen}: {_plural(len(report.problems), 'problem')}")
         for problem in report.problems:
@@ -819,6 +842,7 @@ def export_command(
                 store,
                 chosen,
                 out_store,
+                keyring=_keyring(uri),
                 max_shard_size=max_shard_size,
                 dtype=cast,
                 prefix=prefix,

@@ -92,6 +92,21 @@ class Settings:
       since the newest committed step and reference the others there (`spotckpt.engine.
       incremental`); off by default: hashing costs CPU time on every save of a state that
       changes whole, and older spotckpt versions cannot read a step that holds references.
+    - `replica_check`: compare the copies of replicated tensors across ranks before the commit:
+      ``"all"``, ``"sample"`` (1/8 of the tensors per save, in turn) or ``"off"`` (default: a
+      healthy DDP job may hold different values under one name, e.g. BatchNorm's running
+      statistics, updated by each rank's own forward pass); see `spotckpt.engine.guards`.
+    - `health_check`: refuse a save whose state is not healthy: ``"finite"`` (no NaN or
+      infinity in floating tensors), a callable on the state (code only), or None.
+    - `signing_key`: path of a PEM file holding an Ed25519 private key: every manifest is signed
+      with it and every read refuses an unsigned or wrongly signed step; see
+      `spotckpt.format.signing`.
+    - `verify_keys`: paths (separated by ``os.pathsep``) of PEM Ed25519 public keys also accepted
+      for reading (key rotation, or readers that must not sign).
+    - `key_provider`: a callable returning a `spotckpt.format.signing.Keyring` (code only: a
+      key-management hook); used instead of the two paths.
+    - `accept_unsigned`: with a key, still read steps that carry no signature (saved before the
+      key was set); a wrong signature is refused all the same.
     """
 
     keep_last: int | None = 3
@@ -115,6 +130,12 @@ class Settings:
     local_keep_last: int = 2
     progress_interval_s: float | None = 5.0
     incremental: bool = False
+    replica_check: Literal["all", "sample", "off"] = "off"
+    health_check: Any = None
+    signing_key: str | None = None
+    verify_keys: str | None = None
+    key_provider: Any = None
+    accept_unsigned: bool = False
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -123,6 +144,8 @@ class Settings:
                 if not hasattr(value, "preempted"):
                     raise ConfigError("preemption: must be bool or a PreemptionWatcher")
                 continue
+            if setting.name == "health_check" and callable(value):
+                continue  # a callable gate, given in code
             if setting.name in _CODE_ONLY:
                 problem = _code_only_problem(value)
             else:
@@ -198,6 +221,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "local_keep_last": (int,),
     "progress_interval_s": (int, float, type(None)),
     "incremental": (bool,),
+    "replica_check": (str,),
+    "health_check": (str, type(None)),
+    "signing_key": (str, type(None)),
+    "verify_keys": (str, type(None)),
+    "accept_unsigned": (bool,),
 }
 _AT_LEAST_ONE = frozenset(
     {
@@ -213,7 +241,7 @@ _AT_LEAST_ONE = frozenset(
 _POSITIVE = frozenset(
     {"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour", "progress_interval_s"}
 )
-_CODE_ONLY = frozenset({"metrics"})
+_CODE_ONLY = frozenset({"metrics", "key_provider"})
 
 Where = Callable[[str], str]
 """Names a key in its source: ``/run/spotckpt.toml: keep_last``, ``SPOTCKPT_KEEP_LAST``."""
@@ -266,6 +294,12 @@ def _range_problem(key: str, value: Any) -> str | None:
         return "must be a non-empty string"
     if key == "async_mode" and value not in ("thread", "process"):
         return f'must be "thread" or "process", got {_shown(value)}'
+    if key == "replica_check" and value not in ("all", "sample", "off"):
+        return f'must be "all", "sample" or "off", got {_shown(value)}'
+    if key == "health_check" and value not in (None, "finite"):
+        return f'must be "finite" or None here (a callable only in code), got {_shown(value)}'
+    if key in ("signing_key", "verify_keys") and value == "":
+        return "must be a non-empty path"
     if key == "redundancy" and value is not None:
         try:
             if parse_redundancy(value).erasure and not has_module("zfec"):
@@ -286,6 +320,9 @@ def _range_problem(key: str, value: Any) -> str | None:
 def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
     checked = {}
     for key, value in values.items():
+        if key == "health_check" and callable(value) and where is _keyword:
+            checked[key] = value
+            continue
         if key in _CODE_ONLY:
             checked[key] = _code_only(key, value, where)
             continue

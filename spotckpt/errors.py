@@ -133,6 +133,28 @@ class SaveFailedError(CheckpointError):
     """A save did not commit; the message names the failed rank(s) and the cause."""
 
 
+class IntegrityRefusedError(SaveFailedError):
+    """A save was refused before its commit point because the state failed an integrity check
+    (replicas disagree, or the health gate refused it); nothing was committed and the previous
+    checkpoint stays the newest."""
+
+
+class ReplicaMismatchError(IntegrityRefusedError):
+    """Ranks holding the same replicated tensor hold different bytes (silent data corruption on
+    a host, or diverged training); the message names the tensor and the ranks of each copy."""
+
+
+class HealthCheckError(IntegrityRefusedError):
+    """The health gate (`health_check`) refused the state: non-finite values, or the caller's
+    check said no."""
+
+
+class SignatureError(ManifestError):
+    """A manifest's signature is missing, wrong, truncated, or made for another step or job,
+    while a signing key is configured: the step is treated as corrupt (quarantined, never used),
+    or a strong hash of an object disagrees with its signed manifest."""
+
+
 class TierSaveError(CheckpointError):
     """A fast-tier save failed on some rank; nothing was committed in the tier."""
 

@@ -90,6 +90,7 @@ from spotckpt.format.safetensors_io import (
     bytes_to_tensor,
     tensor_bytes,
 )
+from spotckpt.format.signing import Keyring
 from spotckpt.redact import printable
 from spotckpt.storage.base import AlreadyExistsError, ObjectStore, check_key
 from spotckpt.storage.registry import open_store
@@ -191,6 +192,7 @@ def export_hf(
     progress: ProgressFn | None = None,
     read_ahead_bytes: int = 256 << 20,
     max_parallel_reads: int = 8,
+    keyring: Keyring | None = None,
 ) -> ExportReport:
     """Write the model weights of checkpoint `step` to `out` (a store or a URI) in HF layout,
     tied weights once, and copy the local files or folders in `include` beside them.
@@ -199,7 +201,8 @@ def export_hf(
     matches `prefix` or an include is missing or badly named, AlreadyExistsError when `out` holds
     an export or an included file's name and `overwrite` is off, CorruptCheckpointError when a
     stored object is missing, truncated or fails its CRC32Cs, and TiedWeightsMismatchError when
-    tied copies differ despite equal CRC32Cs.
+    tied copies differ despite equal CRC32Cs. With a `keyring`, a step that is not signed for
+    this job is refused (SignatureError), as a restore refuses it.
     """
     if max_shard_size < 1:
         raise InvalidArgumentError("max_shard_size must be positive")
@@ -207,7 +210,7 @@ def export_hf(
         raise InvalidArgumentError(f"export dtype must be a floating-point type, got {dtype}")
     includes = plan_includes(include)
     tie_setting = _tie_setting(includes)
-    manifest = Catalog(store).read_manifest(step)
+    manifest = Catalog(store, keyring).read_manifest(step)
     items = select_tensors(manifest, prefix, strip_prefix, dtype)
     ties = find_ties(items, tie_setting) if dedupe_tied else {}
     items = _attach_twins(items, ties)

@@ -784,10 +784,12 @@ class GoodputTracker:
         emergency: bool,
         referenced: int | None = None,
         requests: RequestTally | None = None,
+        digest: str | None = None,
     ) -> None:
         """A save of `step` committed: record it (`size`: bytes it wrote; `referenced`: bytes
-        an incremental save referenced in earlier steps instead), with the job's `requests`
-        since the last event (None: its store does not count them)."""
+        an incremental save referenced in earlier steps instead; its `spotckpt.digest` when
+        known), with the job's `requests` since the last event (None: its store does not count
+        them)."""
         self.last_committed_step = step
         event: dict[str, Any] = {
             "kind": "save",
@@ -799,26 +801,46 @@ class GoodputTracker:
             "throughput_bytes_per_s": size / upload_s if size and upload_s > 0 else None,
             "async": asynchronous,
             "emergency": emergency,
+            "digest": digest,
         }
         self._publish(event | (requests.to_dict() if requests is not None else {}))
 
     def preempted(
-        self, *, source: str, notice_left_s: float | None, step: int, emergency_save_s: float
+        self,
+        *,
+        source: str,
+        notice_left_s: float | None,
+        step: int,
+        emergency_save_s: float,
+        refused: str | None = None,
     ) -> None:
-        """A preemption was handled at `step`: record what was saved and what was lost."""
+        """A preemption was handled at `step`: record what was saved and what was lost (and,
+        when an integrity check refused the emergency save, why)."""
         saved = self.last_committed_step
-        self._publish(
-            {
-                "kind": "preemption",
-                "source": source,
-                "notice_left_s": notice_left_s,
-                "step_at_notice": step,
-                "step_saved": saved,
-                "steps_lost": step - (saved if saved is not None else 0),
-                "emergency_save_s": emergency_save_s,
-            },
-            compact=False,  # the deadline is near: no listing now
-        )
+        event: dict[str, Any] = {
+            "kind": "preemption",
+            "source": source,
+            "notice_left_s": notice_left_s,
+            "step_at_notice": step,
+            "step_saved": saved,
+            "steps_lost": step - (saved if saved is not None else 0),
+            "emergency_save_s": emergency_save_s,
+        }
+        if refused is not None:
+            event["emergency_save_refused"] = refused
+        self._publish(event, compact=False)  # the deadline is near: no listing now
+
+    def refused(self, step: int, check: str, reason: str, *, emergency: bool) -> None:
+        """An integrity check (`check`: ``replicas`` or ``health``) refused the save of `step`:
+        nothing was committed. Recorded without the goodput figures (no save happened)."""
+        event = {
+            "kind": "refused",
+            "step": step,
+            "check": check,
+            "reason": reason[:2000],
+            "emergency": emergency,
+        }
+        self._publish(event, figures=False)
 
     def restored(
         self, step: int | None, seconds: float, requests: RequestTally | None = None
@@ -841,16 +863,20 @@ class GoodputTracker:
             event: dict[str, Any] = {"kind": "restore", "step": step, "restore_s": seconds}
             self._publish(event | (requests.to_dict() if requests is not None else {}))
 
-    def _publish(self, event: dict[str, Any], *, compact: bool = True) -> None:
-        """Add the common figures; write the event (coordinator) and pass it to `metrics`."""
+    def _publish(
+        self, event: dict[str, Any], *, compact: bool = True, figures: bool = True
+    ) -> None:
+        """Add the common figures (unless not `figures`); write the event (coordinator) and
+        pass it to `metrics`."""
         if self.events is None:
             return
-        event.update(
-            train_s=self.model.take_training_s(),
-            step_time_s=self.model.step_time_s,
-            interval_steps=self.interval_steps,
-            writer=self.events.writer,
-        )
+        if figures:
+            event.update(
+                train_s=self.model.take_training_s(),
+                step_time_s=self.model.step_time_s,
+                interval_steps=self.interval_steps,
+            )
+        event["writer"] = self.events.writer
         try:
             self.events.record(event, compact=compact)
         except StorageError as error:

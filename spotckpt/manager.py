@@ -28,6 +28,7 @@ from spotckpt.collector import collector_paused
 from spotckpt.config import Config, Settings
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.engine.checkpointer import Checkpointer, is_save_failure
+from spotckpt.engine.guards import Guard
 from spotckpt.engine.reader import ReadStats
 from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
@@ -35,15 +36,18 @@ from spotckpt.errors import (
     ConfigError,
     CorruptCheckpointError,
     IncompleteRestoreError,
+    IntegrityRefusedError,
     KeyMismatchError,
     ManifestError,
     NoCheckpointError,
     PeerLostError,
+    ReplicaMismatchError,
     StorageError,
     TierSaveError,
     UnknownFormatError,
 )
 from spotckpt.format.manifest import Manifest
+from spotckpt.format.signing import keyring_of
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.goodput import GoodputTracker
 from spotckpt.preemption import PreemptionWatcher
@@ -111,7 +115,8 @@ class CheckpointManager:
         self.agree_every = self.settings.agree_every
         storage_options = self.settings.storage_options
         self.store = store if store is not None else open_store(uri, **dict(storage_options or {}))
-        self.catalog = Catalog(self.store)
+        self.keyring = keyring_of(self.settings)
+        self.catalog = Catalog(self.store, self.keyring)
         self.collective = Collective(self.settings.collective_timeout_s)
         self.rank = self.collective.rank
         self.world_size = self.collective.world_size
@@ -277,9 +282,20 @@ class CheckpointManager:
         pending = self._pending.step if self._pending is not None else None
         self._deadline = deadline
         self.wait()  # an in-flight upload is closest to done: let it commit first
+        refused: IntegrityRefusedError | None = None
         if pending != step and self.collective.all(self._time_for_another_save(deadline)):
-            self._save(step, state, True, user_metadata, emergency=True)
-            committed = step
+            try:
+                self._save(step, state, True, user_metadata, emergency=True)
+                committed: int | None = step
+            except IntegrityRefusedError as error:  # the previous checkpoint stays the newest
+                refused = error
+                committed = self.goodput.last_committed_step
+                log.error(
+                    "emergency save of step %d refused by an integrity check; stopping without "
+                    "it (resuming starts after step %s)",
+                    step,
+                    committed,
+                )
         else:
             committed = pending if pending is not None else step
             if pending != step:
@@ -289,12 +305,14 @@ class CheckpointManager:
                     pending,
                 )
         elapsed = time.monotonic() - started
-        log.warning("emergency save of step %d committed in %.2f s", committed, elapsed)
+        if refused is None:
+            log.warning("emergency save of step %d committed in %.2f s", committed, elapsed)
         self.goodput.preempted(
             source=(watcher.reason if watcher is not None else None) or "peer rank",
             notice_left_s=remaining,
             step=step,
             emergency_save_s=elapsed,
+            refused=None if refused is None else str(refused),
         )
         self._stop = True
         release_worker_shields()  # the save is in: loader workers may now be shut down
@@ -353,8 +371,7 @@ class CheckpointManager:
                     prefix_spread=self.prefix_spread,
                     attempt=self._child_attempt(blocking),
                     incremental=self.settings.incremental,
-                    job=job,
-                    **self._writer_options(user_metadata, blocking),
+                    **self._writer_options(step, user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)
 
@@ -385,15 +402,24 @@ class CheckpointManager:
             return None
 
     def _writer_options(
-        self, user_metadata: Mapping[str, Any] | None, blocking: bool
+        self, step: int, user_metadata: Mapping[str, Any] | None, blocking: bool
     ) -> dict[str, Any]:
         """What every save's writer records: the caller's metadata, versions, and (where it can
-        be set: not from a process-mode upload's child) this rank's progress marker."""
+        be set: not from a process-mode upload's child) this rank's progress marker; and what it
+        checks before its commit point (`spotckpt.engine.guards`)."""
         marks = self.group is not None and (blocking or self.settings.async_mode != "process")
         return {
             "user_metadata": dict(user_metadata or {}),
             "versions": {"spotckpt": __version__, "torch": torch.__version__},
             "on_written": self._progress.mark_written if marks else None,
+            "keyring": self.keyring,
+            "job": self._job,
+            "guard": Guard(
+                step,
+                replica_check=self.settings.replica_check,
+                health_check=self.settings.health_check,
+                world_size=self.world_size,
+            ),
         }
 
     def _child_attempt(self, blocking: bool) -> str | None:
@@ -415,7 +441,8 @@ class CheckpointManager:
         started = time.monotonic()
         if blocking:
             with self._progress_log(f"saving step {step}", writer.progress):
-                self._run_save(step, writer, lambda: self.checkpointer.save(state_dict, writer))
+                save = lambda: self.checkpointer.save(state_dict, writer)  # noqa: E731
+                self._run_save(step, writer, save, emergency)
             self._blocking_commit(step, writer, started, emergency)
             return
         upload = self.checkpointer.async_save(state_dict, writer)
@@ -460,7 +487,7 @@ class CheckpointManager:
     ) -> None:
         """A save through the fast tier: stage once, copy to peers, then (`durable`) drain."""
         tier = cast(FastTier, self.tier)
-        writer = tier.writer(step, **self._writer_options(user_metadata, blocking))
+        writer = tier.writer(step, **self._writer_options(step, user_metadata, blocking))
         started = time.monotonic()
 
         def finish() -> None:
@@ -595,10 +622,23 @@ class CheckpointManager:
             asynchronous=True,
             emergency=False,
             requests=self._job_requests(),
+            digest=pending.writer.digest,
         )
         self._requests_recorded()
 
-    def _run_save(self, step: int, writer: ObjectStoreWriter, run: Callable[[], Any]) -> None:
+    def _refused(self, step: int, failure: IntegrityRefusedError, emergency: bool) -> None:
+        """An integrity check refused the save of `step`: log it and record the event."""
+        check = "replicas" if isinstance(failure, ReplicaMismatchError) else "health"
+        log.error("%s", failure)
+        self.goodput.refused(step, check, str(failure), emergency=emergency)
+
+    def _run_save(
+        self,
+        step: int,
+        writer: ObjectStoreWriter,
+        run: Callable[[], Any],
+        emergency: bool = False,
+    ) -> None:
         """Run a save to its end; after its commit point nothing can fail it any more.
 
         A failure is first checked against the bucket: if this attempt's manifest is there (a
@@ -614,6 +654,8 @@ class CheckpointManager:
                 if not committed:
                     self._discard_attempt(step, writer)
                 failure = self.checkpointer.save_failure(step, error, self._progress)
+                if isinstance(failure, IntegrityRefusedError):
+                    self._refused(step, failure, emergency)
                 if failure is None or failure is error:
                     raise
                 raise failure from error
@@ -672,6 +714,7 @@ class CheckpointManager:
             asynchronous=False,
             emergency=emergency,
             requests=requests,
+            digest=writer.digest,
         )
         self._requests_recorded()
 
@@ -869,7 +912,7 @@ class CheckpointManager:
         reports a damaged one as its first problem)."""
 
         def check() -> None:
-            error = verify_checkpoint(self.store, step).error()
+            error = verify_checkpoint(self.store, step, keyring=self.keyring).error()
             if error is not None:
                 raise error
 
@@ -960,7 +1003,8 @@ class CheckpointManager:
 
     def verify(self, step: int | None = None, *, progress: Any = None) -> VerifyReport:
         """Check every byte of a committed checkpoint (default: the latest) against its manifest."""
-        return verify_checkpoint(self.store, self.catalog.resolve(step), progress=progress)
+        step = self.catalog.resolve(step)
+        return verify_checkpoint(self.store, step, progress=progress, keyring=self.keyring)
 
     def gc(
         self,

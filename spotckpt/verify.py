@@ -20,6 +20,7 @@ from typing import Any
 
 from spotckpt.catalog import Catalog, manifest_key, referenced_folders, step_folder
 from spotckpt.checksum import crc32c
+from spotckpt.digest import step_digest
 from spotckpt.engine.chunks import BlockCheck, ChunkReader, describe
 from spotckpt.errors import (
     CheckpointError,
@@ -32,6 +33,7 @@ from spotckpt.errors import (
     ValueLoadError,
 )
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
+from spotckpt.format.signing import Keyring, new_hasher
 from spotckpt.storage.base import ObjectInfo, ObjectStore
 from spotckpt.values import load_plain
 
@@ -45,11 +47,12 @@ ProgressFn = Callable[[int, int], None]
 class Problem:
     """One thing wrong with a checkpoint.
 
-    `kind` is ``manifest`` (does not parse or validate, or one of its index parts is missing or
-    damaged), ``missing`` (object absent), ``size`` (object size differs), ``crc32c`` (object
-    checksum differs), ``blocks`` (a tensor chunk's block checksums differ while the object's
-    matches: the manifest disagrees with itself) or ``value`` (a stored value's bytes are intact
-    but do not load with weights_only=True).
+    `kind` is ``manifest`` (does not parse or validate, is unsigned or wrongly signed while a key
+    is configured, or one of its index parts is missing or damaged), ``blake3`` (the object's
+    strong hash differs from its signed manifest's), ``missing`` (object absent), ``size``
+    (object size differs), ``crc32c`` (object checksum differs), ``blocks`` (a tensor chunk's
+    block checksums differ while the object's matches: the manifest disagrees with itself) or
+    ``value`` (a stored value's bytes are intact but do not load with weights_only=True).
     `key` is relative to the checkpoint root; `tensors` names what is stored in the damaged part.
     """
 
@@ -67,6 +70,8 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     bytes_checked: int = 0
     objects_checked: int = 0
+    digest: str | None = None
+    """The step's digest (`spotckpt.digest`), when asked for: stands for the bytes if ok."""
 
     @property
     def ok(self) -> bool:
@@ -89,7 +94,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked,
             "objects_checked": self.objects_checked,
             "problems": [asdict(p) | {"tensors": list(p.tensors)} for p in self.problems],
-        }
+        } | ({} if self.digest is None else {"digest": self.digest})
 
 
 _ERRORS: dict[str, type[CheckpointError]] = {
@@ -98,6 +103,7 @@ _ERRORS: dict[str, type[CheckpointError]] = {
     "size": ObjectSizeError,
     "crc32c": ChecksumMismatchError,
     "blocks": ChecksumMismatchError,
+    "blake3": ChecksumMismatchError,
     "value": ValueLoadError,
 }
 """The error of each kind of `Problem`, as a restore that meets it raises it."""
@@ -136,8 +142,13 @@ def verify_checkpoint(
     progress: ProgressFn | None = None,
     piece_size: int = DEFAULT_PIECE_SIZE,
     max_workers: int = 4,
+    keyring: Keyring | None = None,
+    digest: bool = False,
 ) -> VerifyReport:
-    """Check the committed checkpoint of `step` in `store`; see the module docstring.
+    """Check the committed checkpoint of `step` in `store`; see the module docstring. With a
+    `keyring`, the manifest must also be signed for this step and job, and in a signed
+    manifest every object's BLAKE3 is checked too (`spotckpt.format.signing`). With `digest`,
+    the report also holds the step's digest (`spotckpt.digest`).
 
     Raises NoCheckpointError when the step has no manifest. Storage failures that say nothing
     about the checkpoint itself (permission denied, network) propagate.
@@ -146,11 +157,15 @@ def verify_checkpoint(
         raise InvalidArgumentError("piece_size and max_workers must be positive")
     report = VerifyReport(step=step)
     key = manifest_key(step)
+    catalog = Catalog(store, keyring)
     try:
-        manifest = Catalog(store).read_manifest(step)
+        data = catalog.manifest_bytes(step)
+        manifest = catalog.read_manifest(step, data=data)
     except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
         report.problems.append(Problem("manifest", key, str(error)))
         return report
+    if digest:
+        report.digest = step_digest(data, manifest.objects.values())
     _check_objects(store, manifest, report, progress, piece_size, max_workers)
     return report
 
@@ -256,6 +271,7 @@ def _check_object(
     )
     names = _names(inside)
     crc = 0
+    strong = new_hasher() if record.blake3 is not None else None
     position = 0
     while position < record.size:
         length = min(piece_size, record.size - position)
@@ -266,11 +282,24 @@ def _check_object(
         except ObjectSizeError as error:
             return [Problem("size", key, str(error), names)]
         crc = crc32c(piece, crc)
+        if strong is not None:
+            strong.update(piece)
         follower.feed(position, memoryview(piece))
         position += length
         counter.add(length)
     damaged = follower.damaged()
-    return _crc_problems(key, record, crc, damaged) + _value_problems(key, follower, damaged)
+    problems = _crc_problems(key, record, crc, damaged)
+    if strong is not None and strong.hexdigest() != record.blake3:
+        problems.append(
+            Problem(
+                "blake3",
+                key,
+                f"object {key}: its BLAKE3 differs from the signed manifest's (bytes replaced, "
+                f"perhaps with their CRC32Cs kept; it holds {describe(names)})",
+                names,
+            )
+        )
+    return problems + _value_problems(key, follower, damaged)
 
 
 def _value_problems(key: str, follower: _Follower, damaged: list[str]) -> list[Problem]:

@@ -399,6 +399,7 @@ def _per_rank_state(
     sampler = ResumableSampler(len(data), seed=seed)
     loader = DataLoader(data, batch_size=4, sampler=sampler)
     extra: dict[str, Any] = {"rank_value": -1, "shared": 0}
+    torch.manual_seed(0)  # one model on every rank, as DDP keeps it: replicas must agree
     state = TrainState(model=nn.Linear(2, 2), dataloader=loader, extra=extra)
     return state, loader, sampler, extra
 
@@ -458,6 +459,7 @@ def distributed_sampler(rank: int, world: int, args: dict[str, Any]) -> None:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3)
     sampler.set_epoch(1)
     loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
+    torch.manual_seed(0)  # one model on every rank, as DDP keeps it: replicas must agree
     state = TrainState(model=nn.Linear(2, 2), dataloader=loader)
     manager = CheckpointManager(args["uri"], preemption=False)
     out = Path(args["out"])

@@ -39,8 +39,10 @@ from spotckpt.errors import (
     CheckpointAlreadyCommittedError,
     CheckpointError,
     CorruptCheckpointError,
+    IntegrityRefusedError,
     KeyMismatchError,
     ManifestError,
+    ReplicaMismatchError,
     SaveFailedError,
     ValueLoadError,
 )
@@ -230,6 +232,11 @@ def _save_error(step: int, error: CheckpointException) -> BaseException:
     for cause in failures.values():
         if isinstance(cause, CheckpointAlreadyCommittedError):
             return cause
+    refused = {r: c for r, c in failures.items() if isinstance(c, IntegrityRefusedError)}
+    if refused:  # the guards' own error, naming the rank whose state was refused
+        rank, cause = min(refused.items())
+        where = "the coordinator" if isinstance(cause, ReplicaMismatchError) else f"rank {rank}"
+        return type(cause)(f"save of step {step} refused on {where}: {cause}")
     return SaveFailedError(
         f"save of step {step} failed on rank(s) {sorted(failures)}: "
         f"{_described(failures) or error}; nothing was committed"

@@ -12,7 +12,7 @@ writes the store.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -89,9 +89,11 @@ def index_part(
     results: list[WriteResult],
     items: list[WriteItem],
     key: str,
+    seal: Callable[[bytes], bytes] | None = None,
 ) -> tuple[bytes, WriteResult]:
-    """A rank's index part of an indexed save (to be stored under `key`), and the one
-    WriteResult that stands for all of `results`: a `RankSummary`."""
+    """A rank's index part of an indexed save (to be stored under `key`; `seal` signs it when
+    the save is signed), and the one WriteResult that stands for all of `results`: a
+    `RankSummary`."""
     chunks: dict[str, list[tuple[tuple[int, ...], ChunkLocation]]] = {}
     values: dict[str, ChunkLocation] = {}
     record = results[0].storage_data.record
@@ -102,6 +104,8 @@ def index_part(
         else:
             chunks.setdefault(result.index.fqn, []).append((tuple(result.index.offset), location))
     data = part_json(header.step, header.attempt, rank, record, chunks)
+    if seal is not None:
+        data = seal(data)
     tensors = [i for i in items if i.type != WriteItemType.BYTE_IO and i.tensor_data]
     width = max((len(i.tensor_data.chunk.sizes) for i in tensors if i.tensor_data), default=0)
     offsets = np.zeros((len(tensors), width), dtype=np.int64)

@@ -1,7 +1,8 @@
 """`ObjectStoreWriter`: DCP's storage writer for any `ObjectStore`, one streamed object per rank.
 
 DCP's call order: ``reset`` -> ``set_up_storage_writer`` -> ``prepare_local_plan`` ->
-``prepare_global_plan`` (coordinator: refuses a step that is already committed, draws the attempt
+``prepare_global_plan`` (coordinator: refuses a save whose replicas disagree,
+`spotckpt.engine.guards`, and a step that is already committed, draws the attempt
 id, assigns each rank its object key) -> ``write_data`` (every rank streams one safetensors object
 of its own items: header first, then each item's bytes, through a multipart upload with
 part-sized buffers; block CRC32Cs as it goes; from `INDEX_MIN_RANKS` ranks on, also an index part
@@ -41,7 +42,14 @@ from spotckpt.catalog import (
     step_folder,
     step_key,
 )
+from spotckpt.digest import step_digest
 from spotckpt.engine.global_plan import PlanCache
+from spotckpt.engine.guards import (
+    Guard,
+    GuardedPackingSavePlanner,
+    GuardedSavePlanner,
+    check_replicas,
+)
 from spotckpt.engine.incremental import (
     Base,
     chunk_hash,
@@ -60,9 +68,15 @@ from spotckpt.engine.manifests import (
 )
 from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
 from spotckpt.engine.planners import ScalingSavePlanner
-from spotckpt.errors import InvalidTypeError, UnsupportedValueError, ValueLoadError
+from spotckpt.errors import (
+    InvalidTypeError,
+    SaveFailedError,
+    UnsupportedValueError,
+    ValueLoadError,
+)
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.features import format_string
+from spotckpt.format.index import INDEXED_FORMAT
 from spotckpt.format.manifest import FORMAT_VERSION, ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.safetensors_io import (
     DEFAULT_BLOCK_SIZE,
@@ -72,6 +86,7 @@ from spotckpt.format.safetensors_io import (
     block_crcs,
     tensor_bytes,
 )
+from spotckpt.format.signing import Keyring, new_hasher
 from spotckpt.storage.base import ObjectStore
 from spotckpt.values import load_plain
 
@@ -127,12 +142,21 @@ class ObjectStoreWriter(StorageWriter):
         index_parts: bool | None = None,
         attempt: str | None = None,
         incremental: bool = False,
+        guard: Guard | None = None,
+        keyring: Keyring | None = None,
         job: str | None = None,
     ) -> None:
         super().__init__()
         self.incremental = incremental
-        self.job = job
         self.base: Base | None = None
+        self.guard = guard
+        self.keyring = keyring if keyring is not None and keyring.signer is not None else None
+        if self.keyring is not None and job is None:
+            raise SaveFailedError(
+                f"save of step {step} refused: a signing key is configured, but the root has no "
+                "readable job identity (job.json) to sign the manifest for"
+            )
+        self.job = job
         self.index_parts = index_parts
         self.store = store
         self.catalog = Catalog(store)
@@ -148,11 +172,14 @@ class ObjectStoreWriter(StorageWriter):
         self.attempt: str | None = attempt
         self.manifest: Manifest | None = None
         self._stream: SafetensorsStreamWriter | None = None
+        self.digest: str | None = None
+        """The committed step's digest (`spotckpt.digest`), for its save event."""
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.attempt = self.planned_attempt
         self.manifest = None
         self._stream = None
+        self.digest = None
 
     def progress(self) -> tuple[int, int]:
         """Bytes of this rank's object written so far, and its size (0 before it starts)."""
@@ -170,13 +197,20 @@ class ObjectStoreWriter(StorageWriter):
         """The planner to save through this writer with: small tensors in packs
         (`spotckpt.engine.packing`), unless the save writes index parts (from `INDEX_MIN_RANKS`
         ranks), whose summaries describe DCP's items as they are; those plan at scale
-        (`spotckpt.engine.planners.ScalingSavePlanner`, remembering plans in `cache`)."""
+        (`spotckpt.engine.planners.ScalingSavePlanner`, remembering plans in `cache`). With the
+        checks of `guard` (`spotckpt.engine.guards`) active, an indexed save plans through DCP's
+        own planner instead, whose local plans carry each rank's fingerprints."""
         indexed = self.index_parts
         if indexed is None:
             indexed = world_size >= INDEX_MIN_RANKS
+        if self.guard is not None and self.guard.active:
+            guarded = GuardedSavePlanner if indexed else GuardedPackingSavePlanner
+            return guarded(self.guard)
         return ScalingSavePlanner(cache) if indexed else PackingSavePlanner()
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.guard is not None and self.guard.compares_replicas:
+            check_replicas(self.step, [plan.storage_data for plan in plans])
         self.check_step_free()
         attempt = self.planned_attempt or new_attempt_id()
         indexed = self.index_parts
@@ -253,8 +287,9 @@ class ObjectStoreWriter(StorageWriter):
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
         writer = self.store.open_writer(step_key(self.step, key))
         placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
+        hasher = new_hasher() if self.keyring is not None else None
         with writer:
-            stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size)
+            stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size, hasher)
             self._stream = stream
             for item, spec in zip(ordered, specs, strict=True):
                 data = self._bytes_of(item, planner, values, tensors)
@@ -276,7 +311,8 @@ class ObjectStoreWriter(StorageWriter):
                 else:
                     placed += self._member_locations(members, stored, data, key, hashes)
             size, crc = stream.finish()
-        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank)
+        strong = hasher.hexdigest() if hasher is not None else None
+        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank, blake3=strong)
         return reused + [
             WriteResult(index, location.length, WrittenItem(location, record, member))
             for index, location, member in placed
@@ -368,7 +404,7 @@ class ObjectStoreWriter(StorageWriter):
     def _write_index_part(self, results: list[WriteResult], items: list[WriteItem]) -> WriteResult:
         """Store this rank's index part (indexed saves) and return its `RankSummary` result."""
         key = index_part_key(self.attempt or "unknown", self.rank)
-        data, summary = index_part(self.header(), self.rank, results, items, key)
+        data, summary = index_part(self.header(), self.rank, results, items, key, self._seal)
         self.store.put(step_key(self.step, key), data, create_only=True)
         return summary
 
@@ -391,16 +427,32 @@ class ObjectStoreWriter(StorageWriter):
         """On the coordinator, after every rank wrote: commit the manifest (or indexed root)."""
         if is_indexed(results):
             summary, data = build_root(self.header(), metadata, results)
+            data = self._seal(data, INDEXED_FORMAT)
             referenced = indexed_references(results)
+            digest = step_digest(data, summary.objects.values())
             self.catalog.commit_bytes(self.step, summary.attempt, data, referenced)
-            self.manifest = summary  # committed: nothing after this point may undo it
+            self.manifest, self.digest = summary, digest  # committed: nothing may undo it now
             return
         manifest = self.build_manifest(metadata, results)
         if self.incremental:
             manifest.incremental = record_of(manifest, self.job or "", self.base)
             manifest.format = format_string(FORMAT_VERSION, features_of(manifest))
-        self.catalog.commit(manifest, manifest.to_json())
-        self.manifest = manifest  # committed: nothing after this point may undo it
+        data = self.encode(manifest)
+        digest = step_digest(data, manifest.objects.values())
+        self.catalog.commit(manifest, data)
+        self.manifest, self.digest = manifest, digest  # committed: nothing may undo it now
+
+    def encode(self, manifest: Manifest) -> bytes:
+        """The bytes of a flat manifest as this save commits it: signed when the writer has a
+        signing key (`spotckpt.format.signing`)."""
+        return self._seal(manifest.to_json(), FORMAT_VERSION)
+
+    def _seal(self, data: bytes, layout: str | None = None) -> bytes:
+        """`data` signed for this job when the writer signs (a manifest or root names the
+        ``signed`` feature in its format: `layout`); else as it is."""
+        if self.keyring is None or self.job is None:
+            return data
+        return self.keyring.sign(data, self.job, layout=layout)
 
     def build_manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> Manifest:
         """This save's manifest, from DCP's global metadata and every rank's results."""

@@ -56,7 +56,9 @@ from spotckpt.format.manifest import (
     check_tiling,
     manifest_document,
     parse_location,
+    parse_strong_hash,
     stored_values,
+    strong_hash_json,
 )
 from spotckpt.storage.base import InvalidKeyError, check_key
 
@@ -310,7 +312,12 @@ def part_json(
         "step": step,
         "attempt": attempt,
         "rank": rank,
-        "object": {"key": record.key, "size": record.size, "crc32c": record.crc32c},
+        "object": {
+            "key": record.key,
+            "size": record.size,
+            "crc32c": record.crc32c,
+            **strong_hash_json(record),
+        },
         "chunks": {
             fqn: [[list(o), c.offset, c.length, list(c.block_crc32c)] for o, c in entries]
             for fqn, entries in chunks.items()
@@ -363,6 +370,7 @@ def _value_json(record: ObjectRecord, location: ChunkLocation) -> dict[str, Any]
             "size": record.size,
             "crc32c": record.crc32c,
             "rank": record.rank,
+            **strong_hash_json(record),
         },
         "offset": location.offset,
         "length": location.length,
@@ -500,7 +508,9 @@ def _object(entry: dict[str, Any], attempt: Any, where: str) -> ObjectRecord:
     if crc >= 1 << 32:
         raise _fail(f"{where}: crc32c is not a 32-bit value")
     rank = _count(entry.get("rank", 0), "object rank")
-    return ObjectRecord(key=key, size=_count(entry["size"], "object size"), crc32c=crc, rank=rank)
+    size = _count(entry["size"], "object size")
+    strong = parse_strong_hash(entry, where)
+    return ObjectRecord(key=key, size=size, crc32c=crc, rank=rank, blake3=strong)
 
 
 def _writer(rank: Any, parts: Mapping[int, Any], where: str) -> int:

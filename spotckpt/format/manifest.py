@@ -55,6 +55,8 @@ class ObjectRecord:
     size: int
     crc32c: int
     rank: int
+    blake3: str | None = None
+    """The object's BLAKE3 (hex), in signed manifests only (`spotckpt.format.signing`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +210,23 @@ class Manifest:
 
 
 def _object_json(record: ObjectRecord) -> dict[str, Any]:
-    return {"key": record.key, "size": record.size, "crc32c": record.crc32c, "rank": record.rank}
+    document = {"key": record.key, "size": record.size, "crc32c": record.crc32c}
+    return {**document, "rank": record.rank, **strong_hash_json(record)}
+
+
+def strong_hash_json(record: ObjectRecord) -> dict[str, Any]:
+    """An object record's strong hash field, when it has one (signed manifests)."""
+    return {} if record.blake3 is None else {"blake3": record.blake3}
+
+
+def parse_strong_hash(entry: dict[str, Any], where: str) -> str | None:
+    """An object entry's BLAKE3 (64 lowercase hex digits), or None when it has none."""
+    value = entry.get("blake3")
+    if value is None:
+        return None
+    if not (isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")):
+        raise _fail(f"{where}: blake3 is not 64 lowercase hex digits")
+    return value
 
 
 def _location_json(location: ChunkLocation) -> dict[str, Any]:
@@ -375,7 +393,11 @@ def _parse_objects(
         elif rank >= world_size:
             raise _fail(f"{where}: rank {rank} is not below the world_size of {world_size}")
         objects[key] = ObjectRecord(
-            key=key, size=_count(entry, "size", where), crc32c=crc, rank=rank
+            key=key,
+            size=_count(entry, "size", where),
+            crc32c=crc,
+            rank=rank,
+            blake3=parse_strong_hash(entry, where),
         )
     return objects
 

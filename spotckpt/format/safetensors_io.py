@@ -102,7 +102,10 @@ class SafetensorsStreamWriter:
         specs: list[TensorSpec],
         metadata: dict[str, str],
         block_size: int = DEFAULT_BLOCK_SIZE,
+        hasher: Any = None,
     ) -> None:
+        """`hasher` (anything with ``update``, e.g. BLAKE3) sees every byte of the object as it
+        is written: a strong hash at no extra pass."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise InvalidArgumentError("tensor names in one safetensors file must be unique")
@@ -111,6 +114,9 @@ class SafetensorsStreamWriter:
         self._block_size = block_size
         header = encode_header(specs, metadata)
         self._crc = crc32c(header)
+        self._hasher = hasher
+        if hasher is not None:
+            hasher.update(header)
         self._position = len(header)
         self.total = len(header) + sum(spec.nbytes for spec in specs)  # the object's size
         self.written = 0  # bytes handed to the object writer so far (`spotckpt.progress`)
@@ -131,6 +137,8 @@ class SafetensorsStreamWriter:
         for start in range(0, data.nbytes, _WRITE_SLICE):
             piece = data[start : start + _WRITE_SLICE]
             self._crc = crc32c(piece, self._crc)
+            if self._hasher is not None:
+                self._hasher.update(piece)
             self._writer.write(piece)
             self.written += piece.nbytes
         stored = StoredRange(self._position, data.nbytes, crcs)

@@ -313,7 +313,7 @@ class FastTier:
         to the bucket; `discard` removes them). A lost peer is a PeerLostError on every rank.
         """
         peers = self._peers(collective, f"fast-tier copies of step {step}")
-        data = peers.broadcast(writer.built.to_json() if writer.built is not None else None)
+        data = peers.broadcast(writer.encode(writer.built) if writer.built is not None else None)
         if data is None:
             raise TierSaveError(f"fast save of step {step}: the coordinator built no manifest")
         manifest = Manifest.from_json(data, expected_step=step)

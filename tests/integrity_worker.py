@@ -1,0 +1,193 @@
+"""Rank processes of the integrity tests: replica agreement, the health gate, an emergency save
+refused by the gate. Each runs in its own process in a gloo group; results come back as files in
+the test's temporary folder and as the exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager, TrainState
+from spotckpt.catalog import EVENTS_PREFIX, parse_event_key
+from spotckpt.errors import HealthCheckError, ReplicaMismatchError
+
+from dist_worker import free_port, make_model, wait_all
+
+
+def launch(
+    world: int, scenario: str, args: dict[str, Any], timeout: float = 240
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run `scenario` on `world` rank processes; each one's result."""
+    port = str(free_port())
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, scenario, str(rank), str(world), port, json.dumps(args)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    return [
+        subprocess.CompletedProcess(process.args, status, output)
+        for process, (status, output) in zip(processes, wait_all(processes, timeout), strict=True)
+    ]
+
+
+def events(manager: CheckpointManager) -> list[dict[str, Any]]:
+    """Every event object of the manager's root, oldest first."""
+    store = manager.store
+    keys = sorted(i.key for i in store.list(EVENTS_PREFIX) if parse_event_key(i.key))
+    return [json.loads(store.get(key)) for key in keys]
+
+
+def _manager(args: dict[str, Any], **kwargs: Any) -> CheckpointManager:
+    options = {"preemption": False, **kwargs}
+    return CheckpointManager(args["uri"], storage_options=args.get("options", {}), **options)
+
+
+def replica_flip(rank: int, world: int, args: dict[str, Any]) -> None:
+    """DDP: a clean save commits; then one rank's copy of a weight is altered in memory (as a
+    bad host would) and the save is refused on every rank naming the tensor and that rank; the
+    next save after the copy is repaired commits."""
+    model = DistributedDataParallel(make_model())
+    state = TrainState(model=model, rng=False)
+    manager = _manager(args, replica_check=args["mode"])
+    manager.save(1, state)
+    weight = model.module[2].weight
+    original = weight.detach().clone()
+    if rank == args["bad_rank"]:
+        with torch.no_grad():
+            weight.view(-1)[7] = float(weight.view(-1)[7]) + 2.0**-20  # one low bit flipped
+    refused = ""
+    bad_step = args.get("bad_step", 2)
+    try:
+        manager.save(bad_step, state)
+    except ReplicaMismatchError as error:
+        refused = str(error)
+    steps_after_refusal = manager.steps()
+    with torch.no_grad():
+        weight.copy_(original)
+    manager.save(bad_step + 1, state)
+    result = {"refused": refused, "after_refusal": steps_after_refusal, "end": manager.steps()}
+    if rank == 0:
+        result["events"] = [e for e in events(manager) if e["kind"] == "refused"]
+    (Path(args["out"]) / f"replica-{rank}.json").write_text(json.dumps(result))
+    manager.close()
+
+
+def nan_gate(rank: int, world: int, args: dict[str, Any]) -> None:
+    """DDP with ``health_check="finite"``: a NaN on one rank refuses the save on every rank;
+    the next clean save commits."""
+    model = DistributedDataParallel(make_model())
+    state = TrainState(model=model, rng=False)
+    manager = _manager(args, health_check="finite")
+    manager.save(1, state)
+    bias = model.module[0].bias
+    original = bias.detach().clone()
+    if rank == 1:
+        with torch.no_grad():
+            bias[3] = float("nan")
+    refused = ""
+    try:
+        manager.save(2, state)
+    except HealthCheckError as error:
+        refused = str(error)
+    after = manager.steps()
+    with torch.no_grad():
+        bias.copy_(original)
+    manager.save(3, state)
+    result = {"refused": refused, "after_refusal": after, "end": manager.steps()}
+    (Path(args["out"]) / f"nan-{rank}.json").write_text(json.dumps(result))
+    manager.close()
+
+
+def emergency_refused(rank: int, world: int, args: dict[str, Any]) -> None:
+    """A real SIGTERM arrives while the state holds a NaN: the emergency save is refused by the
+    gate, the loop stops and the process exits 75 like any preempted trainer."""
+    model = DistributedDataParallel(make_model())
+    state = TrainState(model=model, rng=False)
+    manager = CheckpointManager(args["uri"], health_check="finite", interval_steps=2)
+    step = 0
+    while not manager.should_stop():
+        step += 1
+        if step == 3:
+            with torch.no_grad():
+                model.module[0].weight[0, 0] = float("inf")
+            os.kill(os.getpid(), signal.SIGTERM)
+        manager.maybe_save(step, state)
+        if step > 10:
+            raise AssertionError("the loop never stopped")
+    result = {"steps": manager.steps(), "events": events(manager) if rank == 0 else []}
+    (Path(args["out"]) / f"emergency-{rank}.json").write_text(json.dumps(result))
+    manager.close()
+    dist.destroy_process_group()
+    sys.exit(PREEMPTED_EXIT_CODE)
+
+
+def signed_indexed(rank: int, world: int, args: dict[str, Any]) -> None:
+    """An indexed manifest (a root and one index part per rank) saved with a signing key:
+    restores with the key; then rank 1's part is re-signed by a forger and the step is refused."""
+    import spotckpt.engine.writer
+
+    spotckpt.engine.writer.INDEX_MIN_RANKS = 1
+    model = DistributedDataParallel(make_model())
+    state = TrainState(model=model, rng=False)
+    manager = _manager(args, signing_key=args["key"])
+    manager.save(1, state)
+    manager.save(2, state)
+    assert manager.restore(state) == 2
+    dist.barrier()
+    if rank == 0:
+        import spotckpt.format.signing as signing
+        from spotckpt.catalog import index_part_key, step_key
+
+        root = manager.catalog._parse(manager.catalog.manifest_bytes(2), 2)
+        part = step_key(2, index_part_key(root.attempt, 1))
+        document = json.loads(manager.store.get(part))
+        assert document["job"] == manager.catalog.job().id and "signature" in document
+        document.pop("signature")
+        forged = signing.Keyring.generate().sign(json.dumps(document).encode(), document["job"])
+        manager.store.put(part, forged)  # refused: by the root's CRC32C, or else its signature
+    dist.barrier()
+    outcome = {"restored": manager.restore(state), "steps": manager.steps()}
+    (Path(args["out"]) / f"indexed-{rank}.json").write_text(json.dumps(outcome))
+    manager.close()
+
+
+SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
+    "replica_flip": replica_flip,
+    "nan_gate": nan_gate,
+    "emergency_refused": emergency_refused,
+    "signed_indexed": signed_indexed,
+}
+
+
+def main() -> None:
+    scenario, rank, world, port, raw = sys.argv[1:6]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=int(rank), world_size=int(world), timeout=timedelta(seconds=60)
+    )
+    SCENARIOS[scenario](int(rank), int(world), json.loads(raw))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
