@@ -733,9 +733,12 @@ class CheckpointManager:
         if local or self.group is None:
             return since
         fields = list(since.to_dict().values())
-        return RequestTally.from_dict(
-            dict(zip(since.to_dict(), self.collective.sum(fields), strict=True))
-        )
+        try:
+            totals = self.collective.sum(fields)
+        except RuntimeError as error:  # a rank died after the commit: the save stands regardless
+            log.warning("request counts of the other ranks are lost (%s): this rank's only", error)
+            return since
+        return RequestTally.from_dict(dict(zip(since.to_dict(), totals, strict=True)))
 
     def _requests_recorded(self) -> None:
         """After an event with requests was written: its PUT, counted in it already, is left
