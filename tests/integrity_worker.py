@@ -170,8 +170,37 @@ def signed_indexed(rank: int, world: int, args: dict[str, Any]) -> None:
     manager.close()
 
 
+def ddp_batchnorm(rank: int, world: int, args: dict[str, Any]) -> None:
+    """A healthy DDP job with BatchNorm, one step on each rank's own batch: its running statistics
+    differ by rank (DDP broadcasts buffers before each forward pass, which then updates them with
+    the local batch). The default setting commits the save; ``replica_check="all"`` refuses it,
+    naming a running statistic: why the default is off."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(100 + rank)  # each rank's own batch
+    model(torch.randn(16, 8)).pow(2).mean().backward()
+    optimizer.step()
+    state = TrainState(model=model, optimizer=optimizer, rng=False)
+    default = _manager(args)
+    default.save(1, state)
+    checked = _manager(args, replica_check="all")
+    refused = ""
+    try:
+        checked.save(2, state)
+    except ReplicaMismatchError as error:
+        refused = str(error)
+    result = {"default_steps": default.steps(), "refused": refused, "steps": checked.steps()}
+    (Path(args["out"]) / f"batchnorm-{rank}.json").write_text(json.dumps(result))
+    checked.close()
+    default.close()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "replica_flip": replica_flip,
+    "ddp_batchnorm": ddp_batchnorm,
     "nan_gate": nan_gate,
     "emergency_refused": emergency_refused,
     "signed_indexed": signed_indexed,

@@ -45,6 +45,18 @@ def test_one_ranks_altered_replica_is_caught_and_nothing_is_committed(
     assert "model.2.weight" in event["reason"]
 
 
+def test_healthy_ddp_batchnorm_commits_by_default_and_all_refuses_it(tmp_path: Path) -> None:
+    """Why `replica_check` is off by default: BatchNorm's running statistics differ by rank in
+    a healthy DDP job, so "all" refuses its saves."""
+    args = {"uri": str(tmp_path / "ck"), "out": str(tmp_path)}
+    for rank, result in enumerate(launch(2, "ddp_batchnorm", args)):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    for result in _results(tmp_path, "batchnorm", 2):
+        assert result["default_steps"] == [1]
+        assert "running_mean" in result["refused"] or "running_var" in result["refused"]
+        assert result["steps"] == [1]
+
+
 def test_nan_gate_refuses_on_every_rank_and_the_next_clean_save_commits(tmp_path: Path) -> None:
     args = {"uri": str(tmp_path / "ck"), "out": str(tmp_path)}
     for rank, result in enumerate(launch(2, "nan_gate", args)):
