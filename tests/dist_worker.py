@@ -52,15 +52,20 @@ def free_port() -> int:
 
 
 def launch_ranks(
-    world: int, scenario: str, args: dict[str, Any], timeout: float = 240
+    world: int,
+    scenario: str,
+    args: dict[str, Any],
+    timeout: float = 240,
+    worker: str = __file__,
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run `scenario` on `world` rank processes (like torchrun would); returns each result."""
+    """Run `scenario` of the rank script `worker` (this one by default) on `world` rank
+    processes (like torchrun would); returns each result."""
     port = str(free_port())
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
     processes = [
         subprocess.Popen(
-            [sys.executable, __file__, scenario, str(rank), str(world), port, json.dumps(args)],
+            [sys.executable, worker, scenario, str(rank), str(world), port, json.dumps(args)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -23,30 +23,14 @@ from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager, TrainState
 from spotckpt.catalog import EVENTS_PREFIX, parse_event_key
 from spotckpt.errors import HealthCheckError, ReplicaMismatchError
 
-from dist_worker import free_port, make_model, wait_all
+from dist_worker import launch_ranks, make_model
 
 
 def launch(
     world: int, scenario: str, args: dict[str, Any], timeout: float = 240
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run `scenario` on `world` rank processes; each one's result."""
-    port = str(free_port())
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, __file__, scenario, str(rank), str(world), port, json.dumps(args)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    return [
-        subprocess.CompletedProcess(process.args, status, output)
-        for process, (status, output) in zip(processes, wait_all(processes, timeout), strict=True)
-    ]
+    """Run `scenario` of this module on `world` rank processes; each one's result."""
+    return launch_ranks(world, scenario, args, timeout, worker=__file__)
 
 
 def events(manager: CheckpointManager) -> list[dict[str, Any]]:

@@ -223,6 +223,8 @@ def _decode(summaries: list[LocalSummary]) -> _Items:
     mappings = []
     for rank, summary in enumerate(summaries):
         if summary.shared not in decoded:
+            # A summary comes from a rank of this job over the process group (as DCP's own
+            # gathered plans do, pickled), never from a bucket.
             shared, flattening = pickle.loads(zlib.decompress(summary.shared))
             ids, tensor_ids = [], []
             for fqn, _kind, props, shape in shared:
