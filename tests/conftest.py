@@ -11,6 +11,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -104,3 +105,20 @@ def small_disk(tmp_path: Path) -> Iterator[Path | None]:
         yield target
     finally:
         subprocess.run(["umount", str(target)], check=True)
+
+
+# pytest-xdist: the resume matrix's lines come back from the workers (resume_matrix/conftest.py
+# hands them over); the controller, which loads only this conftest, prints them.
+_MATRIX_LINES: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _MATRIX_LINES.extend(getattr(node, "workeroutput", {}).get("resume_matrix_lines", []))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _MATRIX_LINES:
+        terminalreporter.section("resume matrix")
+        for line in _MATRIX_LINES:
+            terminalreporter.write_line(line)
