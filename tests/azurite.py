@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests_support import free_port
+
 STARTUP_TIMEOUT_S = 60.0
 ACCOUNT = "devstoreaccount1"
 ACCOUNT_KEY = (  # Azurite's well-known development key, published in its README
@@ -50,12 +52,6 @@ def connection_string(endpoint: str) -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_azurite() -> tuple[str, subprocess.Popen[bytes], str]:
     """Start Azurite in memory; returns its account endpoint, the process and its log file."""
     command = azurite_command()
@@ -64,7 +60,7 @@ def start_azurite() -> tuple[str, subprocess.Popen[bytes], str]:
         if os.environ.get("CI") == "true":  # CI installs it: a missing one must fail, not skip
             pytest.fail(message)
         pytest.skip(message)
-    port = _free_port()
+    port = free_port()
     workspace = tempfile.mkdtemp(prefix="azurite-")
     log_path = os.path.join(workspace, "azurite.log")
     args = [command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--silent"]

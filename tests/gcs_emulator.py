@@ -14,7 +14,6 @@ proxy; create-only is also tested there against fake-gcs-server (`tests/fake_gcs
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from collections.abc import Iterator
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud.storage.client import Client
+
+from tests_support import free_port
 
 # gcsfs (if anything imports it) would first try a gRPC bucket-type lookup that hangs for 60 s
 # per call against the emulator.
@@ -45,13 +46,6 @@ EMULATOR_IGNORES_PRECONDITIONS = frozenset(
 
 `tests/storage/test_gcs.py` runs their create-only and racing-writer checks on fake-gcs-server
 too."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_until_up(endpoint: str, process: subprocess.Popen[bytes], log_path: str) -> None:

@@ -4,6 +4,7 @@ that inject failures (no mocks of the stores themselves)."""
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +25,13 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 SCRIPT = Path(sys.executable).with_name("spotckpt")
 """The ``spotckpt`` console script of the interpreter running the tests."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server or gloo's store)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def assert_equal(a: Any, b: Any, where: str = "") -> None:

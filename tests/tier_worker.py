@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from spotckpt import CheckpointError, CheckpointManager, TrainState
 
-from dist_worker import _perturbed, free_port, fsdp, full_state, make_model, train, wait_all
+from dist_worker import _perturbed, fsdp, full_state, make_model, train, wait_all
+from tests_support import free_port
 
 HERE = Path(__file__).resolve().parent
 

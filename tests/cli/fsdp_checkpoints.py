@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import functools
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
+
+from tests_support import free_port
 
 WORLD = 4
 STEP = 7
@@ -58,12 +59,6 @@ def tied_weights() -> dict[str, torch.Tensor]:
     """What an export of `TinyLM` holds: every tensor but ``lm_head.weight``, as save_pretrained."""
     state = TinyLM().state_dict()
     return {k: v.detach().clone() for k, v in state.items() if k != "lm_head.weight"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rank_main(rank: int, uri: str, port: int, tied: bool, world: int, indexed: bool) -> None:
@@ -105,7 +100,7 @@ def save_fsdp_checkpoint(
     """
     mp.start_processes(
         _rank_main,
-        args=(uri, _free_port(), tied, world, indexed),
+        args=(uri, free_port(), tied, world, indexed),
         nprocs=world,
         join=True,
         start_method="fork",

@@ -7,7 +7,6 @@ the moto server of tests/conftest.py. Bytes read are counted by a store that wra
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from fsdp_checkpoints import (
     make_model,
     save_fsdp_checkpoint,
 )
+from tests_support import free_port
 
 
 class CountingStore:
@@ -243,12 +243,6 @@ def test_load_weights_from_s3_and_local(big_root: tuple[str, nn.Module]) -> None
 # FSDP2 on 2 ranks: an indexed save to S3, and a load into sharded parameters ---------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _load_sharded(rank: int, uri: str, port: int, world: int) -> None:
     """Each rank loads only its shards into an FSDP2 model; rank 0 checks the whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -279,7 +273,7 @@ def _load_sharded(rank: int, uri: str, port: int, world: int) -> None:
 def test_load_weights_into_fsdp_on_2_ranks_from_a_4_rank_save() -> None:
     mp.start_processes(
         _load_sharded,
-        args=(str(fsdp_checkpoint()), _free_port(), 2),
+        args=(str(fsdp_checkpoint()), free_port(), 2),
         nprocs=2,
         join=True,
         start_method="fork",

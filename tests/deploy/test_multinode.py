@@ -41,6 +41,7 @@ from deploy_helpers import (
     option,
     trainer_container,
 )
+from tests_support import free_port
 
 VARIANT = "eks-multinode"
 TRAINER = REPO / "examples" / "train.py"
@@ -50,12 +51,6 @@ STEPS = 24
 ZONE_LABEL = "metadata.labels['topology.kubernetes.io/zone']"
 ATTEMPT_LABEL = "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"
 RESTORE_LINE = re.compile(r"restore read: local (\d+) B, peer (\d+) B, store (\d+) B")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -71,7 +66,7 @@ class Job:
         self.root = root
         self.attempt = attempt
         self.docs = kustomize_build(K8S_VARIANTS[VARIANT])
-        self.port = _free_port()
+        self.port = free_port()
         self.processes: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
         # The hostPath (type DirectoryOrCreate) that the init container hands to the trainer.

@@ -14,7 +14,6 @@ import os
 import re
 import resource
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ from spotckpt.checksum import crc32c
 from spotckpt.format.index import MAX_PART_BYTES
 from spotckpt.format.safetensors_io import block_crcs
 
-from tests_support import SCRIPT
+from tests_support import SCRIPT, free_port
 
 WORLD = 4
 MEMORY_LIMIT = 3 << 30
@@ -59,16 +58,10 @@ def _sharded(step: int) -> nn.Module:
     return fully_shard(model)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _on_ranks(main: Callable[..., None], *args: Any) -> None:
     """`main(rank, *args)` on `WORLD` forked gloo ranks (forked: started at once, torch loaded)."""
     mp.start_processes(
-        _rank, args=(main, _free_port(), args), nprocs=WORLD, join=True, start_method="fork"
+        _rank, args=(main, free_port(), args), nprocs=WORLD, join=True, start_method="fork"
     )
 
 

@@ -38,8 +38,7 @@ from spotckpt.config import Config, ConfigError
 from spotckpt.integrations.torchtitan import LoaderState, SpotckptTrainer
 from spotckpt.values import ValueLoadError
 
-from dist_worker import free_port
-from tests_support import TESTS
+from tests_support import TESTS, free_port
 from torchtitan_worker import Tokens
 
 WORKER = TESTS / "torchtitan_worker.py"

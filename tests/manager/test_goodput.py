@@ -41,7 +41,7 @@ from spotckpt.goodput import (
 )
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 
-from tests_support import DEEP_JSON, FORGED_GOODPUT, HUGE_INT, forged_event_key
+from tests_support import DEEP_JSON, FORGED_GOODPUT, HUGE_INT, forged_event_key, free_port
 
 
 class FakeClock:
@@ -480,14 +480,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_two_ranks_agree_on_the_auto_interval(tmp_path: Path, mode: str) -> None:
     """Each rank measures its own step time (a different one); all save the same steps, on the
@@ -497,7 +489,7 @@ def test_two_ranks_agree_on_the_auto_interval(tmp_path: Path, mode: str) -> None
 
     script = tmp_path / "ranks.py"
     script.write_text(_TWO_RANKS)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["WORLD_SIZE"] = "2"
     ranks = [
         subprocess.Popen(
