@@ -18,7 +18,7 @@ CHECKOV := $(CHECKOV_VENV)/bin/checkov
 # --dist loadfile keeps each test file on one worker, so its module fixtures are built once.
 PYTEST_ARGS ?= -m "not slow" -n 3 --dist loadfile --durations=25
 
-.PHONY: help setup demo test test-all lint bench bench-smoke faketime azurite
+.PHONY: help setup test-deps demo test test-all lint bench bench-smoke faketime azurite
 
 help:
 	@echo "make setup        create .venv (unless a virtual environment is active), install"
@@ -83,7 +83,11 @@ $(AZURITE):
 
 azurite: $(AZURITE)
 
-test: setup $(CHECKOV) faketime $(AZURITE)
+# Everything `make test` needs; independent of each other, so `make -j4 test-deps` installs them
+# side by side (CI does: pip, npm and apt-get mostly wait on downloads and disks).
+test-deps: setup $(CHECKOV) faketime $(AZURITE)
+
+test: test-deps
 	CHECKOV=$(CURDIR)/$(CHECKOV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: PYTEST_ARGS :=

@@ -39,6 +39,7 @@ from spotckpt import (
 from spotckpt.state import RNGState
 from spotckpt.storage import open_store
 
+from preloaded import PreloadedProcess
 from tests_support import FailingStore, free_port
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -52,18 +53,13 @@ def launch_ranks(
     worker: str = __file__,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run `scenario` of the rank script `worker` (this one by default) on `world` rank
-    processes (like torchrun would); returns each result."""
+    processes (like torchrun would, but forked with torch already imported: `preloaded`);
+    returns each result."""
     port = str(free_port())
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
     processes = [
-        subprocess.Popen(
-            [sys.executable, worker, scenario, str(rank), str(world), port, json.dumps(args)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        PreloadedProcess([worker, scenario, str(rank), str(world), port, json.dumps(args)], env)
         for rank in range(world)
     ]
     return [
@@ -72,7 +68,7 @@ def launch_ranks(
     ]
 
 
-def wait_all(processes: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+def wait_all(processes: list[PreloadedProcess], timeout: float) -> list[tuple[int, str]]:
     """Wait for every rank process; (exit status, output) each. Kills all on a timeout."""
     results = []
     for process in processes:

@@ -2,19 +2,18 @@
 
 `launch_nodes` starts one process per rank with ``SPOTCKPT_NODE`` (and ``SPOTCKPT_ZONE``) of its
 own, like torchrun on separate machines would; results come back as files in the test's folder.
-Each rank runs in a private mount namespace (``unshare -m``) in which the base of `local_dir`
-(the part before ``{node}``) is its machine's own folder, ``machines/<machine>`` beside it (or a
-disk of its own): a rank can never read another machine's disk, and two machines may even use
-the same node id. The folders outlive the processes (`node_folder` finds them).
+Each rank (forked by `preloaded`) runs in a private mount namespace (what ``unshare -m`` makes)
+in which the base of `local_dir` (the part before ``{node}``) is its machine's own folder,
+``machines/<machine>`` beside it (or a disk of its own): a rank can never read another
+machine's disk, and two machines may even use the same node id. The folders outlive the
+processes (`node_folder` finds them).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from spotckpt import CheckpointError, CheckpointManager, TrainState
 
 from dist_worker import _perturbed, fsdp, full_state, make_model, train, wait_all
+from preloaded import PreloadedProcess
 from tests_support import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -54,11 +54,10 @@ def launch_nodes(
     zones: list[str] | None = None,
     machines: list[str] | None = None,
     disks: dict[str, Path] | None = None,
-) -> list[subprocess.Popen[str]]:
+) -> list[PreloadedProcess]:
     """Start `scenario` on one rank per entry of `nodes` (the rank's node id), each on its
     machine (`machines`, by default the node id) whose tier base is its own folder, or the
     disk that `disks` gives for the machine."""
-    assert shutil.which("unshare"), "the node tests need unshare (util-linux) and root"
     port = str(free_port())
     base = tier_base(args)
     base.mkdir(parents=True, exist_ok=True)
@@ -74,28 +73,12 @@ def launch_nodes(
         }
         if zones is not None:
             env["SPOTCKPT_ZONE"] = zones[rank]
-        private = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MOUNT, "sh"]
-        command = [*private, str(disk), str(base), sys.executable, __file__, scenario]
-        command += [str(rank), str(len(nodes)), port]
-        processes.append(
-            subprocess.Popen(
-                [*command, json.dumps(args)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
+        command = [__file__, scenario, str(rank), str(len(nodes)), port, json.dumps(args)]
+        processes.append(PreloadedProcess(command, env, new_session=True, bind=(disk, base)))
     return processes
 
 
-_MOUNT = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-"""In the rank's own mount namespace: its machine's folder becomes the tier base, then the
-rank starts (``exec``: the process id stays the launched one)."""
-
-
-def finish(processes: list[subprocess.Popen[str]], timeout: float = 300) -> list[tuple[int, str]]:
+def finish(processes: list[PreloadedProcess], timeout: float = 300) -> list[tuple[int, str]]:
     """Wait for every rank; (exit status, output) each. Kills all on a timeout."""
     return wait_all(processes, timeout)
 

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from integrity_worker import launch
 
 from spotckpt import CheckpointManager
 from spotckpt.config import Settings
 from spotckpt.engine.guards import Guard, check_replicas
 from spotckpt.errors import ConfigError, HealthCheckError, ReplicaMismatchError
+
+from integrity_worker import launch
 
 NAME = "model.2.weight"
 
