@@ -211,7 +211,9 @@ def _serve(fd: int) -> None:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
                 try:
-                    pid = _fork(request, close=[channel.fileno(), wake_r, wake_w])
+                    pid = _fork(
+                        request, close=[channel.fileno(), wake_r, wake_w, selector.fileno()]
+                    )
                     reply: dict[str, Any] = {"pid": pid}
                 except Exception:
                     reply = {"error": traceback.format_exc()}
