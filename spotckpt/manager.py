@@ -163,6 +163,7 @@ class CheckpointManager:
             keep_last=settings.local_keep_last,
             collective=self.collective,
             prefix_spread=self.prefix_spread,
+            keyring=self.keyring,
         )
 
     def _check_async_mode(self) -> None:

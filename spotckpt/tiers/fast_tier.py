@@ -70,6 +70,7 @@ from spotckpt.errors import (
     TierSaveError,
 )
 from spotckpt.format.manifest import Manifest
+from spotckpt.format.signing import Keyring
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.local import LocalStore
 from spotckpt.tiers.erasure import data_block, parity_block
@@ -259,6 +260,7 @@ class FastTier:
         keep_last: int,
         collective: Collective,
         prefix_spread: bool = False,
+        keyring: Keyring | None = None,
     ) -> None:
         self.rank = collective.rank
         identity, problem = None, None
@@ -281,6 +283,10 @@ class FastTier:
         self.catalog = Catalog(LocalStore(self.root, fsync=True))  # records and manifests
         self.keep_last = keep_last
         self.prefix_spread = prefix_spread
+        # With any key configured, a tier step's manifest must be signed for the bucket's job and
+        # its step, as the bucket's are: a copy on a node's disk is trusted no more than one in
+        # the bucket (it is the same bytes when it was written by this job).
+        self.keyring = keyring if keyring is not None and keyring.enforcing else None
 
     def _peers(self, collective: Collective, what: str) -> _Peers:
         """The collectives of one operation, with rank markers of its own (every rank counts
@@ -638,8 +644,11 @@ class FastTier:
 
     def _held_step(self, step: int, scope: Scope) -> HeldStep | None:
         """What this node holds of `step`; None if `scope` refuses it; raises if it is damaged
-        (its manifest or tier record does not parse or does not fit the manifest)."""
+        (its manifest is not signed as `keyring` requires, or it or the tier record does not
+        parse or does not fit the manifest)."""
         data = self.catalog.manifest_bytes(step)
+        if self.keyring is not None:  # a SignatureError: damaged, as the bucket treats it
+            self.keyring.check(data, step=step, job=scope.job, what=f"tier step {step}'s manifest")
         manifest = Manifest.from_json(data, expected_step=step)
         record = self._read_record(step, manifest.attempt)
         record.check({k: r.size for k, r in manifest.objects.items()})

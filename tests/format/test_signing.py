@@ -312,6 +312,46 @@ def test_bytes_replaced_with_their_crc32c_kept_fail_the_strong_hash(
         manager.restorable_step()  # checked whole: the forgery is seen
 
 
+def test_a_fast_tier_step_must_be_signed_like_a_bucket_step(
+    tmp_path: Path,
+    key: tuple[Path, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node's disk is trusted no more than the bucket: with a key, a tier-only step whose
+    manifest lost its signature is refused and the restore falls back to the older signed step;
+    without a key the same step restores from the tier, as before."""
+    monkeypatch.setenv("SPOTCKPT_NODE", "node-a")
+    root, tier = tmp_path / "ck", tmp_path / "tier"
+    tier.mkdir()
+    settings = {"local_dir": str(tier), "local_interval_steps": 1, "interval_steps": 100}
+    with _manager(root, signing_key=str(key[0]), **settings) as manager:
+        manager.save(1, _state(1))  # the bucket (and the tier)
+        assert manager.maybe_save(2, _state(2))  # the tier only
+        assert manager.steps() == [1]
+    (copy,) = tier.rglob(manifest_key(2))
+    document = json.loads(copy.read_bytes())
+    assert document["format"] == "spotckpt/1+signed"  # the tier's copies are signed too
+
+    def restore(**keys: Any) -> tuple[int | None, dict[str, int], dict[str, Any]]:
+        restored = _state(9)
+        with _manager(root, **keys, **settings) as manager:
+            return manager.restore(restored), manager.last_restore_sources, restored
+
+    step, sources, restored = restore(signing_key=str(key[0]))
+    assert (step, sources["store"]) == (2, 0) and sources["local"] > 0  # signed: used
+    assert torch.equal(restored["w"], _state(2)["w"])
+    del document["signature"]
+    document["format"] = "spotckpt/1"
+    copy.write_bytes(json.dumps(document).encode())
+    step, sources, _ = restore()  # no key: used as before
+    assert (step, sources["store"]) == (2, 0)
+    with caplog.at_level(logging.WARNING, logger="spotckpt"):
+        step, _, restored = restore(signing_key=str(key[0]))
+    assert step == 1 and torch.equal(restored["w"], _state(1)["w"])  # step 1's copy is signed
+    assert "tier step 2's manifest has a missing or malformed signature" in caplog.text
+
+
 def test_catalog_without_keyring_reads_signed_steps(
     tmp_path: Path, key: tuple[Path, list[str]]
 ) -> None:
