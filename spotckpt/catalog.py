@@ -206,6 +206,12 @@ def rank_object_key(attempt: str, rank: int, prefix_spread: bool = False) -> str
     return f"{attempt_folder(attempt)}/{spread}/{name}"
 
 
+def compressed_object_key(key: str) -> str:
+    """Key of a rank's object when it holds compressed chunks (`spotckpt.format.compression`):
+    no longer safetensors, so not named as such."""
+    return key.removesuffix(".safetensors") + ".zblocks"
+
+
 def index_part_key(attempt: str, rank: int) -> str:
     """Key (relative to the step folder) of a rank's index part in an indexed manifest."""
     return f"{attempt_folder(attempt)}/index-r{rank:05d}.json"

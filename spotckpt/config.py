@@ -92,6 +92,12 @@ class Settings:
       since the newest committed step and reference the others there (`spotckpt.engine.
       incremental`); off by default: hashing costs CPU time on every save of a state that
       changes whole, and older spotckpt versions cannot read a step that holds references.
+    - `compression`: store bucket saves' tensor chunks compressed (lossless, per CRC block,
+      bytes grouped by significance: `spotckpt.format.compression`): ``"on"``, ``"auto"`` (when
+      a sample of the state, compressed, says the save gets faster on the upload rate that this
+      rank's earlier saves measured: on slow links, never on a local disk) or ``"off"``
+      (default: a compressed step's objects are no longer plain safetensors files, and older
+      spotckpt versions cannot read it).
     - `replica_check`: compare the copies of replicated tensors across ranks before the commit:
       ``"all"``, ``"sample"`` (1/8 of the tensors per save, in turn) or ``"off"`` (default: a
       healthy DDP job may hold different values under one name, e.g. BatchNorm's running
@@ -130,6 +136,7 @@ class Settings:
     local_keep_last: int = 2
     progress_interval_s: float | None = 5.0
     incremental: bool = False
+    compression: Literal["auto", "on", "off"] = "off"
     replica_check: Literal["all", "sample", "off"] = "off"
     health_check: Any = None
     signing_key: str | None = None
@@ -221,6 +228,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "local_keep_last": (int,),
     "progress_interval_s": (int, float, type(None)),
     "incremental": (bool,),
+    "compression": (str,),
     "replica_check": (str,),
     "health_check": (str, type(None)),
     "signing_key": (str, type(None)),
@@ -294,6 +302,8 @@ def _range_problem(key: str, value: Any) -> str | None:
         return "must be a non-empty string"
     if key == "async_mode" and value not in ("thread", "process"):
         return f'must be "thread" or "process", got {_shown(value)}'
+    if key == "compression" and value not in ("auto", "on", "off"):
+        return f'must be "auto", "on" or "off", got {_shown(value)}'
     if key == "replica_check" and value not in ("all", "sample", "off"):
         return f'must be "all", "sample" or "off", got {_shown(value)}'
     if key == "health_check" and value not in (None, "finite"):

@@ -46,6 +46,7 @@ from spotckpt.errors import (
     TierSaveError,
     UnknownFormatError,
 )
+from spotckpt.format.compression import LinkRate
 from spotckpt.format.manifest import Manifest
 from spotckpt.format.signing import keyring_of
 from spotckpt.gc import GcReport, collect_garbage
@@ -149,6 +150,7 @@ class CheckpointManager:
         self._deadline: float | None = None
         self._continuation_pool: ThreadPoolExecutor | None = None
         self._job: str | None = None
+        self._link = LinkRate()  # this rank's upload rate, for compression="auto"
         self._requests_mark = store_tally(self.store)
 
     def _open_tier(self) -> FastTier | None:
@@ -372,6 +374,8 @@ class CheckpointManager:
                     prefix_spread=self.prefix_spread,
                     attempt=self._child_attempt(blocking),
                     incremental=self.settings.incremental,
+                    compression=self.settings.compression,
+                    link=self._link,
                     **self._writer_options(step, user_metadata, blocking),
                 )
                 self._bucket_save(step, state_dict, writer, blocking, emergency)

@@ -21,7 +21,7 @@ from typing import Any
 from spotckpt.catalog import Catalog, manifest_key, referenced_folders, step_folder
 from spotckpt.checksum import crc32c
 from spotckpt.digest import step_digest
-from spotckpt.engine.chunks import BlockCheck, ChunkReader, describe
+from spotckpt.engine.chunks import BlockCheck, ChunkReader, StoredBlockCheck, block_check, describe
 from spotckpt.errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -115,7 +115,7 @@ class _Stored:
 
     name: str
     location: ChunkLocation
-    check: BlockCheck
+    check: BlockCheck | StoredBlockCheck
     value: bytearray | None  # a value's bytes, gathered to load it
 
 
@@ -263,7 +263,7 @@ def _check_object(
             _Stored(
                 name,
                 location,
-                BlockCheck(location, reader.block_size),
+                block_check(location, reader.block_size),
                 bytearray() if name.startswith(VALUE_LABEL) else None,
             )
             for name, location in inside
@@ -355,7 +355,7 @@ class _Follower:
             self.active.append(self.waiting.popleft())
         unfinished = []
         for stored in self.active:
-            stored_end = stored.location.offset + stored.location.length
+            stored_end = stored.location.offset + stored.location.stored_length
             lo, hi = max(stored.location.offset, offset), min(stored_end, end)
             if hi > lo:
                 part = piece[lo - offset : hi - offset]

@@ -308,7 +308,7 @@ class CheckpointFile:
         def piece(at: int) -> None:
             stop = min(at + step, end)
             view = into[at - start : stop - start]
-            self._chunks.read_into(location.key, location.offset + at, view, (name,))
+            self._chunks.read_chunk_into(location, at // block, view, (name,))
             self._chunks.verify(view, location, at // block, name)
 
         if end == start:

@@ -138,6 +138,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def _manager(args: dict[str, Any], **kwargs: Any) -> CheckpointManager:
+    kwargs.setdefault("compression", args.get("compression", "off"))
     return CheckpointManager(
         args["uri"], preemption=False, storage_options=args.get("options", {}), **kwargs
     )

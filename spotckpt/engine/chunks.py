@@ -34,6 +34,7 @@ from spotckpt.errors import (
     ObjectMissingError,
     ObjectSizeError,
 )
+from spotckpt.format.compression import CorruptBlockError, decode_block_into, plane_count
 from spotckpt.format.manifest import ChunkLocation
 from spotckpt.format.references import object_path
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore
@@ -93,6 +94,68 @@ class BlockCheck:
             self.bad = self.block
         self.block += 1
         self.crc = 0
+
+
+class StoredBlockCheck:
+    """`BlockCheck` for a compressed chunk fed its stored bytes (as ``verify`` streams objects):
+    each stored block is compared with its stored CRC32C, decoded, and the decoded bytes with
+    the raw CRC32Cs. `finish` gives the first bad block, whichever check found it."""
+
+    def __init__(self, location: ChunkLocation, block_size: int) -> None:
+        self.location = location
+        self.block_size = block_size
+        self.raw = BlockCheck(location, block_size)
+        self.planes = plane_count(location.codec)
+        self.block = 0
+        self.pending = bytearray()
+        self.bad: int | None = None
+
+    def feed(self, data: memoryview) -> None:
+        """Account for the next stored bytes of the chunk; ValueError past its end."""
+        lengths = self.location.stored_lengths
+        done = 0
+        while done < data.nbytes:
+            if self.block >= len(lengths):
+                raise InvalidArgumentError("fed more than the stored bytes of the chunk")
+            take = min(data.nbytes - done, lengths[self.block] - len(self.pending))
+            self.pending += data[done : done + take]
+            done += take
+            if len(self.pending) == lengths[self.block]:
+                self._close()
+
+    def finish(self) -> int | None:
+        """Check blocks stored in no bytes (an empty chunk's); the first bad block, or None."""
+        lengths = self.location.stored_lengths
+        while self.block < len(lengths) and lengths[self.block] == 0:
+            self._close()
+        raw_bad = self.raw.finish()
+        return self.bad if self.bad is not None else raw_bad
+
+    def _close(self) -> None:
+        number = self.block
+        size = max(0, min(self.block_size, self.location.length - number * self.block_size))
+        out = bytearray(size)
+        intact = crc32c(self.pending) == self.location.stored_crc32c[number]
+        if intact:
+            try:
+                decode_block_into(memoryview(self.pending), memoryview(out), self.planes)
+            except CorruptBlockError:
+                intact = False
+        if not intact and self.bad is None:
+            self.bad = number
+        if size:
+            self.raw.feed(memoryview(out))
+        self.block += 1
+        self.pending = bytearray()
+
+
+def block_check(location: ChunkLocation, block_size: int) -> BlockCheck | StoredBlockCheck:
+    """The check that follows a chunk's stored bytes, fed in order from its first byte."""
+    return (
+        StoredBlockCheck(location, block_size)
+        if location.codec
+        else BlockCheck(location, block_size)
+    )
 
 
 def describe(names: Iterable[str]) -> str:
@@ -161,7 +224,7 @@ class ChunkReader:
 
     def check_chunk(self, location: ChunkLocation, name: str) -> None:
         """Refuse a chunk that its object does not hold, before anything is allocated for it."""
-        end = location.offset + location.length
+        end = location.offset + location.stored_length
         self.check_range(location.key, location.offset, end, (name,))
 
     def read(self, key: str, start: int, end: int, names: Iterable[str]) -> bytearray:
@@ -196,11 +259,53 @@ class ChunkReader:
         """Verified bytes of a chunk's range `start`..`end` (default: all of it), widened to
         block boundaries; returns them with the widened span."""
         span = self.span(location, start, location.length if end is None else end)
-        data = self.read(
-            location.key, location.offset + span.start, location.offset + span.end, (name,)
-        )
+        data = bytearray(span.end - span.start)
+        self.read_chunk_into(location, span.first_block, memoryview(data), (name,))
         self.verify(data, location, span.first_block, name)
         return data, span
+
+    def read_chunk_into(
+        self, location: ChunkLocation, first_block: int, out: memoryview, names: Iterable[str]
+    ) -> None:
+        """The chunk's raw bytes from block `first_block` on into `out` (whole blocks, or up to
+        the chunk's end), decoded if it is compressed; not yet checked (`verify`)."""
+        if location.codec:
+            self.read_decoded_into(location, first_block, out, names)
+        else:
+            self.read_into(
+                location.key, location.offset + first_block * self.block_size, out, names
+            )
+
+    def read_decoded_into(
+        self, location: ChunkLocation, first_block: int, out: memoryview, names: Iterable[str]
+    ) -> None:
+        """Fill `out` with the raw bytes of a compressed chunk from block `first_block` on
+        (whole blocks, or up to the chunk's end): its stored blocks are read in one ranged read,
+        each checked against its stored CRC32C and decoded (`spotckpt.format.compression`). The
+        caller checks the raw bytes (`verify`) as for any chunk."""
+        names = list(names)
+        end_block = first_block + -(-out.nbytes // self.block_size)
+        start, end = location.stored_span(first_block, end_block, self.block_size)
+        stored = memoryview(self.read(location.key, start, end, names))
+        planes = plane_count(location.codec)
+        at = 0
+        for number in range(first_block, end_block):
+            length = location.stored_lengths[number]
+            block = stored[at : at + length]
+            raw_at = (number - first_block) * self.block_size
+            where = f"{self.path(location.key)} at bytes {start + at}..{start + at + length}"
+            if crc32c(block) != location.stored_crc32c[number]:
+                raise ChecksumMismatchError(
+                    f"CRC32C mismatch in {where} (stored block {number} of {describe(names)}): "
+                    "the stored data is corrupt"
+                )
+            try:
+                decode_block_into(block, out[raw_at : raw_at + self.block_size], planes)
+            except CorruptBlockError as error:
+                raise ChecksumMismatchError(
+                    f"{where} (block {number} of {describe(names)}) does not decode: {error}"
+                ) from None
+            at += length
 
     def verify(self, data: Buffer, location: ChunkLocation, first_block: int, name: str) -> None:
         """Raise ChecksumMismatchError unless `data`, the chunk's bytes from block `first_block`

@@ -209,7 +209,9 @@ def small_runs(manifest: Manifest) -> dict[str, Run]:
     candidates = [
         RunMember(fqn, record.dtype, record.shape, record.chunks[0].location)
         for fqn, record in manifest.tensors.items()
-        if len(record.chunks) == 1 and record.chunks[0].location.length <= PACK_MAX_TENSOR_BYTES
+        if len(record.chunks) == 1
+        and record.chunks[0].location.length <= PACK_MAX_TENSOR_BYTES
+        and not record.chunks[0].location.codec  # a compressed chunk is read on its own
     ]
     candidates.sort(key=lambda m: (m.location.key, m.location.offset, m.fqn))
     runs: dict[str, Run] = {}

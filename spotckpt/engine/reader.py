@@ -88,6 +88,8 @@ class _Fetch:
     end: int
     needs: list[_Need]
     into: memoryview | None = None
+    decode: bool = False
+    """A piece of one compressed chunk (one need): `start`..`end` are its stored bytes."""
 
 
 @dataclass
@@ -254,6 +256,12 @@ class ObjectStoreReader(StorageReader):
         landing: dict[int, _Landing] = {}  # by id() of the read item
         for need in (self._need(item) for item in plan.items):
             target = self._in_place_target(need, planner)
+            if need.location.codec:
+                pieces = self._compressed_pieces(need, target)
+                if target is not None:
+                    landing[id(need.request)] = _Landing(target, len(pieces))
+                fetches += pieces
+                continue
             if target is None:
                 buffered.append(need)
                 continue
@@ -274,7 +282,10 @@ class ObjectStoreReader(StorageReader):
                     buffer = done.result()
                     for need in fetch.needs:
                         if fetch.into is None:
-                            self._deliver(need, buffer, fetch.start, planner)
+                            start = (
+                                need.location.offset + need.start if fetch.decode else fetch.start
+                            )
+                            self._deliver(need, buffer, start, planner)
                             continue
                         landed = landing[id(need.request)]
                         landed.pieces_left -= 1
@@ -315,7 +326,7 @@ class ObjectStoreReader(StorageReader):
             and tuple(target.shape) == tuple(item.lengths)
         )
         aligned = (need.start, need.end) == (need.wanted_start, need.wanted_end)
-        large = nbytes >= self.max_read_bytes // IN_PLACE_SHARE
+        large = nbytes >= self.max_read_bytes // IN_PLACE_SHARE or bool(need.location.codec)
         return target if need.contiguous and aligned and large else None
 
     def _pieces(self, need: _Need, target: torch.Tensor) -> list[_Fetch]:
@@ -332,6 +343,31 @@ class ObjectStoreReader(StorageReader):
             piece = dataclasses.replace(need, start=start, end=end, first_block=first_block)
             into = memory[start - need.start : end - need.start]
             fetches.append(_Fetch(need.location.key, offset + start, offset + end, [piece], into))
+        return fetches
+
+    def _compressed_pieces(self, need: _Need, target: torch.Tensor | None) -> list[_Fetch]:
+        """A need in a compressed chunk as fetches of its stored blocks, each decoded in its
+        reader thread: straight into the destination's memory when it can take the bytes as
+        they are (`target`), in pieces of about `max_read_bytes` read in parallel; else as one
+        fetch into a buffer of its own."""
+        block = self.chunks.block_size
+        location = need.location
+        if target is None:
+            end_block = -(-need.end // block) if need.end > need.start else need.first_block + 1
+            start, end = location.stored_span(need.first_block, end_block, block)
+            return [_Fetch(location.key, start, end, [need], decode=True)]
+        memory = target.reshape(-1).view(torch.uint8).numpy().data
+        fetches = []
+        cuts = self._block_cuts(need) or [need.start]
+        for start, end in itertools.pairwise([*cuts, need.end]):
+            first_block = start // block
+            end_block = -(-end // block) if end > start else first_block + 1
+            piece = dataclasses.replace(need, start=start, end=end, first_block=first_block)
+            into = memory[start - need.start : end - need.start]
+            stored_start, stored_end = location.stored_span(first_block, end_block, block)
+            fetches.append(
+                _Fetch(location.key, stored_start, stored_end, [piece], into, decode=True)
+            )
         return fetches
 
     def _block_cuts(self, need: _Need) -> list[int]:
@@ -381,9 +417,19 @@ class ObjectStoreReader(StorageReader):
         """Read one fetch (into its destination, or a buffer of its own) and check the CRCs of
         every need it serves; runs in a reader thread."""
         view = fetch.into
+        names = [need.request.storage_index.fqn for need in fetch.needs]
+        if fetch.decode:
+            need = fetch.needs[0]
+            if view is None:
+                view = memoryview(bytearray(need.end - need.start))
+            self.chunks.read_decoded_into(need.location, need.first_block, view, names)
+            self.chunks.verify(view, need.location, need.first_block, names[0])
+            with self._stats_lock:
+                self.stats.bytes_read += fetch.end - fetch.start
+                self.stats.requests += 1
+            return view
         if view is None:
             view = memoryview(bytearray(fetch.end - fetch.start))
-        names = [need.request.storage_index.fqn for need in fetch.needs]
         self.chunks.read_into(fetch.key, fetch.start, view, names)
         for need in fetch.needs:
             base = need.location.offset + need.start - fetch.start

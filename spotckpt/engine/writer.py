@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from torch.futures import Future
 
 from spotckpt.catalog import (
     Catalog,
+    compressed_object_key,
     index_part_key,
     new_attempt_id,
     rank_object_key,
@@ -69,11 +71,24 @@ from spotckpt.engine.manifests import (
 from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
 from spotckpt.engine.planners import ScalingSavePlanner
 from spotckpt.errors import (
+    InvalidArgumentError,
     InvalidTypeError,
     SaveFailedError,
     UnsupportedValueError,
     ValueLoadError,
 )
+from spotckpt.format.compression import (
+    COMPRESS_THREADS,
+    COMPRESSION_MODES,
+    MIN_CHUNK_BYTES,
+    SAMPLE_BYTES,
+    CompressedRange,
+    CompressedStreamWriter,
+    LinkRate,
+    measure,
+    pays_off,
+)
+from spotckpt.format.compression import FEATURE as COMPRESSED
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.features import format_string
 from spotckpt.format.index import INDEXED_FORMAT
@@ -145,8 +160,16 @@ class ObjectStoreWriter(StorageWriter):
         guard: Guard | None = None,
         keyring: Keyring | None = None,
         job: str | None = None,
+        compression: str = "off",
+        link: LinkRate | None = None,
     ) -> None:
         super().__init__()
+        if compression not in COMPRESSION_MODES:
+            raise InvalidArgumentError(
+                f"compression must be one of {COMPRESSION_MODES}, got {compression!r}"
+            )
+        self.compression = compression
+        self.link = link if link is not None else LinkRate()
         self.incremental = incremental
         self.base: Base | None = None
         self.guard = guard
@@ -171,7 +194,7 @@ class ObjectStoreWriter(StorageWriter):
         self.planned_attempt = attempt
         self.attempt: str | None = attempt
         self.manifest: Manifest | None = None
-        self._stream: SafetensorsStreamWriter | None = None
+        self._stream: SafetensorsStreamWriter | CompressedStreamWriter | None = None
         self.digest: str | None = None
         """The committed step's digest (`spotckpt.digest`), for its save event."""
 
@@ -245,8 +268,11 @@ class ObjectStoreWriter(StorageWriter):
         self.attempt = assignment.attempt
         hashing = self.incremental and not assignment.indexed
         self.base = load_base(self.catalog, assignment.base, self.job) if hashing else None
+        compressing = self.compression != "off" and not assignment.indexed
         results = (
-            self._write_object(plan.items, planner, assignment.key, hashing) if plan.items else []
+            self._write_object(plan.items, planner, assignment.key, hashing, compressing)
+            if plan.items
+            else []
         )
         if assignment.indexed and results:
             results = [self._write_index_part(results, plan.items)]
@@ -256,7 +282,12 @@ class ObjectStoreWriter(StorageWriter):
         return future
 
     def _write_object(
-        self, items: list[WriteItem], planner: SavePlanner, key: str, hashing: bool
+        self,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        key: str,
+        hashing: bool,
+        compressing: bool,
     ) -> list[WriteResult]:
         values = {
             item.index: _value_bytes(planner.resolve_data(item), item.index.fqn)
@@ -284,39 +315,95 @@ class ObjectStoreWriter(StorageWriter):
         if not ordered:
             return reused
         specs = [self._spec(item, values) for item in ordered]
+        if compressing:
+            compressing = self._compresses(ordered, specs, planner, values, tensors)
+        if compressing:
+            key = compressed_object_key(key)
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
         writer = self.store.open_writer(step_key(self.step, key))
         placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
         hasher = new_hasher() if self.keyring is not None else None
+        started = time.monotonic()
         with writer:
-            stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size, hasher)
+            stream: SafetensorsStreamWriter | CompressedStreamWriter
+            if compressing:
+                total = sum(spec.nbytes for spec in specs)
+                stream = CompressedStreamWriter(writer, self.block_size, hasher, total=total)
+            else:
+                stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size, hasher)
             self._stream = stream
-            for item, spec in zip(ordered, specs, strict=True):
-                data = self._bytes_of(item, planner, values, tensors)
-                stored = stream.write_tensor(spec.name, data)
-                # While the object's last parts upload: where each item (or member) lies.
-                members = members_of(planner, item.index.fqn)
-                hashes = digests.get(item.index, ())
-                if hashing and not hashes and item.index not in values:
-                    hashes = _hashes(data, members)
-                if members is None:
-                    location = ChunkLocation(
-                        key=key,
-                        offset=stored.offset,
-                        length=stored.length,
-                        block_crc32c=stored.block_crc32c,
-                        blake3=hashes[0] if hashes else "",
-                    )
-                    placed.append((item.index, location, None))
-                else:
-                    placed += self._member_locations(members, stored, data, key, hashes)
-            size, crc = stream.finish()
+            try:
+                for item, spec in zip(ordered, specs, strict=True):
+                    data = self._bytes_of(item, planner, values, tensors)
+                    members = members_of(planner, item.index.fqn)
+                    pieces: list[StoredRange | CompressedRange]
+                    if isinstance(stream, CompressedStreamWriter):
+                        pieces = list(_write_compressing(stream, item, spec, data, members))
+                    else:
+                        pieces = [stream.write_tensor(spec.name, data)]
+                    # While the object's last parts upload: where each item (or member) lies.
+                    hashes = digests.get(item.index, ())
+                    if hashing and not hashes and item.index not in values:
+                        hashes = _hashes(data, members)
+                    if members is None:
+                        location = _location(key, pieces[0], hashes[0] if hashes else "")
+                        placed.append((item.index, location, None))
+                    elif isinstance(stream, CompressedStreamWriter):  # members stored one by one
+                        for number, (member, piece) in enumerate(zip(members, pieces, strict=True)):
+                            digest = hashes[number] if hashes else ""
+                            index = MetadataIndex(member.fqn, torch.Size([0] * len(member.shape)))
+                            placed.append((index, _location(key, piece, digest), member))
+                    else:
+                        placed += self._member_locations(members, pieces[0], data, key, hashes)
+                size, crc = stream.finish()
+            finally:
+                if isinstance(stream, CompressedStreamWriter):
+                    stream.close()
+        self.link.observe(size, time.monotonic() - started)
         strong = hasher.hexdigest() if hasher is not None else None
         record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank, blake3=strong)
         return reused + [
             WriteResult(index, location.length, WrittenItem(location, record, member))
             for index, location, member in placed
         ]
+
+    def _compresses(
+        self,
+        ordered: list[WriteItem],
+        specs: list[TensorSpec],
+        planner: SavePlanner,
+        values: dict[MetadataIndex, memoryview],
+        resolved: dict[MetadataIndex, memoryview],
+    ) -> bool:
+        """Whether this rank's object holds compressed chunks: always with ``"on"``; with
+        ``"auto"`` when a sample of its tensors says that compressing makes the save faster on
+        the link its earlier saves measured (`spotckpt.format.compression.pays_off`)."""
+        if self.compression == "on":
+            return True
+        if self.link.rate is None:
+            return False
+        samples: list[tuple[memoryview, int]] = []
+        for item, spec in zip(ordered, specs, strict=True):
+            if item.index in values:
+                continue
+            data = resolved.get(item.index)
+            if data is None:
+                data = resolved[item.index] = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
+            members = members_of(planner, item.index.fqn)
+            if members is None:
+                samples.append((data, spec.dtype.itemsize))
+            else:
+                samples += [
+                    (data[m.offset : m.offset + m.nbytes], BY_NAME[m.dtype].itemsize)
+                    for m in members
+                ]
+            samples = [(data, size) for data, size in samples if data.nbytes >= MIN_CHUNK_BYTES]
+            if sum(data.nbytes for data, _ in samples) >= SAMPLE_BYTES:
+                break
+        if not samples:
+            return False
+        ratio, rate = measure(samples, self.block_size, COMPRESS_THREADS)
+        return pays_off(ratio, rate, self.link.rate)
 
     @staticmethod
     def _bytes_of(
@@ -380,7 +467,7 @@ class ObjectStoreWriter(StorageWriter):
     def _member_locations(
         self,
         members: tuple[PackedMember, ...],
-        stored: StoredRange,
+        stored: StoredRange | CompressedRange,
         data: memoryview,
         key: str,
         hashes: tuple[str, ...],
@@ -434,9 +521,13 @@ class ObjectStoreWriter(StorageWriter):
             self.manifest, self.digest = summary, digest  # committed: nothing may undo it now
             return
         manifest = self.build_manifest(metadata, results)
+        features = set()
         if self.incremental:
             manifest.incremental = record_of(manifest, self.job or "", self.base)
-            manifest.format = format_string(FORMAT_VERSION, features_of(manifest))
+            features |= features_of(manifest)
+        if any(location.codec for location in manifest.locations()):
+            features.add(COMPRESSED)
+        manifest.format = format_string(FORMAT_VERSION, features)
         data = self.encode(manifest)
         digest = step_digest(data, manifest.objects.values())
         self.catalog.commit(manifest, data)
@@ -464,6 +555,47 @@ class ObjectStoreWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def _write_compressing(
+    stream: CompressedStreamWriter,
+    item: WriteItem,
+    spec: TensorSpec,
+    data: memoryview,
+    members: tuple[PackedMember, ...] | None,
+) -> list[CompressedRange]:
+    """Store one item in a compressing rank's object: a value raw; a tensor chunk of a block or
+    more compressed; a pack member by member (each compressed or raw by its own size and
+    dtype), so that every member keeps a location of its own."""
+    if item.type == WriteItemType.BYTE_IO:
+        return [stream.write_tensor(spec.name, data)]
+    if members is None:
+        return [_write_piece(stream, data, spec.dtype.itemsize)]
+    return [
+        _write_piece(stream, data[m.offset : m.offset + m.nbytes], BY_NAME[m.dtype].itemsize)
+        for m in members
+    ]
+
+
+def _write_piece(
+    stream: CompressedStreamWriter, data: memoryview, itemsize: int
+) -> CompressedRange:
+    if data.nbytes >= MIN_CHUNK_BYTES:
+        return stream.write_compressed(data, itemsize)
+    return stream.write_tensor("", data)
+
+
+def _location(key: str, stored: StoredRange | CompressedRange, digest: str) -> ChunkLocation:
+    """The manifest location of bytes stored at `stored` in object `key`."""
+    codec = stored.codec_fields() if isinstance(stored, CompressedRange) else {}
+    return ChunkLocation(
+        key=key,
+        offset=stored.offset,
+        length=stored.length,
+        block_crc32c=stored.block_crc32c,
+        blake3=digest,
+        **codec,
+    )
 
 
 def _hashes(data: memoryview, members: tuple[PackedMember, ...] | None) -> tuple[str, ...]:

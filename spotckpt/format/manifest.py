@@ -9,6 +9,7 @@ unpickled. Everything read from a bucket is validated here before use; a bad man
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from spotckpt.errors import ManifestError
 from spotckpt.format import bounded_json
+from spotckpt.format.compression import CODECS
+from spotckpt.format.compression import FEATURE as COMPRESSED
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.features import parse_format
 from spotckpt.format.references import FEATURE as REFERENCES
@@ -61,15 +64,35 @@ class ObjectRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkLocation:
-    """Where one stored chunk's bytes lie, with a CRC32C per `block_size` block; `blake3`
-    (hex, incremental saves only) is the hash of the chunk's bytes that a later save compares
-    with to reference them instead of uploading them again."""
+    """Where one stored chunk's bytes lie, with a CRC32C per `block_size` block of its raw bytes;
+    `blake3` (hex, incremental saves only) is the hash of the chunk's bytes that a later save
+    compares with to reference them instead of uploading them again.
+
+    A compressed chunk (`codec` set, `spotckpt.format.compression`) has `length` raw bytes, and
+    its blocks are stored one after another from `offset`, `stored_lengths` bytes each, with the
+    CRC32Cs `stored_crc32c` of the stored bytes."""
 
     key: str
     offset: int
     length: int
     block_crc32c: tuple[int, ...]
     blake3: str = ""
+    codec: str = ""
+    stored_lengths: tuple[int, ...] = ()
+    stored_crc32c: tuple[int, ...] = ()
+
+    @property
+    def stored_length(self) -> int:
+        """Bytes the chunk takes in its object."""
+        return sum(self.stored_lengths) if self.codec else self.length
+
+    def stored_span(self, first_block: int, end_block: int, block_size: int) -> tuple[int, int]:
+        """Object bytes that hold blocks `first_block` up to (not including) `end_block`."""
+        if not self.codec:
+            start = self.offset + min(self.length, first_block * block_size)
+            return start, self.offset + min(self.length, end_block * block_size)
+        start = self.offset + sum(self.stored_lengths[:first_block])
+        return start, start + sum(self.stored_lengths[first_block:end_block])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,12 +156,18 @@ class Manifest:
         """Bytes of the objects this step's save wrote (not those it references)."""
         return sum(o.size for o in self.objects.values() if not is_reference(o.key))
 
+    def locations(self) -> Iterator[ChunkLocation]:
+        """Where every tensor chunk and value lies."""
+        for tensor in self.tensors.values():
+            for chunk in tensor.chunks:
+                yield chunk.location
+        yield from self.values.values()
+
     @property
     def referenced_bytes(self) -> int:
-        """Bytes of tensor chunks and values that lie in earlier steps' objects (references)."""
-        locations = [c.location for t in self.tensors.values() for c in t.chunks]
-        locations += self.values.values()
-        return sum(loc.length for loc in locations if is_reference(loc.key))
+        """Stored bytes of tensor chunks and values that lie in earlier steps' objects
+        (references)."""
+        return sum(loc.stored_length for loc in self.locations() if is_reference(loc.key))
 
     def to_json(self) -> bytes:
         """Serialise to UTF-8 JSON; ValueError if `user_metadata` is beyond what `from_json` reads
@@ -238,6 +267,10 @@ def _location_json(location: ChunkLocation) -> dict[str, Any]:
     }
     if location.blake3:
         document["blake3"] = location.blake3
+    if location.codec:
+        document["codec"] = location.codec
+        document["stored_lengths"] = list(location.stored_lengths)
+        document["stored_crc32c"] = list(location.stored_crc32c)
     return document
 
 
@@ -321,11 +354,12 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     if both:
         raise _fail(f"manifest lists {sorted(both)[0]!r} both as a tensor and as a value")
     tensors = {
-        fqn: _parse_tensor(fqn, entry, objects, block_size) for fqn, entry in tensors_json.items()
+        fqn: _parse_tensor(fqn, entry, objects, block_size, COMPRESSED in features)
+        for fqn, entry in tensors_json.items()
     }
     _check_tilings(tensors)
     values = {
-        fqn: parse_location(entry, objects, block_size, f"value {fqn!r}")
+        fqn: parse_location(entry, objects, block_size, f"value {fqn!r}", COMPRESSED in features)
         for fqn, entry in values_json.items()
     }
     check_disjoint(itertools.chain(stored_chunks(tensors.items()), stored_values(values.items())))
@@ -403,9 +437,14 @@ def _parse_objects(
 
 
 def parse_location(
-    entry: Any, objects: dict[str, ObjectRecord], block_size: int, where: str
+    entry: Any,
+    objects: dict[str, ObjectRecord],
+    block_size: int,
+    where: str,
+    compressed: bool = False,
 ) -> ChunkLocation:
-    """A chunk's or value's location, checked against its object (ManifestError)."""
+    """A chunk's or value's location, checked against its object (ManifestError); a compressed
+    one only where the manifest names the ``compressed`` feature."""
     if not isinstance(entry, dict):
         raise _fail(f"{where}: location must be a JSON object")
     key = _get(entry, "key", str, where)  # safe once found: every object key was checked
@@ -413,22 +452,52 @@ def parse_location(
     if record is None:
         raise _fail(f"{where}: refers to object {key!r} that the manifest does not list")
     offset, length = _count(entry, "offset", where), _count(entry, "length", where)
-    if offset + length > record.size:
-        raise _fail(
-            f"{where}: bytes {offset}..{offset + length} lie beyond the {record.size}-byte "
-            f"object {key!r}"
-        )
     crcs = _ints(_get(entry, "block_crc32c", list, where), where)
     if len(crcs) != max(1, -(-length // block_size)) or any(c >= 1 << 32 for c in crcs):
         raise _fail(f"{where}: block_crc32c does not match its length of {length} bytes")
     digest = entry.get("blake3", "")
     if not isinstance(digest, str) or (digest and (len(digest) != 64 or set(digest) - _HEX)):
         raise _fail(f"{where}: blake3 is not 64 lowercase hex digits")
-    return ChunkLocation(key=key, offset=offset, length=length, block_crc32c=crcs, blake3=digest)
+    location = ChunkLocation(
+        key=key, offset=offset, length=length, block_crc32c=crcs, blake3=digest
+    )
+    if "codec" in entry:
+        if not compressed:
+            raise _fail(f"{where}: is compressed, but the manifest does not name the feature")
+        location = _compressed_location(entry, location, block_size, where)
+    end = offset + location.stored_length
+    if end > record.size:
+        raise _fail(
+            f"{where}: bytes {offset}..{end} lie beyond the {record.size}-byte object {key!r}"
+        )
+    return location
+
+
+def _compressed_location(
+    entry: dict[str, Any], location: ChunkLocation, block_size: int, where: str
+) -> ChunkLocation:
+    """`location` with its codec and stored blocks, checked: a known codec, and one stored
+    length (no longer than its raw block) and one CRC32C per block."""
+    codec = _get(entry, "codec", str, where)
+    if codec not in CODECS:
+        raise _fail(f"{where}: unknown codec {codec[:40]!r}; known: {sorted(CODECS)}")
+    lengths = _ints(_get(entry, "stored_lengths", list, where), where)
+    crcs = _ints(_get(entry, "stored_crc32c", list, where), where)
+    blocks = len(location.block_crc32c)
+    raw = [min(block_size, location.length - n * block_size) for n in range(blocks)]
+    if len(lengths) != blocks or len(crcs) != blocks or any(c >= 1 << 32 for c in crcs):
+        raise _fail(f"{where}: stored_lengths and stored_crc32c must have one entry per block")
+    if any(not 0 <= stored <= size for stored, size in zip(lengths, raw, strict=True)):
+        raise _fail(f"{where}: a stored block is longer than its raw block")
+    return dataclasses.replace(location, codec=codec, stored_lengths=lengths, stored_crc32c=crcs)
 
 
 def _parse_tensor(
-    fqn: str, entry: Any, objects: dict[str, ObjectRecord], block_size: int
+    fqn: str,
+    entry: Any,
+    objects: dict[str, ObjectRecord],
+    block_size: int,
+    compressed: bool = False,
 ) -> TensorRecord:
     where = f"tensor {fqn!r}"
     if not isinstance(entry, dict):
@@ -442,7 +511,7 @@ def _parse_tensor(
     if math.prod(shape) > MAX_INT:
         raise _fail(f"{where}: shape {list(shape)} has 2**63 elements or more")
     chunks = [
-        _parse_chunk(chunk, shape, dtype.itemsize, objects, block_size, where)
+        _parse_chunk(chunk, shape, dtype.itemsize, objects, block_size, where, compressed)
         for chunk in _get(entry, "chunks", list, where)
     ]
     stored_elements = sum(math.prod(c.sizes) for c in chunks)
@@ -462,6 +531,7 @@ def _parse_chunk(
     objects: dict[str, ObjectRecord],
     block_size: int,
     where: str,
+    compressed: bool,
 ) -> TensorChunk:
     if not isinstance(chunk, dict):
         raise _fail(f"{where}: chunk must be a JSON object")
@@ -474,7 +544,7 @@ def _parse_chunk(
             f"{where}: chunk at {list(offsets)} of size {list(sizes)} reaches outside shape "
             f"{list(shape)}"
         )
-    location = parse_location(chunk, objects, block_size, where)
+    location = parse_location(chunk, objects, block_size, where, compressed)
     elements = math.prod(sizes)
     if location.length != elements * itemsize:
         raise _fail(
@@ -561,14 +631,15 @@ def stored_chunks(tensors: Iterable[tuple[str, TensorRecord]]) -> Iterator[Store
     for fqn, tensor in tensors:
         for chunk in tensor.chunks:
             location = chunk.location
-            end = location.offset + location.length
+            end = location.offset + location.stored_length
             yield location.key, location.offset, end, "tensor", fqn, chunk.offsets
 
 
 def stored_values(values: Iterable[tuple[str, ChunkLocation]]) -> Iterator[Stored]:
     """The byte range of every value of `values`."""
     for fqn, location in values:
-        yield location.key, location.offset, location.offset + location.length, "value", fqn, ()
+        end = location.offset + location.stored_length
+        yield location.key, location.offset, end, "value", fqn, ()
 
 
 def check_disjoint(stored: Iterable[Stored]) -> None:
