@@ -287,23 +287,40 @@ class ChunkReader:
         end_block = first_block + -(-out.nbytes // self.block_size)
         start, end = location.stored_span(first_block, end_block, self.block_size)
         stored = memoryview(self.read(location.key, start, end, names))
+        self.decode_into(location, first_block, stored, start, out, describe(names))
+
+    def decode_into(
+        self,
+        location: ChunkLocation,
+        first_block: int,
+        stored: memoryview,
+        stored_start: int,
+        out: memoryview,
+        name: str,
+    ) -> None:
+        """Decode blocks of a compressed chunk from block `first_block` on into `out` (whole
+        blocks, or up to the chunk's end), from `stored`: bytes of its object read from
+        `stored_start` on that hold them. Each stored block is checked against its stored
+        CRC32C before it is decoded; ChecksumMismatchError names the first bad one."""
+        end_block = first_block + -(-out.nbytes // self.block_size)
+        at = location.stored_span(first_block, end_block, self.block_size)[0] - stored_start
         planes = plane_count(location.codec)
-        at = 0
         for number in range(first_block, end_block):
             length = location.stored_lengths[number]
             block = stored[at : at + length]
             raw_at = (number - first_block) * self.block_size
-            where = f"{self.path(location.key)} at bytes {start + at}..{start + at + length}"
-            if crc32c(block) != location.stored_crc32c[number]:
+            first = stored_start + at
+            where = f"{self.path(location.key)} at bytes {first}..{first + length}"
+            if block.nbytes != length or crc32c(block) != location.stored_crc32c[number]:
                 raise ChecksumMismatchError(
-                    f"CRC32C mismatch in {where} (stored block {number} of {describe(names)}): "
-                    "the stored data is corrupt"
+                    f"CRC32C mismatch in {where} (stored block {number} of {name}): the stored "
+                    "data is corrupt"
                 )
             try:
                 decode_block_into(block, out[raw_at : raw_at + self.block_size], planes)
             except CorruptBlockError as error:
                 raise ChecksumMismatchError(
-                    f"{where} (block {number} of {describe(names)}) does not decode: {error}"
+                    f"{where} (block {number} of {name}) does not decode: {error}"
                 ) from None
             at += length
 

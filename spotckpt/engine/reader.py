@@ -12,8 +12,10 @@ straight into its memory, in pieces of at most ``max_read_bytes``, and its CRC32
 checked there, in the reading thread: no intermediate buffer, no copy. Smaller pieces (and those
 needing a strided copy or another device) are widened to CRC block boundaries, coalesced with
 their neighbours into one ranged read each, verified (`spotckpt.engine.chunks`), and copied out.
-Non-tensor values are unpickled only with ``torch.load(weights_only=True)``, whatever planner is
-in use.
+A compressed chunk (`spotckpt.format.compression`) is read by its stored blocks, neighbours
+coalesced into one ranged read, and decoded in the reading thread, straight into its destination
+when that can take the bytes as they are; stored and raw CRC32Cs are both checked. Non-tensor
+values are unpickled only with ``torch.load(weights_only=True)``, whatever planner is in use.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class _Need:
     """The destination, once resolved (tensor items only)."""
     contiguous: bool = False
     """Whether the wanted bytes are exactly the destination's memory (then copied as bytes)."""
+    into: memoryview | None = None
+    """A piece of a compressed chunk decoded in place: its slice of the destination's memory."""
 
 
 @dataclass
@@ -252,15 +256,17 @@ class ObjectStoreReader(StorageReader):
     def _read_own(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Fetch the plan's items with parallel ranged reads; each fetch's CRCs are checked in
         the thread that read it, and tensors are committed here, in the calling thread."""
-        fetches, buffered = [], []
+        fetches: list[_Fetch] = []
+        buffered: list[_Need] = []
+        compressed: list[_Need] = []
         landing: dict[int, _Landing] = {}  # by id() of the read item
         for need in (self._need(item) for item in plan.items):
             target = self._in_place_target(need, planner)
             if need.location.codec:
-                pieces = self._compressed_pieces(need, target)
+                to_decode = self._compressed_pieces(need, target)
                 if target is not None:
-                    landing[id(need.request)] = _Landing(target, len(pieces))
-                fetches += pieces
+                    landing[id(need.request)] = _Landing(target, len(to_decode))
+                compressed += to_decode
                 continue
             if target is None:
                 buffered.append(need)
@@ -269,23 +275,37 @@ class ObjectStoreReader(StorageReader):
             landing[id(need.request)] = _Landing(target, len(pieces))
             fetches += pieces
         fetches += self._plan_fetches(buffered)
+        compressed.sort(key=lambda n: (n.location.key, n.location.offset, n.first_block))
+        fetches += self._compressed_fetches(compressed)
         fetches.sort(key=lambda fetch: (fetch.key, fetch.start))
         self._planned += sum(fetch.end - fetch.start for fetch in fetches)
         with ThreadPoolExecutor(
             self.max_parallel_reads, thread_name_prefix="spotckpt-read"
         ) as pool:
             self._check_objects(fetches, pool)
-            pending = {pool.submit(self._fetch, fetch): fetch for fetch in fetches}
+            pending: dict[PoolFuture[Any], _Fetch] = {
+                pool.submit(self._fetch_compressed if fetch.decode else self._fetch, fetch): fetch
+                for fetch in fetches
+            }
             try:
                 for done in as_completed(pending):
                     fetch = pending[done]
+                    if fetch.decode:  # one decoded view per need, in its destination or not
+                        for need, view in zip(fetch.needs, done.result(), strict=True):
+                            if need.into is None:
+                                self._deliver(
+                                    need, view, need.location.offset + need.start, planner
+                                )
+                            else:
+                                landed = landing[id(need.request)]
+                                landed.pieces_left -= 1
+                                if not landed.pieces_left:
+                                    planner.commit_tensor(need.request, landed.target)
+                        continue
                     buffer = done.result()
                     for need in fetch.needs:
                         if fetch.into is None:
-                            start = (
-                                need.location.offset + need.start if fetch.decode else fetch.start
-                            )
-                            self._deliver(need, buffer, start, planner)
+                            self._deliver(need, buffer, fetch.start, planner)
                             continue
                         landed = landing[id(need.request)]
                         landed.pieces_left -= 1
@@ -345,29 +365,42 @@ class ObjectStoreReader(StorageReader):
             fetches.append(_Fetch(need.location.key, offset + start, offset + end, [piece], into))
         return fetches
 
-    def _compressed_pieces(self, need: _Need, target: torch.Tensor | None) -> list[_Fetch]:
-        """A need in a compressed chunk as fetches of its stored blocks, each decoded in its
-        reader thread: straight into the destination's memory when it can take the bytes as
-        they are (`target`), in pieces of about `max_read_bytes` read in parallel; else as one
-        fetch into a buffer of its own."""
-        block = self.chunks.block_size
-        location = need.location
+    def _compressed_pieces(self, need: _Need, target: torch.Tensor | None) -> list[_Need]:
+        """A need in a compressed chunk as pieces to decode: straight into the destination's
+        memory when it can take the bytes as they are (`target`), in pieces of about
+        `max_read_bytes` (decoded in parallel); else whole, into a buffer of its own."""
         if target is None:
-            end_block = -(-need.end // block) if need.end > need.start else need.first_block + 1
-            start, end = location.stored_span(need.first_block, end_block, block)
-            return [_Fetch(location.key, start, end, [need], decode=True)]
+            return [need]
         memory = target.reshape(-1).view(torch.uint8).numpy().data
-        fetches = []
-        cuts = self._block_cuts(need) or [need.start]
-        for start, end in itertools.pairwise([*cuts, need.end]):
-            first_block = start // block
-            end_block = -(-end // block) if end > start else first_block + 1
-            piece = dataclasses.replace(need, start=start, end=end, first_block=first_block)
+        pieces = []
+        for start, end in itertools.pairwise([*(self._block_cuts(need) or [need.start]), need.end]):
+            first_block = start // self.chunks.block_size
             into = memory[start - need.start : end - need.start]
-            stored_start, stored_end = location.stored_span(first_block, end_block, block)
-            fetches.append(
-                _Fetch(location.key, stored_start, stored_end, [piece], into, decode=True)
+            pieces.append(
+                dataclasses.replace(need, start=start, end=end, first_block=first_block, into=into)
             )
+        return pieces
+
+    def _compressed_fetches(self, pieces: list[_Need]) -> list[_Fetch]:
+        """Pieces of compressed chunks as ranged reads of their stored blocks, neighbours in an
+        object coalesced (as `_plan_fetches` does for raw bytes): a request of its own per
+        compressed tensor would cost a first-byte latency each."""
+        block = self.chunks.block_size
+        fetches: list[_Fetch] = []
+        for piece in pieces:
+            end_block = -(-piece.end // block) if piece.end > piece.start else piece.first_block + 1
+            start, end = piece.location.stored_span(piece.first_block, end_block, block)
+            last = fetches[-1] if fetches else None
+            if (
+                last is not None
+                and last.key == piece.location.key
+                and last.end <= start <= last.end + self.coalesce_gap
+                and end - last.start <= self.max_read_bytes
+            ):
+                last.end = end
+                last.needs.append(piece)
+            else:
+                fetches.append(_Fetch(piece.location.key, start, end, [piece], decode=True))
         return fetches
 
     def _block_cuts(self, need: _Need) -> list[int]:
@@ -418,16 +451,6 @@ class ObjectStoreReader(StorageReader):
         every need it serves; runs in a reader thread."""
         view = fetch.into
         names = [need.request.storage_index.fqn for need in fetch.needs]
-        if fetch.decode:
-            need = fetch.needs[0]
-            if view is None:
-                view = memoryview(bytearray(need.end - need.start))
-            self.chunks.read_decoded_into(need.location, need.first_block, view, names)
-            self.chunks.verify(view, need.location, need.first_block, names[0])
-            with self._stats_lock:
-                self.stats.bytes_read += fetch.end - fetch.start
-                self.stats.requests += 1
-            return view
         if view is None:
             view = memoryview(bytearray(fetch.end - fetch.start))
         self.chunks.read_into(fetch.key, fetch.start, view, names)
@@ -444,6 +467,26 @@ class ObjectStoreReader(StorageReader):
             self.stats.bytes_read += view.nbytes
             self.stats.requests += 1
         return view
+
+    def _fetch_compressed(self, fetch: _Fetch) -> list[memoryview]:
+        """Read one fetch of stored blocks and decode each need it serves (into its slice of
+        the destination, or a buffer of its own), checking stored and raw CRC32Cs; runs in a
+        reader thread."""
+        names = [need.request.storage_index.fqn for need in fetch.needs]
+        stored = memoryview(self.chunks.read(fetch.key, fetch.start, fetch.end, names))
+        views = []
+        for need in fetch.needs:
+            view = need.into
+            if view is None:
+                view = memoryview(bytearray(need.end - need.start))
+            fqn = need.request.storage_index.fqn
+            self.chunks.decode_into(need.location, need.first_block, stored, fetch.start, view, fqn)
+            self.chunks.verify(view, need.location, need.first_block, fqn)
+            views.append(view)
+        with self._stats_lock:
+            self.stats.bytes_read += stored.nbytes
+            self.stats.requests += 1
+        return views
 
     def _verify_run(self, run: Run, need: _Need, piece: memoryview) -> None:
         """Check each member of a run, in the piece `need.start`..`need.end` of it (cut at
@@ -495,9 +538,7 @@ def _member_cuts(run: Run, step: int) -> list[int]:
     return cuts
 
 
-def _first_failure(
-    pending: dict[PoolFuture[memoryview], _Fetch], error: BaseException
-) -> BaseException:
+def _first_failure(pending: dict[PoolFuture[Any], _Fetch], error: BaseException) -> BaseException:
     """After `error`, the failure to report: cancel the fetches not started, wait for the
     running ones, and take the failed fetch first in object order (fetches are submitted in
     that order, so every earlier one has run), so that a damaged object always gets the same

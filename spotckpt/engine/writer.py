@@ -10,6 +10,10 @@ of its own) -> ``finish`` (coordinator, after every rank succeeded: builds the m
 `spotckpt.engine.manifests`, and commits it through the catalog, which first checks that every
 object it references is there, then writes it create-only: the commit point).
 
+With `compression` (``"on"``, or ``"auto"`` when `spotckpt.format.compression.pays_off` says so
+for this rank's link), a rank writes its object without a safetensors header, its tensor chunks
+(and pack members) of a block or more compressed block by block (`spotckpt.format.compression`).
+
 A value (non-tensor state) is refused at save time unless it loads back with
 ``torch.load(weights_only=True)``.
 

@@ -3,7 +3,8 @@ understand.
 
 A manifest's ``format`` is a layout version, optionally followed by the features it uses, each
 after a ``+``: ``spotckpt/1`` (one document), ``spotckpt/2`` (an indexed root and its parts),
-``spotckpt/2+references`` (an indexed root whose chunks may lie in an earlier step's objects). A
+``spotckpt/1+references`` (chunks may lie in an earlier step's objects), ``spotckpt/1+compressed``
+(chunks stored compressed, `spotckpt.format.compression`). A
 manifest that uses no feature is written exactly as before, so older readers keep reading it; one
 that uses a feature carries a format string that no older reader accepts (they compare it whole),
 so an older spotckpt skips the step with "unknown manifest format" instead of reading bytes it

@@ -33,7 +33,6 @@ from spotckpt.export import export_hf
 from spotckpt.format.compression import (
     CODECS,
     CorruptBlockError,
-    LinkRate,
     decode_block_into,
     encode_block,
     pays_off,
