@@ -423,3 +423,37 @@ def test_fsdp_ranks_save_compressed_and_restore_on_other_world_sizes(tmp_path: P
         run_ranks(world, "fsdp_restore", {"uri": str(root), "out": str(out)})
         assert_equal(load_saved(out / "saved.pt"), load_saved(out / f"restored-{world}.pt"))
     assert_equal(load_saved(out / "continued.pt"), load_saved(out / "resumed-continued.pt"))
+
+
+def test_a_signed_compressed_step_restores_and_verifies_its_stored_bytes(tmp_path: Path) -> None:
+    """A signed manifest's BLAKE3 of each object is over its stored (compressed) bytes, as
+    `verify` reads them: the step verifies, and a flipped stored byte does not."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = tmp_path / "key.pem"
+    key.write_bytes(
+        Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    model, optimizer = trained_state()
+    state = TrainState(model=model, optimizer=optimizer)
+    root = tmp_path / "ckpt"
+    options: dict[str, Any] = {"compression": "on", "signing_key": str(key), "preemption": False}
+    with CheckpointManager(str(root), **options) as mgr:
+        mgr.save(1, state)
+    manifest = read_manifest(root, 1)
+    assert {"compressed", "signed"} <= manifest.features
+    assert all(record.blake3 for record in manifest.objects.values())
+    saved = snapshot(model, optimizer)
+    scramble(model, optimizer)
+    with CheckpointManager(str(root), **options) as mgr:
+        assert mgr.restore(state) == 1
+        assert verify_checkpoint(mgr.store, 1, keyring=mgr.keyring).ok
+        flip_stored_byte(root, 1, "model.0.weight", 2)
+        report = verify_checkpoint(mgr.store, 1, keyring=mgr.keyring)
+        assert not report.ok and "model.0.weight" in str(report.error)
+    assert_equal(saved, snapshot(model, optimizer))
