@@ -7,13 +7,15 @@
 Trains a small transformer on synthetic data for `--steps` steps (no downloads), then takes its
 weights in bf16 and AdamW's fp32 moments (``exp_avg``, ``exp_avg_sq``) and compresses each
 tensor's bytes per block of 64 KiB (spotckpt's CRC block, so a ranged read would need only the
-blocks it touches) in three ways: zstd on the bytes as they are, zstd after byte grouping (the
-k-th byte of every element together: exponents compress, mantissas barely; zipnn's idea), and
-the same at a higher level. Printed per state part: the size ratio (raw / compressed) and the
-compression throughput of one core; then, for a link of `--link-mib` MiB/s, the time of a save
-of that state raw against compressed, compression pipelined with the upload on `--cores`
-cores: ``max(size / (cores * throughput), compressed / link)``, a model from the figures
-measured here (not a measured upload). Targets (issue 32): bf16 weights >= 1.25x smaller, fp32
+blocks it touches) in four ways: zstd on the bytes as they are, zstd after byte grouping (the
+k-th byte of every element together: exponents compress, mantissas barely; zipnn's idea), the
+same at a higher level, and spotckpt's codec (`spotckpt.format.compression`: each byte plane
+compressed on its own, kept raw where that does not pay). Printed per state part: the size
+ratio (raw / compressed) and the compression throughput of one core; then, for a link of
+`--link-mib` MiB/s, the time of a save of that state raw against compressed, compression
+pipelined with the upload on `--cores` cores:
+``max(size / (cores * throughput), compressed / link)``, a model from the figures measured here
+(not a measured upload). Targets (issue 32): bf16 weights >= 1.25x smaller, fp32
 moments >= 1.1x, the compressed save faster at 100 MiB/s.
 
 With ``--saves``, the same state (bf16 weights, fp32 moments) is also saved and restored for
@@ -32,6 +34,8 @@ from collections.abc import Callable
 import torch
 import zstandard
 from torch import nn
+
+from spotckpt.format.compression import encode_block
 
 MIB = 1 << 20
 BLOCK = 64 << 10
@@ -73,9 +77,10 @@ def grouped(block: torch.Tensor, itemsize: int) -> bytes:
 
 
 def compressed_size(
-    tensors: list[torch.Tensor], transform: Callable[[torch.Tensor, int], bytes], level: int
+    tensors: list[torch.Tensor], transform: Callable[[torch.Tensor, int], bytes] | None, level: int
 ) -> tuple[int, int, float]:
-    """Raw bytes, compressed bytes (per 64 KiB block) and seconds spent compressing."""
+    """Raw bytes, compressed bytes (per 64 KiB block) and seconds spent compressing; without a
+    `transform`, spotckpt's own codec (each plane compressed on its own)."""
     compressor = zstandard.ZstdCompressor(level=level)
     raw = packed = 0
     seconds = 0.0
@@ -85,6 +90,9 @@ def compressed_size(
         started = time.perf_counter()
         for start in range(0, len(data), BLOCK):
             block = data[start : start + BLOCK]
+            if transform is None:
+                packed += len(encode_block(memoryview(block.numpy()), itemsize, compressor))
+                continue
             packed += min(len(compressor.compress(transform(block, itemsize))), len(block))
         seconds += time.perf_counter() - started
         raw += len(data)
@@ -108,10 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         "fp32 exp_avg": [s["exp_avg"] for s in optimizer.state.values()],
         "fp32 exp_avg_sq": [s["exp_avg_sq"] for s in optimizer.state.values()],
     }
-    ways: dict[str, tuple[Callable[[torch.Tensor, int], bytes], int]] = {
+    ways: dict[str, tuple[Callable[[torch.Tensor, int], bytes] | None, int]] = {
         "zstd-1": (as_is, 1),
         "grouped+zstd-1": (grouped, 1),
         "grouped+zstd-3": (grouped, 3),
+        "spotckpt planes": (None, 1),
     }
     link = args.link_mib * MIB
     for name, tensors in parts.items():

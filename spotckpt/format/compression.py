@@ -41,7 +41,7 @@ import numpy as np
 import zstandard
 
 from spotckpt.checksum import crc32c
-from spotckpt.errors import InvalidArgumentError
+from spotckpt.errors import ChecksumMismatchError, InvalidArgumentError
 from spotckpt.storage.base import ObjectWriter
 
 FEATURE = "compressed"
@@ -66,9 +66,9 @@ _WINDOW = 4 << 20
 """Bytes of a chunk handed to one compressing thread at a time."""
 
 
-class CorruptBlockError(ValueError):
+class CorruptBlockError(ChecksumMismatchError):
     """A stored block that does not decode to its raw length (only after its stored CRC32C
-    matched: a forged manifest, or a bug)."""
+    matched: a forged manifest, or a bug); readers report it with the object and tensor."""
 
 
 def codec_for(itemsize: int) -> str:
