@@ -363,7 +363,8 @@ class ObjectStoreWriter(StorageWriter):
             finally:
                 if isinstance(stream, CompressedStreamWriter):
                     stream.close()
-        self.link.observe(size, time.monotonic() - started)
+        if not compressing:  # a compressed upload's time says more of the codec than the link
+            self.link.observe(size, time.monotonic() - started)
         strong = hasher.hexdigest() if hasher is not None else None
         record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank, blake3=strong)
         return reused + [
