@@ -332,3 +332,18 @@ class SignalledFlag:
         while not self.is_set and time.monotonic() < deadline:
             time.sleep(0.01)
         return self.is_set
+
+
+def write_signing_key(path: Path) -> Path:
+    """A fresh PEM Ed25519 private key at `path` (the `signing_key` setting's file)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    path.write_bytes(
+        Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return path

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from spotckpt import CheckpointManager
 from spotckpt.catalog import EVENTS_PREFIX, parse_event_key
 from spotckpt.cli import cli
 from spotckpt.digest import merkle_root
+
+from tests_support import write_signing_key
 
 
 def _verify_digest(root: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
@@ -41,14 +41,7 @@ def test_digest_is_recorded_printed_and_equal_across_copies(
 ) -> None:
     settings = {}
     if signed:
-        key = tmp_path / "key.pem"
-        key.write_bytes(
-            Ed25519PrivateKey.generate().private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
+        key = write_signing_key(tmp_path / "key.pem")
         settings["signing_key"] = str(key)
         monkeypatch.setenv("SPOTCKPT_SIGNING_KEY", str(key))
     root = tmp_path / "bucket"

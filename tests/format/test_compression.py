@@ -42,7 +42,7 @@ from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 
 from dist_worker import run_ranks
-from tests_support import assert_equal, load_saved
+from tests_support import assert_equal, load_saved, write_signing_key
 
 BLOCK = 64 << 10
 
@@ -428,17 +428,7 @@ def test_fsdp_ranks_save_compressed_and_restore_on_other_world_sizes(tmp_path: P
 def test_a_signed_compressed_step_restores_and_verifies_its_stored_bytes(tmp_path: Path) -> None:
     """A signed manifest's BLAKE3 of each object is over its stored (compressed) bytes, as
     `verify` reads them: the step verifies, and a flipped stored byte does not."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    key = tmp_path / "key.pem"
-    key.write_bytes(
-        Ed25519PrivateKey.generate().private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    key = write_signing_key(tmp_path / "key.pem")
     model, optimizer = trained_state()
     state = TrainState(model=model, optimizer=optimizer)
     root = tmp_path / "ckpt"
