@@ -416,7 +416,9 @@ def per_rank_state(rank: int, world: int, args: dict[str, Any]) -> None:
     """
     legacy = args.get("layout") == "legacy"  # that release failed on per-rank seeds
     state, loader, sampler, extra = _per_rank_state(rank, seed=0 if legacy else rank)
-    manager = CheckpointManager(args["uri"], preemption=False)
+    manager = CheckpointManager(
+        args["uri"], preemption=False, compression=args.get("compression", "off")
+    )
     out = Path(args["out"])
     if args["mode"] == "save":
         torch.manual_seed(1000 + rank)

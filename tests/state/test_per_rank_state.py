@@ -43,6 +43,18 @@ def test_each_rank_gets_its_own_state_back(saved_by_two: tuple[str, Path]) -> No
     assert first["sampler"] != second["sampler"] and first["extra"] != second["extra"]
 
 
+def test_each_rank_gets_its_own_state_back_from_compressing_ranks(tmp_path: Path) -> None:
+    """Ranks whose objects are written by the compressing writer (headerless, raw values)."""
+    uri, out = str(tmp_path / "ckpt"), tmp_path
+    for mode in ("save", "restore"):
+        args = {"uri": uri, "out": str(out), "mode": mode, "compression": "on"}
+        run_ranks(2, "per_rank_state", args)
+    assert len(list((tmp_path / "ckpt").rglob("r*-000.zblocks"))) == 2
+    for rank in range(2):
+        saved = _read(out, f"saved-rank{rank}.json")
+        assert _read(out, f"restored-world2-rank{rank}.json") == saved, f"rank {rank}"
+
+
 def test_more_ranks_than_saved_refuse_a_sampler_seeded_by_rank(
     saved_by_two: tuple[str, Path],
 ) -> None:
