@@ -18,7 +18,11 @@ CHECKOV := $(CHECKOV_VENV)/bin/checkov
 # --dist loadfile keeps each test file on one worker, so its module fixtures are built once.
 PYTEST_ARGS ?= -m "not slow" -n 3 --dist loadfile --durations=25
 
-.PHONY: help setup test-deps demo test test-all lint bench bench-smoke faketime azurite
+# make check: the tests that start no process and open no network socket (tests/suite_guard.py
+# fails one that does), in one process, after make lint: the inner loop, under two minutes.
+CHECK_ARGS ?= -m "not process and not slow" --no-processes -q
+
+.PHONY: help setup test-deps demo test test-all check lint bench bench-smoke faketime azurite
 
 help:
 	@echo "make setup        create .venv (unless a virtual environment is active), install"
@@ -29,6 +33,7 @@ help:
 	@echo "make test         the test suite, without the slow campaigns"
 	@echo "make test-all     the test suite with the slow campaigns"
 	@echo "make lint         ruff format --check, ruff check, mypy"
+	@echo "make check        make lint, then the tests that start no process (under 2 minutes)"
 	@echo "make bench        side-by-side benchmarks (about 20 minutes)"
 	@echo "make bench-smoke  the benchmarks at small sizes, one repetition (about a minute)"
 	@echo "make azurite      install Azurite (the Azure Storage emulator, npm) into .azurite"
@@ -92,6 +97,9 @@ test: test-deps
 
 test-all: PYTEST_ARGS :=
 test-all: test
+
+check: lint
+	$(PY) -m pytest $(CHECK_ARGS)
 
 lint: setup
 	$(PY) -m ruff format --check spotckpt tests benchmarks examples

@@ -17,6 +17,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+import suite_guard
 from azurite import (  # noqa: F401 (fixtures, shared from here)
     az_container,
     az_uri,
@@ -140,7 +141,20 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-processes",
+        action="store_true",
+        help="fail a test that starts a process or uses a network socket (make check)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    suite_guard.install(config)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    suite_guard.mark_process_tests(items)
     tests = Path(__file__).parent
 
     def rank(item: pytest.Item) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import json
 import os
 import runpy
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,8 @@ _CLONE_NEWNS = 0x00020000
 _MS_BIND = 4096
 _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
+DUMP_SIGNAL = signal.SIGUSR2
+"""A rank writes every thread's stack into its log on this signal (the suite's timeout asks)."""
 
 
 class PreloadedProcess:
@@ -59,18 +63,19 @@ class PreloadedProcess:
         bind: tuple[Path, Path] | None = None,
     ) -> None:
         self.args = args
-        log, self._log = tempfile.mkstemp(prefix="rank-", suffix=".log")
-        os.close(log)
+        fd, self.log = tempfile.mkstemp(prefix="rank-", suffix=".log")
+        os.close(fd)
         self._server = _server()
         request = {
             "args": args,
             "env": env,
             "cwd": os.getcwd(),
-            "log": self._log,
+            "log": self.log,
             "new_session": new_session,
             "bind": None if bind is None else [str(bind[0]), str(bind[1])],
         }
         self.pid = self._server.start(request)
+        _LIVE.add(self)
 
     @property
     def returncode(self) -> int | None:
@@ -88,8 +93,8 @@ class PreloadedProcess:
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         """Wait for the exit; the rank's stdout and stderr together (the log is removed)."""
         self.wait(timeout)
-        output = Path(self._log).read_text(errors="replace")
-        Path(self._log).unlink(missing_ok=True)
+        output = Path(self.log).read_text(errors="replace")
+        Path(self.log).unlink(missing_ok=True)
         return output, None
 
     def send_signal(self, signum: int) -> None:
@@ -98,6 +103,21 @@ class PreloadedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+_LIVE: weakref.WeakSet[PreloadedProcess] = weakref.WeakSet()
+
+
+def live_ranks() -> list[PreloadedProcess]:
+    """The rank processes of this process's server that have not exited."""
+    return [p for p in list(_LIVE) if p.poll() is None]
+
+
+def server_pid() -> int | None:
+    """The pid of this process's server; None before its first rank."""
+    if _CLIENT is None or _CLIENT[0] != os.getpid():
+        return None
+    return _CLIENT[1].process.pid
 
 
 class _Client:
@@ -270,6 +290,7 @@ def _run_script(request: dict[str, Any]) -> int:
     os.close(out)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     script = str(Path(request["args"][0]).resolve())
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [str(Path(script).parent), *extra, *(p for p in sys.path if p not in extra)]

@@ -12,6 +12,8 @@ import pytest
 from azurite import azurite_command
 from tests_support import REPO
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 
 def test_the_azure_benchmark_runs_and_reports_ratios() -> None:
     if azurite_command() is None:

@@ -93,6 +93,7 @@ def _expected_ids(data: dict[str, Any]) -> set[str]:
     return ids
 
 
+@pytest.mark.process
 def test_every_case_ran_with_positive_numbers(results: dict[str, Any]) -> None:
     meta = results["meta"]
     assert meta["quick"] is True
@@ -117,6 +118,7 @@ def test_every_case_ran_with_positive_numbers(results: dict[str, Any]) -> None:
         assert case["median_s"] > 0, case_id
 
 
+@pytest.mark.process
 def test_memory_cases_at_two_sizes(results: dict[str, Any]) -> None:
     primary = results["meta"]["primary_server"]
     sizes = results["meta"]["settings"]["memory_sizes"]
@@ -129,6 +131,7 @@ def test_memory_cases_at_two_sizes(results: dict[str, Any]) -> None:
         assert case["status"] == "ok" and case["peak_extra_bytes"] > 0, case
 
 
+@pytest.mark.process
 def test_targets_are_reported(results: dict[str, Any]) -> None:
     names = {t["target"] for t in results["targets"]}
     for expected in (
@@ -157,6 +160,7 @@ def _sources(rep: dict[str, Any], key: str) -> dict[str, int]:
     return sources
 
 
+@pytest.mark.process
 def test_fast_tier_section_has_its_parts_sources_and_targets(results: dict[str, Any]) -> None:
     tiers = results["tiers"]
     assert tiers["store"] == results["meta"]["primary_server"]
@@ -189,6 +193,7 @@ def test_fast_tier_section_has_its_parts_sources_and_targets(results: dict[str, 
     assert any(t["target"] == "fast save >= 0.8x raw local write" for t in results["targets"])
 
 
+@pytest.mark.process
 def test_ddp_section_reads_the_checkpoint_once_against_dcp_per_rank(
     results: dict[str, Any],
 ) -> None:
@@ -205,6 +210,7 @@ def test_ddp_section_reads_the_checkpoint_once_against_dcp_per_rank(
     assert any(t["target"].startswith("4-rank DDP restore reads") for t in results["targets"])
 
 
+@pytest.mark.process
 def test_scale_simulator_reports_every_phase_for_a_small_fsdp_case() -> None:
     """Mirrors docs/scale.md's command at a small size (its options, fewer ranks)."""
     scale = REPO / "benchmarks" / "scale.py"
@@ -237,6 +243,7 @@ def test_scale_simulator_reports_every_phase_for_a_small_fsdp_case() -> None:
     assert figures["cached_plan_gather_bytes"] < figures["dcp_plan_gather_bytes"], figures
 
 
+@pytest.mark.process
 def test_plan_check_bench_agrees_with_dcp_on_a_small_2d_layout() -> None:
     bench = REPO / "benchmarks" / "plan_check_bench.py"
     proc = subprocess.run(

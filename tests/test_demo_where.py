@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 from spotckpt import CheckpointManager
@@ -29,6 +30,7 @@ def _demo() -> ModuleType:
     return module
 
 
+@pytest.mark.process
 def test_printed_commands_show_the_spot_run(tmp_path: Path) -> None:
     base = tmp_path / "my checkpoints" / "demo-1234abcd"
     runs = {"spot run": f"{base}/spot", "reference run": f"{base}/reference"}

@@ -196,6 +196,7 @@ def test_ci_runs_the_commands_the_readme_gives() -> None:
     assert "SPOTCKPT_URI=/tmp/spotckpt-demo make demo" in readme
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("block", [_param(b) for b in CODE])
 def test_block(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if block.marker == "skip":

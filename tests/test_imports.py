@@ -25,6 +25,8 @@ from spotckpt.format.dtypes import BY_NAME, dtype_of
 
 from tests_support import SCRIPT
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 
 def _python(code: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}

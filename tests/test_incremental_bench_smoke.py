@@ -11,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests_support import REPO
+
+pytestmark = pytest.mark.process  # its tests start processes or servers
 
 
 def test_incremental_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:

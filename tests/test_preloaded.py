@@ -13,6 +13,8 @@ import pytest
 
 from preloaded import PreloadedProcess
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 SCRIPT = """
 import json, os, signal, sys, threading, time, atexit
 mode = sys.argv[1]

@@ -122,6 +122,7 @@ def _upload_tree(root: Path, client: Any, bucket: str, prefix: str) -> None:
             client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
 
 
+@pytest.mark.process
 def test_ls_inspect_verify_on_local_folder(fsdp_copy: Path, tmp_path: Path) -> None:
     ls, inspect, verify = run_all(
         [
@@ -163,6 +164,7 @@ def test_ls_inspect_verify_on_local_folder(fsdp_copy: Path, tmp_path: Path) -> N
     assert verify.stderr == ""  # no progress bar when stderr is not a terminal
 
 
+@pytest.mark.process
 def test_verify_names_each_damaged_object_and_exits_1(fsdp_copy: Path, tmp_path: Path) -> None:
     manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
     folder = fsdp_copy / step_folder(STEP)
@@ -233,6 +235,7 @@ def test_s3_verify_ls_all_and_storage_options(
     assert "part_size" in one_line_error(refused, 2)
 
 
+@pytest.mark.process
 def test_gc_dry_run_then_real(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     _save(str(root), [1, 2, 3])
@@ -307,6 +310,7 @@ def test_export_hf_from_s3_and_local(
     assert_same(load_file(tmp_path / "single" / "model.safetensors"), cast)
 
 
+@pytest.mark.process
 def test_export_hf_writes_tied_weights_once_and_copies_includes(tmp_path: Path) -> None:
     tied = Path(shutil.copytree(tied_checkpoint(), tmp_path / "tied"))
     template = tmp_path / "template"
@@ -480,6 +484,7 @@ def test_json_mode_reports_every_error_as_one_document(tmp_path: Path, moto_endp
     assert _one_document(listed_json)["checkpoints"] == []
 
 
+@pytest.mark.process
 def test_verify_json_failure_prints_only_the_report(fsdp_copy: Path, tmp_path: Path) -> None:
     manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
     (fsdp_copy / step_folder(STEP) / sorted(manifest.objects)[0]).unlink()
@@ -555,6 +560,7 @@ def _poison_manifest(root: Path, step: int) -> None:
     path.write_bytes(json.dumps(document).encode())
 
 
+@pytest.mark.process
 def test_control_characters_from_a_manifest_are_escaped(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     _save(str(root), [1])
@@ -579,6 +585,7 @@ def test_control_characters_from_a_manifest_are_escaped(tmp_path: Path) -> None:
     assert json.loads(as_json.stdout)["tensors"][EVIL_TENSOR]["dtype"] == "float32"
 
 
+@pytest.mark.process
 def test_log_records_print_as_one_line_each(tmp_path: Path) -> None:
     code = """
         import logging, sys
@@ -675,6 +682,7 @@ def test_stats_skips_forged_goodput_objects(tmp_path: Path, s3_uri: str) -> None
     assert re.search(events_row, results[2].stdout, re.M), results[2].stdout
 
 
+@pytest.mark.process
 def test_stats_after_a_real_run_with_an_eviction(tmp_path: Path) -> None:
     """train.py saves every 4 of 12 steps, is evicted with SIGTERM mid-run, resumes to the end;
     `stats` then reports from the events those runs wrote (and imports no torch)."""

@@ -50,6 +50,7 @@ from fsdp_checkpoints import (
 )
 
 
+@pytest.mark.process
 def test_checkpoint_really_is_sharded_by_four_ranks(fsdp_copy: Path) -> None:
     manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
     assert manifest.world_size == WORLD
@@ -59,6 +60,7 @@ def test_checkpoint_really_is_sharded_by_four_ranks(fsdp_copy: Path) -> None:
     assert sorted(c.sizes[0] for c in weight.chunks) == [6, 8, 8, 8]
 
 
+@pytest.mark.process
 def test_export_single_file_matches_unsharded_model(fsdp_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     seen: list[tuple[int, int]] = []
@@ -75,6 +77,7 @@ def test_export_single_file_matches_unsharded_model(fsdp_copy: Path, tmp_path: P
     assert seen[-1] == (report.total_size, report.total_size)
 
 
+@pytest.mark.process
 def test_sharded_export_writes_index(fsdp_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     report = export_hf(open_store(str(fsdp_copy)), STEP, str(out), max_shard_size=1000)
@@ -103,6 +106,7 @@ def test_sharded_export_writes_index(fsdp_copy: Path, tmp_path: Path) -> None:
     assert_same(loaded, want)
 
 
+@pytest.mark.process
 def test_dtype_cast_touches_floats_only(fsdp_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     export_hf(open_store(str(fsdp_copy)), STEP, str(out), dtype=torch.bfloat16)
@@ -114,6 +118,7 @@ def test_dtype_cast_touches_floats_only(fsdp_copy: Path, tmp_path: Path) -> None
     assert_same(got, want)
 
 
+@pytest.mark.process
 def test_keep_prefix_and_unknown_prefix(fsdp_copy: Path, tmp_path: Path) -> None:
     store = open_store(str(fsdp_copy))
     export_hf(store, STEP, str(tmp_path / "kept"), strip_prefix=False)
@@ -125,6 +130,7 @@ def test_keep_prefix_and_unknown_prefix(fsdp_copy: Path, tmp_path: Path) -> None
         export_hf(store, 8, str(tmp_path / "none"))
 
 
+@pytest.mark.process
 def test_corrupt_chunk_is_refused(fsdp_copy: Path, tmp_path: Path) -> None:
     manifest = Manifest.from_json((fsdp_copy / manifest_key(STEP)).read_bytes())
     chunk = next(c for c in manifest.tensors["model.0.weight"].chunks if c.sizes[0])
@@ -136,6 +142,7 @@ def test_corrupt_chunk_is_refused(fsdp_copy: Path, tmp_path: Path) -> None:
         export_hf(open_store(str(fsdp_copy)), STEP, str(tmp_path / "hf"))
 
 
+@pytest.mark.process
 def test_existing_export_needs_overwrite(fsdp_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     store = open_store(str(fsdp_copy))
@@ -185,6 +192,7 @@ def _header_names(path: Path) -> list[str]:
         return sorted(file.keys())
 
 
+@pytest.mark.process
 def test_tied_checkpoint_stores_both_names_sharded(tied_copy: Path) -> None:
     manifest = Manifest.from_json((tied_copy / manifest_key(STEP)).read_bytes())
     head = manifest.tensors["model.lm_head.weight"]
@@ -195,6 +203,7 @@ def test_tied_checkpoint_stores_both_names_sharded(tied_copy: Path) -> None:
     )  # two stored copies, not one
 
 
+@pytest.mark.process
 def test_tied_weight_is_written_once(tied_copy: Path, tmp_path: Path) -> None:
     store = open_store(str(tied_copy))
     report = export_hf(store, STEP, str(tmp_path / "hf"))
@@ -221,6 +230,7 @@ def test_tied_weight_is_written_once(tied_copy: Path, tmp_path: Path) -> None:
     assert_same(loaded, want)
 
 
+@pytest.mark.process
 def test_keep_tied_writes_every_name(tied_copy: Path, tmp_path: Path) -> None:
     report = export_hf(open_store(str(tied_copy)), STEP, str(tmp_path / "hf"), dedupe_tied=False)
     assert report.tied == {}
@@ -229,6 +239,7 @@ def test_keep_tied_writes_every_name(tied_copy: Path, tmp_path: Path) -> None:
     assert report.total_parameters == 2 * VOCAB * DIM + 2 * DIM
 
 
+@pytest.mark.process
 def test_config_saying_untied_keeps_both(tied_copy: Path, tmp_path: Path) -> None:
     template = tmp_path / "template"
     template.mkdir()
@@ -346,6 +357,7 @@ def test_equal_crcs_with_different_bytes_are_no_tie(tmp_path: Path) -> None:
 # Included files -----------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_include_copies_files_and_folders(tied_copy: Path, tmp_path: Path) -> None:
     snapshot = tmp_path / "snapshot"  # like a Hugging Face cache snapshot: links to blobs
     blobs = tmp_path / "blobs"
@@ -389,6 +401,7 @@ def test_include_copies_files_and_folders(tied_copy: Path, tmp_path: Path) -> No
     assert_same(loaded, tied_weights())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "name",
     [
@@ -423,6 +436,7 @@ def test_include_refuses_names_that_escape_or_look_alike(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "tied"]
 
 
+@pytest.mark.process
 def test_include_refuses_two_files_of_one_name(tied_copy: Path, tmp_path: Path) -> None:
     for folder, name in (("a", "tokenizer.json"), ("b", "Tokenizer.json")):
         (tmp_path / folder).mkdir()
@@ -438,6 +452,7 @@ def test_include_refuses_two_files_of_one_name(tied_copy: Path, tmp_path: Path) 
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.process
 def test_include_replaces_a_file_only_with_overwrite(tied_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     out.mkdir()

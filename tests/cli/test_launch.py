@@ -38,6 +38,8 @@ from spotckpt.launch import (
 
 from tests_support import REPO, SCRIPT
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 TRAINER = REPO / "examples" / "train.py"
 START_S = 180  # launcher and workers started, workers in their loop
 EXIT_S = 120  # launcher gone after the signal (the save itself takes well under a second)

@@ -80,6 +80,7 @@ class RecordingStore(FailingStore):
         return super().get_range_into(key, start, buffer)
 
 
+@pytest.mark.process
 def test_intact_checkpoint_is_streamed_in_pieces(fsdp_copy: Path) -> None:
     store = RecordingStore(open_store(str(fsdp_copy)))
     progress: list[tuple[int, int]] = []
@@ -98,6 +99,7 @@ def test_intact_checkpoint_is_streamed_in_pieces(fsdp_copy: Path) -> None:
     } | {manifest_key(STEP)}
 
 
+@pytest.mark.process
 def test_every_problem_is_reported_with_its_tensors(fsdp_copy: Path) -> None:
     manifest = _manifest(fsdp_copy, STEP)
     folder = fsdp_copy / step_folder(STEP)
@@ -127,6 +129,7 @@ def test_every_problem_is_reported_with_its_tensors(fsdp_copy: Path) -> None:
     assert report.objects_checked == 2  # ranks 0 and 3 were read
 
 
+@pytest.mark.process
 def test_block_checksums_that_disagree_with_the_object_are_reported(fsdp_copy: Path) -> None:
     path = fsdp_copy / manifest_key(STEP)
     manifest = Manifest.from_json(path.read_bytes())
@@ -242,6 +245,7 @@ def test_gc_reports_progress_per_step_folder(messy: Path) -> None:
     assert seen == [(done, folders + 1) for done in range(folders + 2)]
 
 
+@pytest.mark.process
 def test_gc_shows_a_bar_on_a_terminal_and_none_elsewhere(messy: Path) -> None:
     """stderr on a real pseudo-terminal, read as the command runs: tqdm draws its bar there."""
     primary, secondary = pty.openpty()
@@ -392,6 +396,7 @@ def _ahead(command: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_gc_on_a_host_two_hours_ahead_keeps_a_live_save(
     where: str, tmp_path: Path, request: pytest.FixtureRequest

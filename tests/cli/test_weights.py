@@ -41,6 +41,8 @@ from fsdp_checkpoints import (
 )
 from tests_support import free_port
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 
 class CountingStore:
     """Passes every call to a real store; counts the bytes its ranged reads return, and the keys."""

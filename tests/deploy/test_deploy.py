@@ -236,6 +236,7 @@ def test_k8s_cloud_identity_without_static_keys(variant: str) -> None:
 # ---- Kubernetes: time to save, and the signal's path ---------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_k8s_grace_period_covers_the_save_budget(variant: str) -> None:
     """save budget <= launcher shutdown timeout; + launcher exit <= grace period."""
@@ -338,6 +339,7 @@ def test_k8s_image_and_command_come_from_the_overlay(variant: str) -> None:
     assert "args" not in base and operation["op"] == "add"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_k8s_overlay_settings_reach_the_container(variant: str, tmp_path: Path) -> None:
     """What a user writes in the overlay (image, training command) is what the pod runs."""
@@ -450,6 +452,7 @@ def test_multinode_restarts_the_whole_job_after_an_eviction_without_counting_it(
     assert "BackoffLimitExceeded" not in yaml.safe_dump(policy)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", MULTINODE)
 def test_multinode_rendezvous_goes_through_the_headless_service_to_pod_zero(variant: str) -> None:
     docs = _docs(variant)
@@ -586,6 +589,7 @@ def test_multinode_pods_are_placed_and_confined_like_the_single_node_job(variant
         assert container["resources"]["limits"]
 
 
+@pytest.mark.process
 def test_checkov_passes_on_the_jobset_pod_templates(tmp_path: Path) -> None:
     """checkov has no checks for a JobSet: each multinode build is scanned with its JobSet
     replaced by a Job that carries the same pod template and annotations (skips included)."""
@@ -629,6 +633,7 @@ def test_checkov_passes_on_the_jobset_pod_templates(tmp_path: Path) -> None:
     assert skipped == {"CKV_K8S_43", "CKV_K8S_25"}, skipped
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_kubectl_kustomize_builds_what_the_tests_check(variant: str) -> None:
     """The tests build overlays with a subset of kustomize; the real one must agree."""
@@ -705,6 +710,7 @@ def _run_task_scripts(task: dict[str, Any], tmp_path: Path, **env: str) -> list[
     return [call.splitlines() for call in text.split("---\n") if call.strip()]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", SKYPILOT_TASKS)
 def test_skypilot_task_uses_spot_recovers_and_sets_the_uri(variant: str) -> None:
     task = _task(variant)
@@ -720,6 +726,7 @@ def test_skypilot_task_uses_spot_recovers_and_sets_the_uri(variant: str) -> None
     assert shutdown_timeout(envs) + LAUNCHER_EXIT_S <= 30
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", SKYPILOT_TASKS)
 def test_skypilot_runs_the_image_with_the_training_command(variant: str, tmp_path: Path) -> None:
     task = _task(variant)
@@ -747,6 +754,7 @@ def test_skypilot_runs_the_image_with_the_training_command(variant: str, tmp_pat
     _runs_the_example(default_run[default_run.index(envs["TRAIN_IMAGE"]) + 1 :])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", SKYPILOT_TASKS)
 def test_skypilot_gpus_only_with_the_cuda_image(variant: str, tmp_path: Path) -> None:
     task = _task(variant)
@@ -784,6 +792,7 @@ def test_skypilot_multinode_task_is_the_cpu_task_on_several_nodes() -> None:
     assert set(multi["envs"]) - set(cpu["envs"]) == {"SPOTCKPT_LOCAL_DIR", "SPOTCKPT_REDUNDANCY"}
 
 
+@pytest.mark.process
 def test_skypilot_multinode_rendezvous_comes_from_skypilot_node_variables(
     tmp_path: Path,
 ) -> None:
@@ -863,6 +872,7 @@ def test_dockerfile_runs_as_non_root_and_installs_the_package() -> None:
                 assert (REPO / source).exists(), f"COPY source {source} missing"
 
 
+@pytest.mark.process
 def test_dockerfile_stop_signal_reaches_the_trainer() -> None:
     instructions = dict(_instructions())
     entrypoint = json.loads(instructions["ENTRYPOINT"])  # exec form: no shell in between
@@ -898,6 +908,7 @@ def test_dockerfile_keeps_torch_in_images_built_from_it() -> None:
     assert f'echo "torch==${{TORCH_VERSION}}" > {found.group(1)}' in runs
 
 
+@pytest.mark.process
 def test_trainer_dockerfile_builds_on_the_base_with_its_own_command() -> None:
     """deploy/Dockerfile.trainer, the documented path: FROM the base, COPY the code, CMD."""
     instructions = list(dockerfile_instructions(DOCKERFILE_TRAINER))
@@ -922,6 +933,7 @@ def test_trainer_dockerfile_builds_on_the_base_with_its_own_command() -> None:
 # ---- the entry point: dry runs -------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_entrypoint_derives_the_shutdown_timeout_from_the_save_budget() -> None:
     assert shutdown_timeout({}) == 25 + 5  # the trainer's default budget + the default margin
     assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "60"}) == 65
@@ -929,6 +941,7 @@ def test_entrypoint_derives_the_shutdown_timeout_from_the_save_budget() -> None:
     assert shutdown_timeout({"SPOTCKPT_SAVE_BUDGET_S": "10.0", "LAUNCH_EXIT_MARGIN_S": "0"}) == 10
 
 
+@pytest.mark.process
 def test_entrypoint_command_runs_the_trainer_under_the_launcher() -> None:
     script = str(TRAINER)
     cmd = entrypoint_dry_run(
@@ -961,6 +974,7 @@ def _program_reads(argv: list[str]) -> tuple[bool, str, list[str]]:
     return args.module, args.training_script, args.training_script_args
 
 
+@pytest.mark.process
 def test_entrypoint_runs_the_training_command_it_is_given() -> None:
     """The arguments (the image's CMD, Kubernetes args) are a script or -m MODULE, then its
     arguments; options alone go to the default script."""
@@ -985,6 +999,7 @@ def test_entrypoint_runs_the_training_command_it_is_given() -> None:
     assert _program_reads(entrypoint_dry_run(env)) == (False, default, [])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "args", [["/nonexistent/train.py", "--steps", "1"], ["-m"]], ids=["no-such-script", "no-module"]
 )
@@ -997,6 +1012,7 @@ def test_entrypoint_rejects_bad_commands(args: list[str]) -> None:
     assert "entrypoint:" in result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "env",
     [
@@ -1085,6 +1101,7 @@ def fake_worker(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
     yield tmp_path, env
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("worker_status", "expected"), [(0, 0), (PREEMPTED, PREEMPTED), (3, 3)])
 def test_entrypoint_exit_status_follows_the_worker(
     fake_worker: tuple[Path, dict[str, str]], worker_status: int, expected: int
@@ -1100,6 +1117,7 @@ def test_entrypoint_exit_status_follows_the_worker(
     assert proc.returncode == expected, out[-4000:]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
 def test_stop_signal_to_the_entrypoint_reaches_the_worker(
     fake_worker: tuple[Path, dict[str, str]], signum: signal.Signals
@@ -1137,6 +1155,7 @@ def _manifest_steps(root: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/manifest.json"))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("loader_workers", [0, 2], ids=lambda n: f"{n}-loader-workers")
 def test_sigterm_to_the_entrypoint_makes_the_trainer_save_and_exit_75(
     tmp_path: Path, loader_workers: int

@@ -43,6 +43,8 @@ from deploy_helpers import (
 )
 from tests_support import free_port
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 VARIANT = "eks-multinode"
 TRAINER = REPO / "examples" / "train.py"
 NODES = ["node0", "node1"]

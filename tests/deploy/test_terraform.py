@@ -85,6 +85,7 @@ def test_every_terraform_file_parses(path: Path) -> None:
     assert load_hcl(path)
 
 
+@pytest.mark.process
 def test_terraform_files_are_formatted_as_terraform_formats_them() -> None:
     """`terraform fmt` needs no provider, so it runs offline where terraform is installed
     (`terraform validate` needs the providers downloaded: run it after `terraform init`)."""
@@ -440,6 +441,7 @@ def _check_startup(script: str, values: dict[str, Any], notice_s: int) -> None:
     assert "--network" in run and option(run, "--network") == "host"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("gpus", [True, False], ids=["gpu", "cpu"])
 def test_aws_user_data_starts_the_container_with_the_bucket_uri(aws: Module, gpus: bool) -> None:
     script, values = _aws_user_data(aws, gpus)
@@ -449,6 +451,7 @@ def test_aws_user_data_starts_the_container_with_the_bucket_uri(aws: Module, gpu
     assert "aws ecr get-login-password" in script
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("gpus", [True, False], ids=["gpu", "cpu"])
 def test_gcp_startup_script_starts_the_container_with_the_bucket_uri(
     gcp: Module, gpus: bool
@@ -460,6 +463,7 @@ def test_gcp_startup_script_starts_the_container_with_the_bucket_uri(
     assert ("/dev/nvidia0:/dev/nvidia0" in run) is gpus
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("gpus", [True, False], ids=["gpu", "cpu"])
 def test_azure_custom_data_starts_the_container_with_the_container_uri(
     azure: Module, gpus: bool
@@ -778,6 +782,7 @@ def _json_documents(text: str) -> list[Any]:
     return docs
 
 
+@pytest.mark.process
 def test_checkov_passes_with_every_skip_justified() -> None:
     checkov = find_checkov()
     if checkov is None:

@@ -22,6 +22,7 @@ def _results(out: Path, prefix: str, world: int) -> list[dict]:
     return [json.loads((out / f"{prefix}-{rank}.json").read_text()) for rank in range(world)]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["all", "sample"])
 def test_one_ranks_altered_replica_is_caught_and_nothing_is_committed(
     tmp_path: Path, mode: str
@@ -46,6 +47,7 @@ def test_one_ranks_altered_replica_is_caught_and_nothing_is_committed(
     assert "model.2.weight" in event["reason"]
 
 
+@pytest.mark.process
 def test_healthy_ddp_batchnorm_commits_by_default_and_all_refuses_it(tmp_path: Path) -> None:
     """Why `replica_check` is off by default: BatchNorm's running statistics differ by rank in
     a healthy DDP job, so "all" refuses its saves."""
@@ -58,6 +60,7 @@ def test_healthy_ddp_batchnorm_commits_by_default_and_all_refuses_it(tmp_path: P
         assert result["steps"] == [1]
 
 
+@pytest.mark.process
 def test_nan_gate_refuses_on_every_rank_and_the_next_clean_save_commits(tmp_path: Path) -> None:
     args = {"uri": str(tmp_path / "ck"), "out": str(tmp_path)}
     for rank, result in enumerate(launch(2, "nan_gate", args)):
@@ -69,6 +72,7 @@ def test_nan_gate_refuses_on_every_rank_and_the_next_clean_save_commits(tmp_path
         assert result["end"] == [1, 3]
 
 
+@pytest.mark.process
 def test_an_emergency_save_refused_by_the_gate_exits_75_and_says_so(tmp_path: Path) -> None:
     args = {"uri": str(tmp_path / "ck"), "out": str(tmp_path)}
     (result,) = launch(1, "emergency_refused", args)

@@ -381,6 +381,7 @@ def test_a_reader_that_does_not_know_references_refuses_the_step(
     assert_equal(snapshot(model), snapshot(fresh))
 
 
+@pytest.mark.process
 def test_two_ranks_save_incrementally_and_restore_on_other_world_sizes(tmp_path: Path) -> None:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()

@@ -44,6 +44,7 @@ def fsdp_checkpoint(
     return uri, out
 
 
+@pytest.mark.process
 def test_fsdp2_save_on_4_and_continue_identically(fsdp_checkpoint: tuple[str, Path]) -> None:
     uri, out = fsdp_checkpoint
     assert_equal(load_saved(out / "continued.pt"), load_saved(out / "resumed-continued.pt"))
@@ -59,6 +60,7 @@ def test_fsdp2_save_on_4_and_continue_identically(fsdp_checkpoint: tuple[str, Pa
     assert len(weight.chunks) == 4 and weight.shape == (1024, 512)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fsdp2_restores_on_any_world_size(fsdp_checkpoint: tuple[str, Path], world: int) -> None:
     uri, out = fsdp_checkpoint
@@ -96,6 +98,7 @@ def test_ddp_restore_reads_the_checkpoint_once(s3_uri: str, tmp_path: Path) -> N
     assert ratio <= 1.05  # each rank reading every replicated tensor would be about 4x
 
 
+@pytest.mark.process
 def test_a_piece_one_replica_cannot_read_fails_the_load_on_every_rank_not_a_hang(
     tmp_path: Path,
 ) -> None:
@@ -112,6 +115,7 @@ def test_a_piece_one_replica_cannot_read_fails_the_load_on_every_rank_not_a_hang
     assert outcomes == [{"step": 1}, {"step": 1}]
 
 
+@pytest.mark.process
 def test_async_saves_on_two_ranks_do_not_hang(tmp_path: Path) -> None:
     """An async upload's collectives and the training thread's agreement use separate groups."""
     uri = str(tmp_path / "ck")

@@ -77,6 +77,7 @@ def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(tmp_path / "ck")
 
 
+@pytest.mark.process
 def test_packed_tensors_restore_bit_for_bit_as_tensors_of_their_own(uri: str) -> None:
     saved = _state(3)
     with CheckpointManager(uri, preemption=False) as mgr:
@@ -214,6 +215,7 @@ class CountingReads:
         return self.inner.get_range_into(key, start, buffer)
 
 
+@pytest.mark.process
 def test_a_restore_reads_packed_tensors_as_a_few_runs(uri: str) -> None:
     saved = _state(4)
     with CheckpointManager(uri, preemption=False) as mgr:

@@ -36,6 +36,7 @@ def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(tmp_path / "ck") if request.param == "local" else request.getfixturevalue("s3_uri")
 
 
+@pytest.mark.process
 def test_save_and_load_latest(uri: str) -> None:
     dcp.save(_state(1.0), storage_writer=spotckpt.dcp_writer(uri, 1), no_dist=True)
     dcp.save(_state(2.0), storage_writer=spotckpt.dcp_writer(uri, 2), no_dist=True)
@@ -49,6 +50,7 @@ def test_save_and_load_latest(uri: str) -> None:
     assert torch.equal(first["model"]["bias"], torch.full((4,), -1.0))  # type: ignore[index]
 
 
+@pytest.mark.process
 def test_async_save_commits(uri: str) -> None:
     future = dcp.async_save(_state(3.0), storage_writer=spotckpt.dcp_writer(uri, 3), no_dist=True)
     result = future.upload_completion if hasattr(future, "upload_completion") else future

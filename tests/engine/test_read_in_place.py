@@ -88,6 +88,7 @@ def uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(tmp_path / "ck")
 
 
+@pytest.mark.process
 def test_large_tensors_land_in_their_own_memory_in_parallel_pieces(uri: str) -> None:
     assert 2 * MIB >= PIECE // IN_PLACE_SHARE > 400  # the matrix and pieces qualify, small not
     with _manager(uri) as mgr:
@@ -115,6 +116,7 @@ def test_large_tensors_land_in_their_own_memory_in_parallel_pieces(uri: str) -> 
     assert matrix.data_ptr() in store.buffers
 
 
+@pytest.mark.process
 def test_a_destination_that_cannot_take_the_bytes_is_filled_by_a_copy(uri: str) -> None:
     with _manager(uri) as mgr:
         mgr.save(1, _state(1))

@@ -412,6 +412,7 @@ def test_a_chunk_reader_refuses_an_unknown_codec(tmp_path: Path) -> None:
 # Ranks ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_fsdp_ranks_save_compressed_and_restore_on_other_world_sizes(tmp_path: Path) -> None:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()

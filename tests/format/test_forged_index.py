@@ -292,6 +292,7 @@ def _restores_step_1(folder: Path) -> None:
         assert torch.equal(target.state_dict()[name], tensor), name
 
 
+@pytest.mark.process
 def test_the_saved_steps_are_indexed_and_intact(copy: Path) -> None:
     """The control: step 2 is indexed, with an empty last shard (6 rows over 4 ranks), verifies
     and restores."""
@@ -307,6 +308,7 @@ def test_the_saved_steps_are_indexed_and_intact(copy: Path) -> None:
         assert torch.equal(target.state_dict()[name], tensor), name
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", list(FORGERIES))
 def test_a_forged_indexed_step_is_reported_and_restore_falls_back(copy: Path, name: str) -> None:
     forge, match = FORGERIES[name]
@@ -330,6 +332,7 @@ def _restore_on_ranks(rank: int, uri: str, out: str) -> None:
         torch.save({"steps": steps, "state": state}, out)
 
 
+@pytest.mark.process
 def test_every_rank_falls_back_when_one_finds_its_part_missing(copy: Path, tmp_path: Path) -> None:
     """Each rank reads only its own part; rank 1's is gone. Every rank restores step 1, whole,
     never rank 1 step 1 and the others step 2."""

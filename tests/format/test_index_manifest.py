@@ -44,6 +44,7 @@ def indexed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, P
     return uri, out
 
 
+@pytest.mark.process
 def test_root_is_small_and_each_rank_wrote_its_part(indexed_checkpoint: tuple[str, Path]) -> None:
     uri, out = indexed_checkpoint
     assert_equal(load_saved(out / "continued.pt"), load_saved(out / "resumed-continued.pt"))
@@ -58,6 +59,7 @@ def test_root_is_small_and_each_rank_wrote_its_part(indexed_checkpoint: tuple[st
     assert len(whole.tensors["model.0.weight"].chunks) == 4 and len(whole.objects) == 4
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_indexed_checkpoint_restores_on_any_world_size(
     indexed_checkpoint: tuple[str, Path], world: int

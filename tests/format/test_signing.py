@@ -361,6 +361,7 @@ def test_catalog_without_keyring_reads_signed_steps(
     assert all(record.blake3 for record in manifest.objects.values())
 
 
+@pytest.mark.process
 def test_an_indexed_manifest_is_signed_root_and_parts(
     tmp_path: Path, key: tuple[Path, list[str]]
 ) -> None:

@@ -40,6 +40,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int]
     return found
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("loader", "stop_at"),
     [

@@ -125,6 +125,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("store", "wait_in", "stop_at", "options"),
     [
@@ -172,6 +173,7 @@ def reference_with_workers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stop_at", [5, 11], ids=["epoch-0", "epoch-1"])
 def test_sigterm_to_the_process_group_with_loader_workers(
     tmp_path: Path, reference_with_workers: Path, stop_at: int
@@ -204,6 +206,7 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.use_deterministic_algorithms(deterministic)
 
 
+@pytest.mark.process
 def test_a_notice_while_accumulating_saves_at_the_next_optimizer_step(
     tmp_path: Path, in_process: None
 ) -> None:
@@ -222,6 +225,7 @@ def test_a_notice_while_accumulating_saves_at_the_next_optimizer_step(
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "ref")[6:]
 
 
+@pytest.mark.process
 def test_a_loader_sharing_its_generator_with_its_sampler_resumes_exactly_in_a_later_epoch(
     tmp_path: Path, in_process: None
 ) -> None:
@@ -257,6 +261,7 @@ def _cut_at(tmp_path: Path, stop_at: int) -> tuple[Path, Path]:
     return tmp_path / "ref", tmp_path / "resumed"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stop_at", [8, 16], ids=["end-of-epoch-0", "end-of-epoch-1"])
 def test_a_save_at_an_epochs_last_batch_resumes_into_the_next_epoch_once(
     tmp_path: Path, in_process: None, stop_at: int
@@ -267,6 +272,7 @@ def test_a_save_at_an_epochs_last_batch_resumes_into_the_next_epoch_once(
     assert _epochs(resumed) == _epochs(reference)[stop_at:]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stop_at", [8, 16], ids=["end-of-epoch-0", "end-of-epoch-1"])
 def test_a_save_at_an_epochs_last_batch_resumes_bit_identically(
     tmp_path: Path, in_process: None, stop_at: int
@@ -277,6 +283,7 @@ def test_a_save_at_an_epochs_last_batch_resumes_bit_identically(
     assert _losses(resumed) == _losses(reference)[stop_at:]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "first",
     [12, 16],
@@ -306,6 +313,7 @@ def test_the_packed_checkpoint_keeps_key_types_and_refuses_objects() -> None:
         pack_checkpoint({"callbacks": object()})
 
 
+@pytest.mark.process
 def test_import_spotckpt_does_not_import_lightning() -> None:
     code = "import sys, spotckpt, spotckpt.integrations; print('lightning' in sys.modules)"
     result = subprocess.run(
@@ -315,6 +323,7 @@ def test_import_spotckpt_does_not_import_lightning() -> None:
     assert result.stdout.strip() == "False"
 
 
+@pytest.mark.process
 def test_binds_to_pytorch_lightning_when_lightning_is_absent(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""

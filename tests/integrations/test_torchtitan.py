@@ -159,6 +159,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, 
     return digests
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("world", "store"), [(1, "local"), (2, "s3")], ids=["1-rank-local", "2-fsdp-ranks-s3"]
 )
@@ -210,6 +211,7 @@ def _titan_command(steps: int, out: Path, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.process
 def test_the_readme_command_trains_and_resumes_on_the_cpu(tmp_path: Path) -> None:
     """Mirrors docs/torchtitan.md's CPU command (`debug_model.toml` on two ranks)."""
     uri = str(tmp_path / "ck")
@@ -234,6 +236,7 @@ def test_the_readme_command_trains_and_resumes_on_the_cpu(tmp_path: Path) -> Non
         assert manager.steps() == [2, 4]
 
 
+@pytest.mark.process
 def test_use_the_cpu_rebinds_torchtitan_s_device_only_when_the_trainer_starts() -> None:
     code = """if True:
         import torch
@@ -307,6 +310,7 @@ def test_a_forged_pickle_in_the_loader_state_is_refused_unrun(tmp_path: Path) ->
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.process
 def test_import_spotckpt_does_not_import_torchtitan() -> None:
     code = "import sys, spotckpt, spotckpt.integrations; print('torchtitan' in sys.modules)"
     result = subprocess.run(

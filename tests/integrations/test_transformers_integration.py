@@ -36,6 +36,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, 
     return uri, digest(out)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("stop_at", "store", "workers"),
     [(8, "s3", 2), (6, "local", 0)],
@@ -78,6 +79,7 @@ def test_sigterm_exit_75_and_bit_identical_resume(
     assert not list((out / "trainer").glob("spotckpt-resume-*")), "the resume folder stayed"
 
 
+@pytest.mark.process
 def test_a_corrupt_newest_checkpoint_is_quarantined_and_the_trainer_resumes_from_the_older(
     tmp_path: Path, reference: tuple[str, dict[str, Any]]
 ) -> None:
@@ -119,6 +121,7 @@ def _flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.process
 def test_a_trainer_that_ignores_the_checkpoint_is_refused(
     tmp_path: Path, reference: tuple[str, dict[str, Any]]
 ) -> None:
@@ -130,6 +133,7 @@ def test_a_trainer_that_ignores_the_checkpoint_is_refused(
     assert not (out / "digest.json").exists()
 
 
+@pytest.mark.process
 def test_import_spotckpt_does_not_import_transformers() -> None:
     code = textwrap.dedent(
         """

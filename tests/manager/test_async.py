@@ -25,6 +25,7 @@ def _options(uri: str) -> dict[str, Any]:
     return {"part_size": 5 * MIB} if uri.startswith("s3://") else {}
 
 
+@pytest.mark.process
 def test_async_save_snapshots_state_and_commits_on_wait(uri: str) -> None:
     state = {"w": torch.randn(2 * MIB), "step": 1}
     expected = state["w"].clone()
@@ -40,6 +41,7 @@ def test_async_save_snapshots_state_and_commits_on_wait(uri: str) -> None:
         assert torch.equal(target["w"], expected)
 
 
+@pytest.mark.process
 def test_a_new_save_waits_for_the_previous(uri: str) -> None:
     with CheckpointManager(
         uri, async_save=True, preemption=False, storage_options=_options(uri)
@@ -50,6 +52,7 @@ def test_a_new_save_waits_for_the_previous(uri: str) -> None:
         assert mgr.steps() == [1, 2, 3]
 
 
+@pytest.mark.process
 def test_upload_error_is_raised_on_next_call_and_at_close(uri: str) -> None:
     store = FailingStore(open_store(uri, **_options(uri)), fail_after_bytes=MIB)
     mgr = CheckpointManager(uri, async_save=True, preemption=False, store=store, interval_steps=100)

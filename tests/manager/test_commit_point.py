@@ -159,6 +159,7 @@ def _damage(store: ObjectStore, fault: str) -> Callable[[str], None]:
     return lambda key: store.put(key, store.get(key)[:-1])  # rewritten one byte shorter
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("fault", ["deleted", "truncated"])
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_an_object_gone_before_the_commit_fails_the_save(
@@ -215,6 +216,7 @@ def _ls_all(root: Path) -> list[dict[str, Any]]:
     return list(json.loads(done.stdout)["checkpoints"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("damage", ["flipped-byte", "garbage-manifest"])
 def test_bad_step_is_quarantined_and_saved_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
@@ -304,6 +306,7 @@ def test_only_checkpoint_corrupt_is_an_error_and_is_kept(tmp_path: Path) -> None
 LOOK_ALIKES = ["step-0000000003", "step-00000000\uff13", "step-000000003\n", "step-000000003 "]
 
 
+@pytest.mark.process
 def test_look_alikes_are_never_listed_restored_or_retired(tmp_path: Path) -> None:
     with _manager(str(tmp_path), keep_last=2) as mgr:
         for step in (1, 2, 3):

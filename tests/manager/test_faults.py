@@ -100,6 +100,7 @@ def _shard_key(mgr: CheckpointManager, step: int) -> tuple[str, Manifest]:
     return f"{step_folder(step)}/{key}", manifest
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("damage", ["flip-one-byte", "truncate", "delete"])
 def test_corruption_is_detected_named_and_restore_falls_back(
     two_checkpoints: CheckpointManager, damage: str, caplog: pytest.LogCaptureFixture
@@ -137,6 +138,7 @@ def _save_same_step(uri: str, value: float, queue: Any) -> None:
         queue.put(("refused", str(error)))
 
 
+@pytest.mark.process
 def test_two_jobs_saving_the_same_step(tmp_path: Path) -> None:
     uri = str(tmp_path / "ck")
     context = multiprocessing.get_context("spawn")
@@ -155,6 +157,7 @@ def test_two_jobs_saving_the_same_step(tmp_path: Path) -> None:
         assert target["w"][0] == outcomes[0][1]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("hint", [{"step": 999}, {"step": 1}, "garbage"])
 def test_stale_latest_hint_is_ignored(two_checkpoints: CheckpointManager, hint: Any) -> None:
     mgr = two_checkpoints

@@ -333,6 +333,7 @@ def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("s3_uri"))
 
 
+@pytest.mark.process
 def test_save_preemption_restore_write_the_expected_events(root: str) -> None:
     state = TrainState(model=_model(), rng=False)
     watcher = PreemptionWatcher()
@@ -480,6 +481,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_two_ranks_agree_on_the_auto_interval(tmp_path: Path, mode: str) -> None:
     """Each rank measures its own step time (a different one); all save the same steps, on the
@@ -540,6 +542,7 @@ _MALFORMED_EVENTS = [
 ]
 
 
+@pytest.mark.process
 def test_malformed_events_are_skipped_with_one_warning_per_read(
     root: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -607,6 +610,7 @@ def test_a_malformed_summary_is_skipped_and_compaction_replaces_it(
     assert EventLog(store).totals().counts == {"save": 3}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("forged", list(FORGED_GOODPUT))
 def test_a_forged_goodput_object_never_stops_restore_or_save(
     root: str, forged: str, caplog: pytest.LogCaptureFixture
@@ -676,6 +680,7 @@ def _restored_interval(root: str, **settings: Any) -> int | None:
         return manager.interval_steps
 
 
+@pytest.mark.process
 def test_forged_figures_cannot_push_the_auto_interval_past_the_ceiling(root: str) -> None:
     """A recorded step time of 1e-155 s made Daly's interval about 1e157 steps: no periodic save
     for the rest of the run. The default ceiling bounds it, and so does a configured one."""
@@ -699,6 +704,7 @@ def test_forged_figures_cannot_push_the_auto_interval_below_one(tmp_path: Path) 
     assert _restored_interval(str(tmp_path)) == 1
 
 
+@pytest.mark.process
 def test_an_impossible_eviction_rate_gives_way_to_the_prior(
     root: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -145,6 +145,7 @@ def test_gcs_store_keeps_the_endpoint_it_resolved(
 # Real process-mode saves, in a worker process ------------------------------------------------
 
 
+@pytest.mark.process
 def test_process_mode_save_to_a_local_folder(tmp_path: Path, memory_uri: str) -> None:
     result = _run_worker(tmp_path, {"uri": str(tmp_path / "ck"), "memory_uri": memory_uri})
     _check(result)
@@ -222,6 +223,7 @@ def test_upload_process_killed_mid_save_fails_that_save_and_the_next_save_starts
     assert result["bit_identical"] == [True]
 
 
+@pytest.mark.process
 def test_upload_process_killed_between_saves_is_replaced_by_the_next_save(tmp_path: Path) -> None:
     """DCP's upload process is SIGKILLed while idle: the next save starts a new one and commits
     (where DCP alone would fail every later save with BrokenPipeError)."""

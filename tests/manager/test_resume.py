@@ -67,6 +67,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, set[s
     return losses(workdir / "ref.losses"), (workdir / "ref.digest").read_text()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("kills", "label"),
     [((4,), "mid-epoch"), ((10,), "epoch boundary"), ((4, 8), "two interruptions")],
@@ -89,6 +90,7 @@ def test_killed_and_resumed_run_matches(
     assert (tmp_path / "run.digest").read_text() == ref_digest, label
 
 
+@pytest.mark.process
 def test_killed_run_resumes_from_the_fast_tier_past_the_durable_save(
     reference: tuple[dict[int, set[str]], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

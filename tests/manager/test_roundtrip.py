@@ -81,6 +81,7 @@ def _assert_same(a: Any, b: Any) -> None:
         assert a == b and type(a) is type(b)
 
 
+@pytest.mark.process
 def test_model_and_adamw_round_trip(manager: CheckpointManager) -> None:
     model = _model(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -129,6 +130,7 @@ def _zeros_like(value: Any) -> Any:
     return type(value)()
 
 
+@pytest.mark.process
 def test_dtypes_and_shapes_round_trip(manager: CheckpointManager) -> None:
     original = _all_kinds()
     manager.save(1, original)
@@ -137,6 +139,7 @@ def test_dtypes_and_shapes_round_trip(manager: CheckpointManager) -> None:
     _assert_same(original, target)
 
 
+@pytest.mark.process
 def test_no_checkpoint_returns_none(manager: CheckpointManager) -> None:
     assert manager.restore({"x": torch.zeros(2)}) is None
     assert manager.steps() == [] and manager.latest_step() is None
@@ -144,6 +147,7 @@ def test_no_checkpoint_returns_none(manager: CheckpointManager) -> None:
         manager.restore({"x": torch.zeros(2)}, step=5)
 
 
+@pytest.mark.process
 def test_same_step_is_never_overwritten(manager: CheckpointManager) -> None:
     manager.save(4, {"x": torch.ones(3)})
     with pytest.raises(CheckpointAlreadyCommittedError, match="already committed"):
@@ -153,6 +157,7 @@ def test_same_step_is_never_overwritten(manager: CheckpointManager) -> None:
     assert torch.equal(target["x"], torch.ones(3))
 
 
+@pytest.mark.process
 def test_retention_keeps_newest(uri: str) -> None:
     with CheckpointManager(
         uri, keep_last=2, preemption=False, storage_options=_options(uri)
@@ -165,6 +170,7 @@ def test_retention_keeps_newest(uri: str) -> None:
         assert mgr.restore(target) == 40 and target["x"][0] == 40
 
 
+@pytest.mark.process
 def test_missing_and_extra_keys_are_named(manager: CheckpointManager) -> None:
     manager.save(1, {"a": torch.ones(2), "b": torch.ones(2)})
     with pytest.raises(KeyMismatchError, match=r"missing from the checkpoint: c"):
@@ -176,6 +182,7 @@ def test_missing_and_extra_keys_are_named(manager: CheckpointManager) -> None:
     assert torch.equal(target["a"], torch.ones(2))
 
 
+@pytest.mark.process
 def test_shard_opens_with_safetensors(manager: CheckpointManager, tmp_path: Path) -> None:
     tensors = {"w": torch.randn(4, 4), "b": torch.arange(5)}
     manager.save(2, {"layer": tensors, "step": 2})
@@ -189,6 +196,7 @@ def test_shard_opens_with_safetensors(manager: CheckpointManager, tmp_path: Path
         assert handle.metadata()["format"] == "pt"
 
 
+@pytest.mark.process
 def test_manifest_is_json_and_no_hint_is_written(manager: CheckpointManager) -> None:
     manager.save(7, {"x": torch.ones(1)})
     assert not manager.store.exists("latest.json")  # nothing reads a hint: none is written

@@ -27,6 +27,8 @@ from test_preemption import (
 from spotckpt import PreemptionWatcher
 from spotckpt.preemption import AZURE_NOTICE_S
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 VM = "spot-vmss_3"
 
 

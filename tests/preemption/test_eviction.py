@@ -22,6 +22,8 @@ import pytest
 
 from tests_support import REPO
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 
 def _load_demo() -> ModuleType:
     spec = importlib.util.spec_from_file_location("spotckpt_demo", REPO / "examples" / "demo.py")

@@ -21,6 +21,8 @@ from spotckpt import PreemptionWatcher
 from spotckpt.errors import MetadataAnswerError
 from spotckpt.preemption import Notice
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 Answer = tuple[int, dict[str, str], bytes]
 WAIT_S = 60.0  # bound of every wait: many times what it takes even on a loaded machine
 SLACK_S = 15.0  # how late a deadline may be read after the notice, on a loaded machine

@@ -33,6 +33,7 @@ def matrix_session(tmp_path_factory: pytest.TempPathFactory) -> harness.Session:
     return harness.Session(workdir, STACKS)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", [_param(case) for case in CASES])
 def test_resume_matrix(case: harness.Case, matrix_session: harness.Session) -> None:
     result = matrix_session.run_case(case)

@@ -113,6 +113,7 @@ def _cut_points() -> list[Any]:
     return cases
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("kind", "workers", "stop"), _cut_points())
 def test_resumed_epoch_matches(kind: str, workers: int, stop: int) -> None:
     reference, resumed = cut_and_resume(kind, workers, stop, hooked=True)
@@ -155,6 +156,7 @@ def test_a_save_before_any_iterator_restores_the_generators_at_once() -> None:
     assert torch.equal(fresh.sampler.generator.get_state(), seeded(99).get_state())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stop", [3, PER_EPOCH, 12])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resumable_sampler_without_generator_keeps_the_global_stream(

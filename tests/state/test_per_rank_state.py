@@ -32,6 +32,7 @@ def saved_by_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return uri, out
 
 
+@pytest.mark.process
 def test_each_rank_gets_its_own_state_back(saved_by_two: tuple[str, Path]) -> None:
     uri, out = saved_by_two
     run_ranks(2, "per_rank_state", {"uri": uri, "out": str(out), "mode": "restore"})
@@ -43,6 +44,7 @@ def test_each_rank_gets_its_own_state_back(saved_by_two: tuple[str, Path]) -> No
     assert first["sampler"] != second["sampler"] and first["extra"] != second["extra"]
 
 
+@pytest.mark.process
 def test_each_rank_gets_its_own_state_back_from_compressing_ranks(tmp_path: Path) -> None:
     """Ranks whose objects are written by the compressing writer (headerless, raw values)."""
     uri, out = str(tmp_path / "ckpt"), tmp_path
@@ -55,6 +57,7 @@ def test_each_rank_gets_its_own_state_back_from_compressing_ranks(tmp_path: Path
         assert _read(out, f"restored-world2-rank{rank}.json") == saved, f"rank {rank}"
 
 
+@pytest.mark.process
 def test_more_ranks_than_saved_refuse_a_sampler_seeded_by_rank(
     saved_by_two: tuple[str, Path],
 ) -> None:
@@ -65,6 +68,7 @@ def test_more_ranks_than_saved_refuse_a_sampler_seeded_by_rank(
     assert "sampler seed 2 differs from the checkpoint's 0" in results[2].stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world", [1])
 def test_another_world_takes_rank_modulo_saved_world(
     saved_by_two: tuple[str, Path], world: int
@@ -76,6 +80,7 @@ def test_another_world_takes_rank_modulo_saved_world(
         assert _read(out, f"restored-world{world}-rank{rank}.json") == saved, f"rank {rank}"
 
 
+@pytest.mark.process
 def test_a_checkpoint_with_one_copy_for_the_job_still_restores(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     run_ranks(
@@ -98,6 +103,7 @@ def _epoch_share(rank: int, world: int) -> list[list[int]]:
     return [order[i : i + 4] for i in range(0, len(order), 4)]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("saved_world", "world", "taken"),
     [(2, 2, 3), (1, 2, 7), (2, 1, 4)],

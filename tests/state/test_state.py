@@ -45,6 +45,7 @@ def test_every_rng_round_trips(manager: CheckpointManager) -> None:
     assert _draws() == expected
 
 
+@pytest.mark.process
 def test_sampler_position_round_trips(manager: CheckpointManager) -> None:
     data = TensorDataset(torch.arange(40))
     sampler = ResumableSampler(len(data), seed=5)
@@ -146,6 +147,7 @@ def test_state_mismatch_names_the_part(manager: CheckpointManager) -> None:
         )
 
 
+@pytest.mark.process
 def test_dataloader_workers_survive_sigterm() -> None:
     """A SIGTERM sent to the process group (torchrun, SLURM) must not kill loader workers."""
     import os

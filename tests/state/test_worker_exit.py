@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # its tests start processes or servers
+
 CHILD_TIMEOUT_S = 300  # a guard against a hung child only
 
 SCRIPT = textwrap.dedent(

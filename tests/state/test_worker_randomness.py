@@ -151,6 +151,7 @@ def _indices(batches: list[list[list[str]]]) -> list[list[str]]:
     return [[row[0] for row in batch] for batch in batches]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("kind", "workers"),
     [
@@ -169,6 +170,7 @@ def test_seeded_samples_resume_bit_exactly(tmp_path: Path, kind: str, workers: i
     assert len({tuple(row[1:]) for row in rows}) == len(rows)  # no draw repeats across epochs
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("kind", "workers"), [("sampler", 1), ("sampler", 2), ("stateful", 2)])
 def test_plain_workers_draw_other_values_after_resume(
     tmp_path: Path, kind: str, workers: int

@@ -477,6 +477,7 @@ class _Trickle:
         self.server.server_close()
 
 
+@pytest.mark.process
 @pytest.mark.usefixtures("no_env_connection_string")
 @pytest.mark.parametrize("read", ["get", "get_range_into"])
 def test_a_trickling_answer_is_cut_at_the_deadline(read: str) -> None:

@@ -57,6 +57,7 @@ def test_the_weaker_mode_commits_after_a_check(tmp_path: Path) -> None:
         assert mgr.store.get("k") == b"0"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", ["file", "memory", "s3"])
 def test_save_and_restore_through_the_manager(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest

@@ -404,6 +404,7 @@ def server(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue(request.param))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_create_only_conflicts_on_the_server_itself(
     server: str, shape: str, request: pytest.FixtureRequest
@@ -429,6 +430,7 @@ def test_create_only_conflicts_on_the_server_itself(
         store.close()
 
 
+@pytest.mark.process
 def test_create_only_puts_racing_from_a_barrier_have_one_winner(server: str) -> None:
     key = "step-000000001/manifest.json"
     writers = 6
@@ -498,6 +500,7 @@ def _commit_race_job(endpoint: str, bucket: str, value: float, start: Any, resul
         results.put(("error", value, sent, repr(error)))
 
 
+@pytest.mark.process
 def test_two_jobs_racing_to_commit_one_step_commit_exactly_one(server: str) -> None:
     import torch
 

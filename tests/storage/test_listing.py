@@ -233,6 +233,7 @@ LOOK_ALIKES = [
 OTHERS = ["events/summary.json", "latest.json", "step-000000002/a-dead/r00000-000.safetensors"]
 
 
+@pytest.mark.process
 def test_look_alikes_are_reported_never_listed(
     store: ObjectStore, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -245,6 +246,7 @@ def test_look_alikes_are_reported_never_listed(
         assert repr(key.partition("/")[0]) in caplog.text
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("keep_last", [17, 2], ids=["few-retire", "many-retire"])
 def test_retention_deletes_only_the_retired_folders(store: ObjectStore, keep_last: int) -> None:
     committed = [1, *range(3, 22)]  # step 2 is a folder without a manifest
@@ -362,6 +364,7 @@ def test_a_server_that_only_knows_slash_is_detected(
     assert "answered with the common prefix 'step-000000001/'" in caplog.text
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("server", ["gcs_endpoint", "fake_gcs_endpoint"])
 def test_gcs_servers_list_steps_right(
     request: pytest.FixtureRequest, server: str, caplog: pytest.LogCaptureFixture

@@ -117,6 +117,7 @@ def _run_bounded(fn: Any) -> BaseException | None:
     return outcome[0]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("slow", ["trickle", "stall"], indirect=True)
 @pytest.mark.parametrize("operation", ["get", "get_range", "get_range_into"])
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
@@ -140,6 +141,7 @@ def test_deadline_bounds_a_slow_body(slow: SlowServer, kind: str, operation: str
     assert slow.body_bytes_sent < MIB // 100  # it gave up long before the body was in
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("slow", ["bad-crc"], indirect=True)
 def test_gcs_read_checks_crc32c_and_retries(slow: SlowServer) -> None:
     store = _open("gcs", slow.endpoint, DEADLINE)

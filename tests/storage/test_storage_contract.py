@@ -42,12 +42,12 @@ def _payload(size: int, seed: int = 0) -> bytes:
         "memory",
         "local",
         "local-linked-root",
-        "s3",
-        "gcs",
-        "azure",
+        pytest.param("s3", marks=pytest.mark.process),
+        pytest.param("gcs", marks=pytest.mark.process),
+        pytest.param("azure", marks=pytest.mark.process),
         "fsspec-local",
         "fsspec-memory",
-        "fsspec-s3",
+        pytest.param("fsspec-s3", marks=pytest.mark.process),
     ]
 )
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:

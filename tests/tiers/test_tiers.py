@@ -233,6 +233,7 @@ def _state(seed: int) -> dict[str, Any]:
     return {"w": torch.randn(512, 128), "b": torch.randn(128)}  # w: four 64 KiB blocks
 
 
+@pytest.mark.process
 def test_a_missing_or_unwritable_local_dir_fails_at_start_up(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="does not exist"):
         CheckpointManager(str(tmp_path / "b"), local_dir=str(tmp_path / "no" / "{node}"))
@@ -397,6 +398,7 @@ def _groups(keys: list[str], block_size: int) -> bytes:
     return b'"groups": ' + json.dumps(groups).encode()
 
 
+@pytest.mark.process
 def test_tier_records_and_manifests_are_fsynced_before_and_after_their_rename(
     tmp_path: Path,
 ) -> None:
@@ -527,6 +529,7 @@ def _save_and_kill(nodes: list[str], args: dict[str, Any]) -> None:
         assert status == wanted, f"rank {rank} exited {status}:\n{output[-6000:]}"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("redundancy", "count", "lost"),
     [("replicate:2", 4, [2]), ("ec:2+1", 3, [1]), ("ec:2+2", 4, [1, 2])],
@@ -547,6 +550,7 @@ def test_lost_nodes_restore_from_peers_without_the_bucket(
     _same(tmp_path / "out" / f"restored-{count}.pt", tmp_path / "out" / "expected-6.pt")
 
 
+@pytest.mark.process
 def test_too_many_lost_nodes_fall_back_to_the_durable_step_and_say_why(tmp_path: Path) -> None:
     args = _args(tmp_path, str(tmp_path / "bucket"), "replicate:2", kill=[1, 2])
     _save_and_kill(NODES, args)
@@ -559,6 +563,7 @@ def test_too_many_lost_nodes_fall_back_to_the_durable_step_and_say_why(tmp_path:
     _same(tmp_path / "out" / "restored-4.pt", tmp_path / "out" / "expected-4.pt")
 
 
+@pytest.mark.process
 def test_corrupt_copies_are_skipped_for_intact_ones_then_for_an_older_step(tmp_path: Path) -> None:
     args = _args(tmp_path, str(tmp_path / "bucket"), "replicate:2")
     run_nodes(NODES, "save_then_die", args)
@@ -583,6 +588,7 @@ def test_corrupt_copies_are_skipped_for_intact_ones_then_for_an_older_step(tmp_p
     _same(tmp_path / "out" / "restored-4.pt", tmp_path / "out" / "expected-4.pt")
 
 
+@pytest.mark.process
 def test_restore_on_another_world_size_from_fast_tier_copies(tmp_path: Path) -> None:
     args = _args(tmp_path, str(tmp_path / "bucket"), "replicate:2")
     run_nodes(NODES, "save_then_die", args)
@@ -644,6 +650,7 @@ def _results(tmp_path: Path, name: str, ranks: range | list[int]) -> list[dict[s
     return [json.loads((tmp_path / "out" / f"{name}-{r}.json").read_text()) for r in ranks]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("damage", ["forged-block-size-everywhere", "truncated-on-one-node"])
 def test_a_damaged_tier_record_on_any_node_makes_every_rank_restore_an_older_step(
     tmp_path: Path, damage: str
@@ -667,6 +674,7 @@ def test_a_damaged_tier_record_on_any_node_makes_every_rank_restore_an_older_ste
     _same(tmp_path / "out" / "restored-3.pt", tmp_path / "out" / "expected-4.pt")
 
 
+@pytest.mark.process
 def test_a_peer_serving_corrupt_bytes_never_leaves_a_half_restored_state_behind(
     tmp_path: Path,
 ) -> None:
@@ -692,9 +700,8 @@ def test_a_peer_serving_corrupt_bytes_never_leaves_a_half_restored_state_behind(
 
 
 def _loop_args(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    return _args(
-        tmp_path, str(tmp_path / "bucket"), "replicate:2", collective_timeout_s=60, **extra
-    )
+    extra = {"collective_timeout_s": 60, **extra}
+    return _args(tmp_path, str(tmp_path / "bucket"), "replicate:2", **extra)
 
 
 def test_a_full_disk_on_one_node_in_the_copy_phase_is_a_warning_on_every_rank(
@@ -724,13 +731,21 @@ def test_a_full_disk_on_one_node_in_the_copy_phase_is_a_warning_on_every_rank(
         assert not list(node_folder(args, node).glob("step-*")), node
 
 
+@pytest.mark.process
 def test_a_node_lost_in_the_copy_phase_is_a_clear_error_naming_it_on_every_other_rank(
     tmp_path: Path,
 ) -> None:
     """node2 dies (SIGKILL) as it starts writing node1's copy: the others raise PeerLostError
     naming rank 2, within the collective timeout, never a raw gloo error."""
     die = {"rank": 2, "name": "r00001-000.safetensors"}
-    args = _loop_args(tmp_path, interval_steps=None, local_interval_steps=1, steps=3, die=die)
+    args = _loop_args(  # the survivors wait out the collective timeout: a short one
+        tmp_path,
+        interval_steps=None,
+        local_interval_steps=1,
+        steps=3,
+        die=die,
+        collective_timeout_s=20,
+    )
     results = finish(launch_nodes(NODES, "save_loop", args), timeout=600)
     assert [status for status, _ in results] == [0, 0, -signal.SIGKILL, 0], results
     for result in _results(tmp_path, "loop", [0, 1, 3]):
@@ -738,6 +753,7 @@ def test_a_node_lost_in_the_copy_phase_is_a_clear_error_naming_it_on_every_other
         assert "rank(s) 2 (node node2) left the job" in result["message"]
 
 
+@pytest.mark.process
 def test_a_hostile_node_id_on_one_rank_stops_every_rank_at_start_with_a_clear_error(
     tmp_path: Path,
 ) -> None:
@@ -752,6 +768,7 @@ def test_a_hostile_node_id_on_one_rank_stops_every_rank_at_start_with_a_clear_er
     assert not list((tmp_path / "machines").rglob("escape"))
 
 
+@pytest.mark.process
 def test_two_machines_with_one_node_id_keep_their_tier_folders_bounded(tmp_path: Path) -> None:
     """The rank whose machine is not its node leader's never commits there: retention still
     removes its folders, so each machine keeps at most local_keep_last of them."""
