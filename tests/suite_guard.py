@@ -5,8 +5,9 @@ no network socket.
 **Timeouts.** Every test runs under pytest-timeout (``timeout`` in pyproject.toml; a test that
 needs more says so with ``@pytest.mark.timeout(N)``), by its ``signal`` method: SIGALRM raises in
 the test's own thread, so only that test fails and the rest of its file still runs on the same
-xdist worker. (The ``thread`` method ends the whole worker with ``os._exit``: xdist then has to
-replace it, and the report of the test is a crash with the stack printed to a worker's stderr.)
+xdist worker. (The ``thread`` method ends the whole worker with ``os._exit``, and under
+``--dist loadfile`` xdist hands the crashed worker's whole file, the hung test first, to a new
+worker, which hangs the same way: tried here, eight crashes before xdist gives up.)
 `Timeouts.pytest_timeout_set_timer` replaces the plugin's handler so that the failure itself
 carries what is needed to see why: the stack of every thread of the test process, and for each
 live rank process the suite forked (`preloaded`), its own threads' stacks (faulthandler, on
@@ -132,18 +133,16 @@ def children_report(exclude: set[int]) -> str:
 
 def _wait_for_logs_to_settle(logs: list[str]) -> None:
     """Until the logs stop growing (the dumps are in), at most `DUMP_WAIT_S`."""
-    if not logs:
-        return
 
     def sizes() -> list[int]:
         return [os.path.getsize(log) if os.path.exists(log) else 0 for log in logs]
 
     deadline = time.monotonic() + DUMP_WAIT_S
-    before = sizes()
-    while time.monotonic() < deadline:
+    before: list[int] | None = None
+    while logs and time.monotonic() < deadline:
         threading.Event().wait(0.3)
         now = sizes()
-        if now == before and time.monotonic() > deadline - DUMP_WAIT_S + 0.6:
+        if now == before:
             return
         before = now
 
