@@ -19,7 +19,9 @@ the test's child processes are killed and the main thread's system call is inter
 
 **Children.** A process started while the test ran (not by a fixture's set-up: module and session
 fixtures keep theirs) and still alive after its teardown is killed, with its whole tree, and the
-test gets a warning that names it.
+test gets a warning that names it. multiprocessing's own children are left to the objects that
+own them (a DataLoader iterator still alive ends its workers itself, and raises in the main thread
+if one is killed under it).
 
 **`make check`** (``--no-processes``): a test that starts a process or binds or connects a
 socket other than a Unix one fails at once, naming what it did and the ``process`` marker to put
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing
 import multiprocessing.util
 import os
 import signal
@@ -246,10 +249,13 @@ class ChildReaper:
     def pytest_runtest_teardown(self, item: pytest.Item) -> Iterator[None]:
         yield
         starters = {os.getpid(), preloaded.server_pid()}  # a server's own children are its business
+        # multiprocessing's children (a live DataLoader iterator's workers) belong to objects that
+        # end them, and killing one makes its loader raise in whatever the main thread runs next
+        owned = {child.pid for child in multiprocessing.active_children()}
         leftover = [
             p
             for pid, p in _descendants().items()
-            if pid not in self.before_call | starters and not _process_helper(p)
+            if pid not in self.before_call | starters | owned and not _process_helper(p)
         ]
         leftover = [p for p in leftover if _parent(p) in starters]
         _, leftover = psutil.wait_procs(leftover, timeout=EXIT_GRACE_S)  # some are on their way
