@@ -9,6 +9,7 @@ initialised process group, and DCP keeps its child alive for the life of the pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -365,9 +366,13 @@ def _upload_child() -> int:
 
 
 def _kill(pid: int) -> None:
-    """SIGKILL `pid` (a child) and wait until it is dead, leaving it for its parent to reap."""
+    """SIGKILL `pid` (a child) and wait until it is dead, leaving it for its parent to reap.
+
+    The upload's own watcher (multiprocessing's ``is_alive``) may reap it first: then it is no
+    longer our child (ChildProcessError), and dead all the same (seen on a loaded machine)."""
     os.kill(pid, signal.SIGKILL)
-    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    with contextlib.suppress(ChildProcessError):
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
 
 
 def _process_manager(uri: str, **storage_options: Any) -> CheckpointManager:
