@@ -74,7 +74,7 @@ from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.engine.writer import ObjectStoreWriter, RankAssignment, _item_name
 from spotckpt.errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from spotckpt.format.dtypes import dtype_of
-from spotckpt.format.manifest import ChunkLocation, ObjectRecord
+from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, TensorSpec, encode_header
 from spotckpt.storage.base import (
     Listing,
@@ -220,12 +220,22 @@ def restore_phase(
 
 def populate_history(store: CountingStore, steps: int, objects_per_step: int) -> None:
     """`steps` committed steps, each a manifest and `objects_per_step` rank objects (empty
-    bytes: listing and retention never read them)."""
+    bytes: listing and retention never read them; retention reads the manifests, which name no
+    object, as it reads each step's once to tell what the step holds)."""
     for step in range(1, steps + 1):
         attempt = f"{step:016x}"
         for rank in range(objects_per_step):
             store.put(step_key(step, rank_object_key(attempt, rank)), b"")
-        store.put(manifest_key(step), b"")
+        empty = Manifest(
+            step=step,
+            attempt=attempt,
+            world_size=objects_per_step,
+            block_size=DEFAULT_BLOCK_SIZE,
+            objects={},
+            tensors={},
+            values={},
+        )
+        store.put(manifest_key(step), empty.to_json())
 
 
 def listing_phase(store: CountingStore, keep_last: int) -> ListingOutcome:

@@ -44,7 +44,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -57,6 +57,7 @@ from spotckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    InvalidKeyError,
     ManifestError,
     NoCheckpointError,
     ObjectMissingError,
@@ -85,7 +86,8 @@ from spotckpt.format.manifest import MAX_INT, Manifest, check_manifest_size
 from spotckpt.format.references import FEATURE as REFERENCES
 from spotckpt.format.references import attempt_of, is_reference, object_path
 from spotckpt.format.signing import Keyring
-from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo
+from spotckpt.retention import KeepLast, RetentionDecision, StepReading
+from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo, check_key
 
 log = logging.getLogger("spotckpt")
 
@@ -116,6 +118,8 @@ PART_READ_UNCHECKED = 8 << 20
 """An index part the root claims to be larger than this is first looked up (HEAD), so that a
 forged root's claim is never the size of a read before the store confirms it; smaller parts
 (nearly all) are read at once, with at most `PART_READS` times this many bytes unconfirmed."""
+READ_STEPS_TRIES = 5
+"""`Catalog.read_steps` lists again this many times at most while manifests vanish under it."""
 RETIRE_FOLDER_LISTINGS = 16
 """Up to this many retired folders, `Catalog.retire` lists each on its own."""
 CLOCK_PROBE_PREFIX = "gc/clock-"
@@ -301,10 +305,18 @@ def _no_chunks(root: Root) -> tuple[Mapping[str, list[Box]], Iterable[str]]:
 _NO_CHUNKS: WantedFromRoot = _no_chunks
 
 
-def is_held(key: str, held: set[str]) -> bool:
-    """Whether `key` (relative to the root) lies in one of the `held` attempt folders."""
-    folder, _slash, rest = key.partition("/")
-    return f"{folder}/{rest.partition('/')[0]}" in held
+def may_delete_key(key: str, decision: RetentionDecision) -> bool:
+    """Whether the object `key` (relative to the root, inside a step folder) may be deleted
+    under `decision`: an attempt folder's object as `RetentionDecision.may_delete` says, any
+    other object of a step folder unless its step's objects are held back."""
+    folder, _, rest = key.partition("/")
+    step = parse_step_folder(folder)
+    if step is None:
+        return False
+    head, slash, _tail = rest.partition("/")
+    if slash and head.startswith(ATTEMPT_PREFIX):
+        return decision.may_delete(f"{folder}/{head}", step)
+    return decision.holds_back(step) is None
 
 
 def _described(key: str, size: int, found: ObjectInfo | None) -> str:
@@ -373,6 +385,7 @@ class Catalog:
         self.keyring = keyring if keyring is not None and keyring.enforcing else None
         self._job_id: str | None = None
         self._reported: set[str] = set()
+        self._known: dict[int, tuple[ObjectInfo, StepReading]] = {}
 
     @property
     def uri(self) -> str:
@@ -499,17 +512,52 @@ class Catalog:
                 "trusted"
             )
 
-    def held_by_references(self, steps: Iterable[int]) -> set[str]:
-        """The attempt folders of other steps (``step-N/a-<id>``) that the manifests of `steps`
-        reference: retention and gc keep them. ManifestError when one does not validate (then
-        what it references is unknown, and the caller deletes no step's objects)."""
-        held: set[str] = set()
-        for step in steps:
+    def read_steps(self) -> list[StepReading]:
+        """Every committed step's `StepReading` (retention's view, `spotckpt.retention`), from
+        one listing in which every manifest was read: a manifest deleted while it is read (by
+        retention or gc elsewhere) means a new listing, so that no step that commits meanwhile
+        goes unseen. A manifest this catalog read before, unchanged in the listing, is not read
+        again. StorageError when the steps keep changing, or the store fails."""
+        for _ in range(READ_STEPS_TRIES):
+            listing = self._step_listing()
+            manifests = {
+                step: info
+                for info in listing.objects
+                if (step := parse_step_folder(info.key.partition("/")[0])) is not None
+                and info.key.partition("/")[2] == MANIFEST_NAME
+            }
             try:
-                held |= referenced_folders(self.read_manifest(step, wanted=_NO_CHUNKS))
+                readings = self._readings(manifests)
             except NoCheckpointError:
-                continue  # deleted meanwhile: it holds nothing any more
-        return held
+                continue
+            return readings
+        raise StorageError(
+            f"the committed steps under {self.uri} kept changing while retention read them "
+            f"({READ_STEPS_TRIES} listings); nothing was deleted"
+        )
+
+    def _readings(self, manifests: dict[int, ObjectInfo]) -> list[StepReading]:
+        """The readings of the listed `manifests`, reading those not known from before (a
+        listed time tells a manifest re-saved at the same step apart; without one, no reuse)."""
+        known = {
+            step: reading
+            for step, (info, reading) in self._known.items()
+            if manifests.get(step) == info and info.last_modified is not None
+        }
+        fresh = [step for step in manifests if step not in known]
+        with ThreadPoolExecutor(max(1, min(PART_READS, len(fresh)))) as pool:
+            known.update(zip(fresh, pool.map(self._reading, fresh), strict=True))
+        self._known = {step: (manifests[step], reading) for step, reading in known.items()}
+        return [known[step] for step in sorted(manifests)]
+
+    def _reading(self, step: int) -> StepReading:
+        """Retention's view of one committed step; NoCheckpointError when it vanished."""
+        try:
+            manifest = self.read_manifest(step, wanted=_NO_CHUNKS)
+        except (ManifestError, CorruptCheckpointError, BoundedJSONError) as error:
+            return StepReading(step, None, f"{type(error).__name__}: {error}")
+        own = {f"{step_folder(step)}/{name}" for name in attempt_folders(manifest)}
+        return StepReading(step, frozenset(own | referenced_folders(manifest)))
 
     def _from_parts(
         self, root: Root, wanted: Wanted, values: Iterable[str], ranks: set[int]
@@ -603,7 +651,7 @@ class Catalog:
         uploads = self.store.list_uploads("") if with_uploads else []
         steps: dict[int, StepFolder] = {}
         look_alikes: set[str] = set()
-        for info in self.store.list(STEP_PREFIX):
+        for info in self._listed(STEP_PREFIX):
             entry = self._entry(steps, info.key, look_alikes)
             if entry is None:
                 continue
@@ -646,19 +694,11 @@ class Catalog:
             return None
         return entry.attempts.setdefault(head, ObjectGroup(f"{entry.folder}/{head}/"))
 
-    def referenced_attempts(self, step: int) -> set[str]:
-        """Attempt folders the manifest and any quarantine records of `step` hold on to.
-
-        Raises ManifestError when the manifest does not validate (the caller leaves it alone).
-        """
-        held = attempt_folders(self.read_manifest(step)) if self.is_committed(step) else set()
-        return held | self.quarantined_attempts(step)
-
     def quarantined_attempts(self, step: int) -> set[str]:
         """Attempt folders that a quarantine record of `step` keeps for inspection."""
         held: set[str] = set()
         folder = step_folder(step)
-        for info in self.store.list(f"{folder}/{QUARANTINE_PREFIX}"):
+        for info in self._listed(f"{folder}/{QUARANTINE_PREFIX}"):
             if not info.key.endswith(f"/{REASON_NAME}") or info.size > 1 << 20:
                 continue
             try:
@@ -715,7 +755,7 @@ class Catalog:
     def clock_probes(self) -> list[ObjectInfo]:
         """Clock probes still in the store: another gc's, in flight, or one that a gc that died
         left behind."""
-        return list(self.store.list(CLOCK_PROBE_PREFIX))
+        return list(self._listed(CLOCK_PROBE_PREFIX))
 
     # Committing -------------------------------------------------------------------------------
 
@@ -817,7 +857,7 @@ class Catalog:
             prefix = attempt_prefix(step, attempt)
             for upload in self.store.list_uploads(prefix):
                 self.store.abort_upload(upload)
-            self.store.delete_many([info.key for info in self.store.list(prefix)])
+            self.store.delete_many([info.key for info in self._listed(prefix)])
         except StorageError as error:
             log.warning(
                 "could not clean up failed attempt %s of step %d: %s (gc will)",
@@ -828,94 +868,122 @@ class Catalog:
 
     # Deleting ---------------------------------------------------------------------------------
 
-    def delete_step(
-        self, step: int, *, newest: int | None = None, held: set[str] | None = None
-    ) -> None:
-        """Delete a committed checkpoint, manifest first (never half-visible), but not the
-        objects that other steps reference (`held`, else read from every other step's manifest:
-        `held_by_references`); those outlive it.
+    def delete_step(self, step: int, *, newest: int | None = None) -> None:
+        """Delete a committed checkpoint on request, manifest first (never half-visible), under
+        the retention rule (`spotckpt.retention`): the objects that other steps need outlive it.
 
-        Refuses the newest committed step: `newest` if the caller knows it, else a fresh listing.
+        Refuses the newest readable committed step (`newest`, if the caller knows it, is taken
+        as the newest step). An unreadable step may be deleted this way: it is an explicit
+        request.
         """
-        newest = self.latest() if newest is None else newest
-        if newest is None or step >= newest:
+        readings = self.read_steps()
+        if newest is None:
+            readable = [r.step for r in readings if r.readable]
+            newest = max(readable) if readable else None
+        mine = [r for r in readings if r.step == step]
+        if newest is not None and step >= newest and (not mine or mine[0].readable):
             raise CheckpointError(
                 f"refusing to delete step {step}: it is the newest committed checkpoint at "
                 f"{self.uri}"
             )
-        folder = step_folder(step)
-        incremental, released = self._referenced_by([step])
-        if held is None:
-            others = [s for s in self.steps() if s != step] if incremental else []
-            held = self.held_by_references(others)
-        self.store.delete_many([manifest_key(step)])
-        keys = [info.key for info in self.store.list(f"{folder}/")]
-        self.store.delete_many([k for k in keys if not is_held(k, held)])
-        self._release(released - held)
+        if not mine:
+            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
+        others = KeepLast(None).decide(r for r in readings if r.step != step)
+        self.remove_steps([step], others, mine)
 
     def retire(self, keep_last: int) -> list[int]:
-        """Delete committed checkpoints beyond the newest `keep_last`; returns their steps.
+        """Delete committed checkpoints beyond the newest `keep_last` readable ones under the
+        retention rule (`spotckpt.retention`); returns their steps.
 
         Every retired manifest goes first (no checkpoint is ever half-visible), then the objects
-        of the retired step folders and nothing else: no other folder, look-alike or event.
-        Listing costs one delimited listing of the steps, then one listing per retired folder
-        or, when more than `RETIRE_FOLDER_LISTINGS` retire at once, one listing that stops past
-        the last of them. References (incremental saves): the retired manifests are read (one
-        GET each); when one of them was incremental the kept ones are read too, and the objects
-        they reference stay (`held_by_references`), while the folders that only the retired
-        steps referenced go with them.
+        of the retired step folders that no kept step needs, and the folders of earlier steps
+        that only the retired ones still needed; nothing else: no other folder, look-alike or
+        event. An unreadable step is left alone, with a warning. Cost: the step listing, a GET
+        of each manifest not read before by this catalog (`read_steps`), then one listing per
+        retired folder or, when more than `RETIRE_FOLDER_LISTINGS` retire at once, one listing
+        that stops past the last of them.
         """
-        if keep_last < 1:
-            raise InvalidArgumentError(
-                "keep_last must be at least 1: the newest checkpoint is never deleted"
-            )
-        committed = self.steps()
-        cut = max(0, len(committed) - keep_last)
-        retired = committed[:cut]
-        if retired:
-            incremental, released = self._referenced_by(retired)
-            held = self.held_by_references(committed[cut:]) if incremental else set()
-            self.store.delete_many([manifest_key(step) for step in retired])
-            keys = self._folder_keys({step_folder(s) for s in retired})
-            self.store.delete_many([k for k in keys if not is_held(k, held)])
-            self._release(released - held)
-        return retired
+        readings = self.read_steps()
+        decision = KeepLast(keep_last).decide(readings)
+        for reading in readings:
+            if not reading.readable:
+                self._report_unreadable(reading, decision)
+        retired = [r for r in readings if r.step in decision.retired]
+        self.remove_steps(list(decision.retired), decision, retired)
+        return list(decision.retired)
 
-    def _referenced_by(self, steps: list[int]) -> tuple[bool, set[str]]:
-        """Of the manifests of `steps` (about to go): whether any was written by an incremental
-        save (only then may a kept step reference their objects, and the kept manifests are
-        read), and the earlier steps' attempt folders they reference. A manifest that cannot be
-        read counts as neither (its references are left to gc)."""
-        incremental, folders = False, set()
-        for step in steps:
-            try:
-                manifest = self.read_manifest(step, wanted=_NO_CHUNKS)
-            except (ManifestError, CorruptCheckpointError, NoCheckpointError):
+    def remove_steps(
+        self, steps: list[int], decision: RetentionDecision, readings: list[StepReading]
+    ) -> None:
+        """Delete the manifests of `steps`, then the objects of their folders that `decision`
+        (`spotckpt.retention`) lets go, then the folders of other steps that only they needed
+        (their `readings`; gc passes none and collects those folders itself)."""
+        if not steps:
+            return
+        self.store.delete_many([manifest_key(step) for step in steps])
+        keys = self._folder_keys({step_folder(s) for s in steps})
+        self.store.delete_many([k for k in keys if may_delete_key(k, decision)])
+        released = {f for r in readings for f in r.needs or ()} - decision.needed
+        going = set(steps)
+        for folder in sorted(released):
+            step = parse_step_folder(folder.partition("/")[0])
+            if step is None or step in going or not decision.may_delete(folder, step):
                 continue
-            incremental = incremental or manifest.incremental is not None
-            folders |= referenced_folders(manifest)
-        return incremental, folders
+            self.store.delete_many([info.key for info in self._listed(f"{folder}/")])
 
-    def _release(self, folders: set[str]) -> None:
-        """Delete the objects of attempt folders of retired steps that no kept step references
-        any more (their step's manifest went earlier, while a kept step still held them)."""
-        for folder in sorted(folders):
-            self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
+    def _report_unreadable(self, reading: StepReading, decision: RetentionDecision) -> None:
+        """Warn, once per step, that retention leaves an unreadable step alone."""
+        if f"unreadable {reading.step}" in self._reported:
+            return
+        self._reported.add(f"unreadable {reading.step}")
+        log.warning(
+            "retention leaves checkpoint step %d under %s alone: its manifest cannot be read "
+            "(%s). It takes no slot of keep_last, and neither its objects nor those of older "
+            "steps (%s) are deleted while it is there; `spotckpt gc --delete-unreadable` "
+            "removes it",
+            reading.step,
+            self.uri,
+            reading.problem,
+            "none older" if decision.shield is None else f"before step {decision.shield}",
+        )
 
     def _folder_keys(self, folders: set[str]) -> list[str]:
         """Every key under the given step folders (``<folder>/...``), from as few listings as
         `retire` describes."""
         if len(folders) <= RETIRE_FOLDER_LISTINGS:
-            return [info.key for f in sorted(folders) for info in self.store.list(f"{f}/")]
+            return [info.key for f in sorted(folders) for info in self._listed(f"{f}/")]
         end = f"{max(folders)}0"  # "0" follows "/": past every key of the last folder
         keys = []
-        for info in self.store.list(STEP_PREFIX):
+        for info in self._listed(STEP_PREFIX):
             if info.key >= end:
                 break
             folder, slash, _rest = info.key.partition("/")
             if slash and folder in folders:
                 keys.append(info.key)
         return keys
+
+    def _listed(self, prefix: str) -> Iterator[ObjectInfo]:
+        """`store.list(prefix)` without the keys in step folders (or among gc's probes) that
+        spotckpt would never write (an empty or dot segment, say, which some stores accept):
+        each is skipped with a warning that names it, once, so that one such object never stops
+        retention or gc for the rest. Look-alike folders' keys are listed as they are."""
+        for info in self.store.list(prefix):
+            try:
+                check_key(info.key)
+            except InvalidKeyError as error:
+                ours = parse_step_folder(info.key.partition("/")[0]) is not None
+                if not ours and not info.key.startswith(CLOCK_PROBE_PREFIX):
+                    yield info  # a look-alike's: reported by the caller, never deleted
+                    continue
+                if info.key not in self._reported:
+                    self._reported.add(info.key)
+                    log.warning(
+                        "skipping an object under %s that spotckpt never writes: %s",
+                        self.uri,
+                        error,
+                    )
+                continue
+            yield info
 
     def quarantine(self, step: int, reason: str) -> str | None:
         """Move a bad step's manifest aside so the step can be saved again; returns the record.

@@ -28,13 +28,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, is_held, parse_step_folder
-from spotckpt.errors import (
-    CorruptCheckpointError,
-    InvalidArgumentError,
-    ManifestError,
-    ObjectNotFoundError,
-)
+from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, may_delete_key, parse_step_folder
+from spotckpt.errors import InvalidArgumentError
+from spotckpt.format.signing import Keyring
+from spotckpt.retention import KeepLast, RetentionDecision
 from spotckpt.storage.base import ObjectStore, UploadInfo
 from spotckpt.units import human_size
 
@@ -96,45 +93,50 @@ def collect_garbage(
     dry_run: bool = False,
     now: datetime | None = None,
     progress: Callable[[int, int], None] | None = None,
+    keyring: Keyring | None = None,
+    delete_unreadable: bool = False,
 ) -> GcReport:
     """Collect garbage under `store`'s root; see the module docstring. Returns the report.
 
     `now` is the store's current time when the caller already knows it; by default the store
     is asked (StoreClockError when it gives no time). `progress(done, total)` is called after
     the scan and as each step folder (then the uploads and probes, as one more) is done.
+    `keyring`: where it enforces signing, an unsigned manifest is unreadable (retention rule 2).
+    `delete_unreadable` also removes committed steps whose manifest cannot be read.
     """
-    if keep_last is not None and keep_last < 1:
-        raise InvalidArgumentError(
-            "keep_last must be at least 1: the newest checkpoint is never deleted"
-        )
     if safety_age_s < 0:
         raise InvalidArgumentError("safety_age_s must not be negative")
+    policy = KeepLast(keep_last, delete_unreadable)
     report = GcReport(dry_run=dry_run)
-    catalog = Catalog(store)
+    catalog = Catalog(store, keyring)
     now = _aware(now) if now is not None else catalog.store_time()
     scan = catalog.scan()
     report.kept.extend(f"{name}/ (not a canonical step folder)" for name in scan.look_alikes)
-    committed = scan.committed
-    retired = set(committed[:-keep_last]) if keep_last is not None else set()
+    readings = catalog.read_steps()  # after the scan: what any step committed by now needs
+    decision = policy.decide(readings)
+    committed = {r.step for r in readings}
+    for reading in readings:
+        if not reading.readable and reading.step in decision.unreadable:
+            report.kept.append(
+                f"step-{reading.step:09d}/ (manifest cannot be read: {reading.problem}; "
+                "what it references is unknown, so older steps' objects stay too)"
+            )
+            log.warning(
+                "gc: leaving step %d alone, its manifest cannot be read (%s); objects of older "
+                "steps stay while it is there (--delete-unreadable removes it)",
+                reading.step,
+                reading.problem,
+            )
     advance = _counter(len(scan.steps) + 1, progress)
-    try:
-        held: set[str] | None = catalog.held_by_references(s for s in committed if s not in retired)
-    except (ManifestError, CorruptCheckpointError) as error:
-        held = None  # what the kept steps reference is unknown: no step's objects go
-        report.kept.append(f"every retired and uncommitted step folder (a kept manifest: {error})")
-        log.warning("gc: deleting no step's objects, a kept manifest does not validate: %s", error)
-    for step in sorted(retired if held is not None else ()):
-        _retire(catalog, scan.steps[step], committed[-1], held or set(), report)
+    for step in decision.retired:
+        _retire(catalog, scan.steps.get(step, StepFolder(step)), decision, report)
         advance()
     for step, info in sorted(scan.steps.items()):
-        if step in retired:
+        if step in decision.retired:
             continue
         for record in info.quarantined:
             report.kept.append(f"{info.folder}/{record}/ (quarantined for inspection)")
-        if info.has_manifest:
-            _collect_attempts(catalog, info, now, safety_age_s, report)
-        elif held is not None:
-            _collect_uncommitted(catalog, info, now, safety_age_s, held, report)
+        _collect_attempts(catalog, info, step in committed, decision, now, safety_age_s, report)
         advance()
     _abort_uploads(store, scan.uploads, now, safety_age_s, report)
     _collect_probes(catalog, now, safety_age_s, report)
@@ -171,50 +173,35 @@ def _old_enough(age: float | None, safety_age_s: float) -> bool:
 
 
 def _collect_attempts(
-    catalog: Catalog, info: StepFolder, now: datetime, safety_age_s: float, report: GcReport
-) -> None:
-    try:
-        referenced = catalog.referenced_attempts(info.step)
-    except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
-        report.kept.append(f"{info.folder}/ (manifest does not validate: {error})")
-        log.warning(
-            "gc: leaving step %d alone, its manifest does not validate: %s", info.step, error
-        )
-        return
-    except ObjectNotFoundError:
-        report.kept.append(f"{info.folder}/ (manifest deleted while gc ran)")
-        return
-    for attempt, group in sorted(info.attempts.items()):
-        if attempt in referenced:
-            continue
-        age = _age_s(group, now)
-        if not _old_enough(age, safety_age_s):
-            _keep(report, group.prefix, age, safety_age_s)
-            continue
-        _delete_group(catalog, "attempt", group, age, info.step, report)
-
-
-def _collect_uncommitted(
     catalog: Catalog,
     info: StepFolder,
+    committed: bool,
+    decision: RetentionDecision,
     now: datetime,
     safety_age_s: float,
-    referenced: set[str],
     report: GcReport,
 ) -> None:
-    """A step folder without a manifest: a save that never committed, a quarantined step, or a
-    retired step whose objects a kept step still references.
+    """The attempt folders of one step folder that no kept step needs (`decision`): a failed
+    attempt of a committed step, a save that never committed, a retired step's objects that no
+    kept step references any more.
 
-    Quarantine records and the attempt folders they name are kept for inspection; attempt
-    folders that a kept step references (`referenced`) are kept for it.
+    Quarantine records and the attempt folders they name are kept for inspection. Just before
+    an attempt of a step that was not committed is deleted, its manifest is looked for again:
+    a save that commits meanwhile keeps its objects.
     """
     held = catalog.quarantined_attempts(info.step) if info.quarantined else set()
     for attempt, group in sorted(info.attempts.items()):
+        folder = f"{info.folder}/{attempt}"
         if attempt in held:
             report.kept.append(f"{group.prefix} (held by a quarantine record)")
             continue
-        if f"{info.folder}/{attempt}" in referenced:
-            report.kept.append(f"{group.prefix} (referenced by a kept step)")
+        if folder in decision.needed:
+            if not committed:  # a retired step's objects, held for a kept one
+                report.kept.append(f"{group.prefix} (referenced by a kept step)")
+            continue
+        why = decision.holds_back(info.step)
+        if why is not None:
+            report.kept.append(f"{group.prefix} ({why})")
             continue
         age = _age_s(group, now)
         if not _old_enough(age, safety_age_s):
@@ -222,11 +209,12 @@ def _collect_uncommitted(
             continue
         if not group.objects:
             continue  # only open uploads: aborted below, with the others
-        if catalog.is_committed(info.step):
+        if not committed and catalog.is_committed(info.step):
             report.kept.append(f"{group.prefix} (committed while gc ran)")
             log.info("gc: step %d committed while gc ran; left alone", info.step)
             return
-        _delete_group(catalog, "uncommitted", group, age, info.step, report)
+        kind = "attempt" if committed else "uncommitted"
+        _delete_group(catalog, kind, group, age, info.step, report)
 
 
 def _keep(report: GcReport, prefix: str, age: float | None, safety_age_s: float) -> None:
@@ -255,15 +243,15 @@ def _delete_group(
 
 
 def _retire(
-    catalog: Catalog, info: StepFolder, newest: int, held: set[str], report: GcReport
+    catalog: Catalog, info: StepFolder, decision: RetentionDecision, report: GcReport
 ) -> None:
-    """Retention: delete a committed checkpoint, manifest first; never the newest, nor the
-    objects that a kept step references (`held`)."""
+    """Retention: delete a committed checkpoint, manifest first; never the newest readable one,
+    nor the objects that a kept step needs (`decision`)."""
     folder = f"{info.folder}/"
-    going = [o for o in info.everything if not is_held(o.key, held)]
+    going = [o for o in info.everything if may_delete_key(o.key, decision)]
     action = GcAction("retention", folder, len(going), sum(o.size for o in going), None, info.step)
     if not report.dry_run:
-        catalog.delete_step(info.step, newest=newest, held=held)
+        catalog.remove_steps([info.step], decision, [])
     _record(report, action)
 
 

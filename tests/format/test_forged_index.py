@@ -274,10 +274,7 @@ def _assert_reported(folder: Path, match: str) -> None:
     assert _search(match, rows[2]["error"])
     assert gc.returncode == 0, gc.stderr
     report = json.loads(gc.stdout)
-    assert report["actions"] == []
-    assert any(
-        k.startswith(f"{step_folder(2)}/ (manifest does not validate") for k in report["kept"]
-    )
+    assert report["actions"] == []  # gc needs only the root to know what the step holds
 
 
 def _search(pattern: str, text: str) -> bool:

@@ -536,3 +536,34 @@ def test_the_command_line_on_azure_and_a_wrong_key_never_printed(
     assert denied.returncode != 0
     assert wrong not in denied.stdout + denied.stderr
     assert ACCOUNT_KEY not in denied.stdout + denied.stderr
+
+
+# Keys spotckpt never writes -------------------------------------------------------------------
+
+
+def test_a_blob_with_an_empty_segment_stops_neither_retention_nor_gc(
+    az_uri: str, az_container: str, service: BlobServiceClient
+) -> None:
+    """Azure accepts ``.../<attempt>//x``, which spotckpt would never write: one such blob in
+    a retired step is skipped with a warning that names it, and retention and gc go on."""
+    container = service.get_container_client(az_container)
+    odd = "runs/exp1/step-000000001/a-odd//x"
+    with CheckpointManager(az_uri, preemption=False, keep_last=1) as manager:
+        manager.save(1, {"w": torch.ones(8)})
+        container.upload_blob(odd, b"odd")
+        manager.save(2, {"w": torch.full((8,), 2.0)})
+        manager.save(3, {"w": torch.full((8,), 3.0)})
+        assert manager.steps() == [3]
+        store = manager.store
+        listed = {
+            b.name for b in container.list_blobs(name_starts_with="runs/exp1/step-000000001/")
+        }
+        assert listed == {odd}  # everything else of the retired step went
+        store.put("step-000000002/a-left/r00000-000.safetensors", b"x")  # a failed save's
+        report = collect_garbage(store, safety_age_s=0.0)
+        assert [a.target for a in report.actions if a.kind == "uncommitted"] == [
+            "step-000000002/a-left/"
+        ]
+        target = {"w": torch.empty(8)}
+        assert manager.restore(target) == 3
+    assert torch.equal(target["w"], torch.full((8,), 3.0))

@@ -21,6 +21,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import pytest
 
 from spotckpt.catalog import RETIRE_FOLDER_LISTINGS, Catalog, manifest_key, step_folder
+from spotckpt.format.manifest import Manifest
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.base import DelimiterNotHonouredError, ListingPages
 
@@ -28,19 +29,33 @@ from fault_proxy import FaultProxy
 from gcs_emulator import create_bucket
 from tests_support import PAGE, CountingStore
 
-Put = Callable[[str], None]
+Put = Callable[..., None]
+"""put(key) writes a placeholder object; put(key, data) writes `data`."""
 
 
-def _layout(put: Put, steps: range, attempts: int = 2, ranks: int = 2) -> None:
+def _layout(put: Put, steps: range | list[int], attempts: int = 2, ranks: int = 2) -> None:
     """Committed steps, each with `attempts` attempt folders of `ranks` objects (the last one
-    spread over a 3-hex sub-folder) and its manifest; manifests are not read by listings."""
+    spread over a 3-hex sub-folder) and a valid manifest naming the last attempt (retention
+    reads manifests: an unreadable one would be left alone); listings never read them."""
     for step in steps:
         folder = step_folder(step)
         for attempt in range(attempts):
             for rank in range(ranks):
                 spread = f"{rank % 7:03x}/" if attempt == attempts - 1 else ""
                 put(f"{folder}/a-{attempt:04d}/{spread}r{rank:05d}-000.safetensors")
-        put(manifest_key(step))
+        put(manifest_key(step), _manifest(step, f"{attempts - 1:04d}"))
+
+
+def _manifest(step: int, attempt: str) -> bytes:
+    return Manifest(
+        step=step,
+        attempt=attempt,
+        world_size=1,
+        block_size=1 << 20,
+        objects={},
+        tensors={},
+        values={},
+    ).to_json()
 
 
 def _keys(store: ObjectStore) -> set[str]:
@@ -58,7 +73,7 @@ def _under(keys: set[str], steps: list[int]) -> set[str]:
 
 def _counted(uri: str, steps: range, attempts: int, ranks: int) -> CountingStore:
     store = open_store(uri)
-    _layout(lambda key: store.put(key, b"x"), steps, attempts, ranks)
+    _layout(lambda key, data=b"x": store.put(key, data), steps, attempts, ranks)
     return CountingStore(store)
 
 
@@ -113,7 +128,9 @@ class RequestCounter:
 
 
 def _s3_put(s3_client: Any, bucket: str, root: str) -> Put:
-    return lambda key: s3_client.put_object(Bucket=bucket, Key=f"{root}/{key}", Body=b"x")
+    return lambda key, data=b"x": s3_client.put_object(
+        Bucket=bucket, Key=f"{root}/{key}", Body=data
+    )
 
 
 S3_PAGE = 10
@@ -178,7 +195,7 @@ def test_local_reads_each_step_folder_and_one_attempt_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attempts: int, ranks: int
 ) -> None:
     store = open_store(str(tmp_path / "ck"), fsync=False)
-    _layout(lambda key: store.put(key, b"x"), range(1, 41), attempts, ranks)
+    _layout(lambda key, data=b"x": store.put(key, data), range(1, 41), attempts, ranks)
     calls = _count_scandir(monkeypatch)
     assert Catalog(store).latest() == 40
     spread = 1  # the first attempt folder read may be the spread one, one level deeper
@@ -237,7 +254,7 @@ OTHERS = ["events/summary.json", "latest.json", "step-000000002/a-dead/r00000-00
 def test_look_alikes_are_reported_never_listed(
     store: ObjectStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _layout(lambda key: store.put(key, b"x"), range(1, 2))
+    _layout(lambda key, data=b"x": store.put(key, data), range(1, 2))
     for key in LOOK_ALIKES:
         store.put(key, b"{}")
     with caplog.at_level(logging.WARNING, logger="spotckpt"):
@@ -250,7 +267,7 @@ def test_look_alikes_are_reported_never_listed(
 @pytest.mark.parametrize("keep_last", [17, 2], ids=["few-retire", "many-retire"])
 def test_retention_deletes_only_the_retired_folders(store: ObjectStore, keep_last: int) -> None:
     committed = [1, *range(3, 22)]  # step 2 is a folder without a manifest
-    _layout(lambda key: store.put(key, b"x"), committed)
+    _layout(lambda key, data=b"x": store.put(key, data), committed)
     store.put(f"{step_folder(1)}/quarantined-20260101T000000.000000Z/reason.json", b"{}")
     store.put(f"{step_folder(3)}/a-failed/r00000-000.safetensors", b"x")
     for key in LOOK_ALIKES + OTHERS:
@@ -269,7 +286,7 @@ def test_retention_deletes_only_the_retired_folders(store: ObjectStore, keep_las
 def test_retention_past_a_billion_keeps_lexically_earlier_folders(memory_uri: str) -> None:
     store = CountingStore(open_store(memory_uri))
     committed = [*range(1, 21), 999_999_999, 1_000_000_000, 1_000_000_001]
-    _layout(lambda key: store.put(key, b"x"), committed)
+    _layout(lambda key, data=b"x": store.put(key, data), committed)
     before = _keys(store)
     # "step-1000000000" sorts before "step-999999999": the range listing passes over them
     assert Catalog(store).retire(keep_last=2) == committed[:-2]
@@ -379,7 +396,7 @@ def test_gcs_servers_list_steps_right(
         list_page_size=7,
     )
     try:
-        _layout(lambda key: store.put(key, b"x"), range(1, 9))
+        _layout(lambda key, data=b"x": store.put(key, data), range(1, 9))
         with caplog.at_level(logging.WARNING, logger="spotckpt"):
             assert Catalog(store).steps() == list(range(1, 9))
             assert Catalog(store).retire(keep_last=7) == [1]

@@ -1,0 +1,113 @@
+"""The retention rule: which committed steps stay, which go, and which attempt folders may be
+deleted. One rule, shared by the job's retention after each commit (`Catalog.retire`), `gc`
+(`spotckpt.gc`) and the fast tier's pruning (`spotckpt.tiers.fast_tier`).
+
+1. **Only readable steps count.** A step is readable when its manifest (an indexed step's root,
+   which names every object the step holds) validates, and is signed where a keyring enforces
+   signing; a damaged index part is found by restore (which quarantines the step) and `verify`. The newest `KeepLast.count` readable steps are kept; older
+   readable steps retire. The newest readable step is never retired.
+2. **An unreadable step is left alone.** A damaged manifest, a format this version does not
+   know, a manifest unsigned under a key: such a step takes no slot from readable steps, is
+   never retired, and keeps its objects. What it references is unknown, so every folder of an
+   older step stays too (its manifest may still retire). Such steps are reported (`ls`,
+   `verify`, gc's report) and removed only on request (`KeepLast.delete_unreadable`, the CLI's
+   ``gc --delete-unreadable``), and then only the objects that no readable kept step needs.
+3. **An attempt folder goes only with proof.** A folder (``step-N/a-<id>``) may be deleted only
+   when no kept step needs it (its own attempt, or one its references point into), as read from
+   a listing taken after the deletion candidates were chosen, in which every manifest was read
+   (`spotckpt.catalog.Catalog.read_steps`). A step that commits later references only what a
+   step of that listing needed, or its own new attempt, which gc's safety age protects.
+
+The decision is a small value (`RetentionDecision`) computed from `StepReading`s by a policy
+value (`KeepLast`), so that callers only carry it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from spotckpt.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class StepReading:
+    """What retention knows of one committed step: the attempt folders its manifest needs
+    (``step-N/a-<id>``, relative to the root: its own attempt and those its references point
+    into), or None with the `problem` when the manifest cannot be read."""
+
+    step: int
+    needs: frozenset[str] | None
+    problem: str = ""
+
+    @property
+    def readable(self) -> bool:
+        """Whether the manifest was read (see the module docstring, rule 1)."""
+        return self.needs is not None
+
+
+@dataclass(frozen=True)
+class RetentionDecision:
+    """The outcome of a `KeepLast` policy over a set of `StepReading`s."""
+
+    kept: tuple[int, ...]
+    retired: tuple[int, ...]
+    unreadable: tuple[int, ...]
+    """Unreadable steps that stay (rule 2)."""
+    needed: frozenset[str]
+    """Attempt folders that a kept step needs."""
+
+    @property
+    def shield(self) -> int | None:
+        """The newest unreadable step that stays: every folder of an older step stays too."""
+        return max(self.unreadable) if self.unreadable else None
+
+    def may_delete(self, folder: str, step: int) -> bool:
+        """Whether attempt folder `folder` (``step-N/a-<id>``) of `step` may be deleted under
+        rules 2 and 3 (a caller still applies its own checks: gc's safety age)."""
+        if folder in self.needed or step in self.unreadable:
+            return False
+        shield = self.shield
+        return shield is None or step > shield
+
+    def holds_back(self, step: int) -> str | None:
+        """Why the objects of `step` stay though its manifest may go, or None."""
+        shield = self.shield
+        if step in self.unreadable:
+            return f"step {step}'s manifest cannot be read"
+        if shield is not None and step < shield:
+            return (
+                f"step {shield}'s manifest cannot be read, so what it references is unknown "
+                "(spotckpt gc --delete-unreadable removes such steps)"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class KeepLast:
+    """Keep the newest `count` readable steps (every one when None); see the module docstring.
+
+    `delete_unreadable` retires unreadable steps too (never automatic: gc's explicit option).
+    """
+
+    count: int | None
+    delete_unreadable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.count is not None and self.count < 1:
+            raise InvalidArgumentError(
+                "keep_last must be at least 1: the newest checkpoint is never deleted"
+            )
+
+    def decide(self, readings: Iterable[StepReading]) -> RetentionDecision:
+        """Which steps stay and go, and which folders the kept ones need."""
+        ordered = sorted(readings, key=lambda r: r.step)
+        readable = [r for r in ordered if r.readable]
+        unreadable = tuple(r.step for r in ordered if not r.readable)
+        cut = 0 if self.count is None else max(0, len(readable) - self.count)
+        kept = readable[cut:]
+        retired = tuple(r.step for r in readable[:cut])
+        if self.delete_unreadable:
+            retired, unreadable = tuple(sorted(retired + unreadable)), ()
+        needed = frozenset(folder for r in kept for folder in r.needs or ())
+        return RetentionDecision(tuple(r.step for r in kept), retired, unreadable, needed)

@@ -1,0 +1,227 @@
+"""The retention rule (`spotckpt.retention`) where retention, gc and incremental references meet:
+gc racing a save that retires, a damaged old manifest, a planted step of an unknown format, and
+an object the store lists under a key spotckpt never writes. Real saves into a local folder,
+real damaged and planted bytes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from spotckpt import CheckpointManager, TrainState
+from spotckpt.catalog import Catalog, manifest_key, step_folder
+from spotckpt.gc import collect_garbage
+from spotckpt.retention import KeepLast, StepReading
+from spotckpt.storage import ObjectInfo, ObjectStore, open_store
+from spotckpt.storage.memory import _BUCKETS
+from spotckpt.verify import verify_checkpoint
+
+from tests_support import FailingStore, assert_equal
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 300), nn.Linear(300, 256))
+
+
+def _manager(root: Path | str, **kwargs: Any) -> CheckpointManager:
+    options: dict[str, Any] = {"incremental": True, "preemption": False, "keep_last": None}
+    return CheckpointManager(str(root), **(options | kwargs))
+
+
+def _save(mgr: CheckpointManager, step: int, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Save `step` with only the last bias changed, so that the weights are referenced."""
+    with torch.no_grad():
+        model[1].bias.add_(1.0)
+    mgr.save(step, TrainState(model=model, rng=False), blocking=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _restored(root: Path, step: int | None = None) -> tuple[int | None, dict[str, torch.Tensor]]:
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(7)
+    with _manager(root) as mgr:
+        got = mgr.restore(TrainState(model=model, rng=False), step=step)
+    return got, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _referencing_steps(root: Path, count: int) -> tuple[nn.Module, dict[int, dict[str, Any]]]:
+    model = _model()
+    states = {}
+    with _manager(root) as mgr:
+        for step in range(1, count + 1):
+            states[step] = _save(mgr, step, model)
+    manifest = Catalog(open_store(str(root))).read_manifest(count)
+    assert manifest.incremental is not None and manifest.referenced_bytes > 0
+    return model, states
+
+
+class AfterScan(FailingStore):
+    """Runs `then` once, right after the first full listing of the step folders (gc's scan)."""
+
+    def __init__(self, inner: ObjectStore, then: Callable[[], None]) -> None:
+        super().__init__(inner, 1 << 62)
+        self.then: Callable[[], None] | None = then
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        yield from super().list(prefix)
+        if prefix == "step-" and self.then is not None:
+            then, self.then = self.then, None
+            then()
+
+
+@pytest.mark.timeout(120)
+def test_gc_racing_a_save_that_retires_keeps_what_the_new_step_references(tmp_path: Path) -> None:
+    """Item 1: gc scans; the job commits step 3 (referencing step 2's object) and retires step
+    2; gc, from its scan, must not delete step 2's attempt folder."""
+    model, states = _referencing_steps(tmp_path, 2)
+    job = _manager(tmp_path, keep_last=1)
+
+    def commit_and_retire() -> None:
+        states[3] = _save(job, 3, model)
+
+    try:
+        store = AfterScan(open_store(str(tmp_path)), commit_and_retire)
+        collect_garbage(store, safety_age_s=0)
+    finally:
+        job.close()
+    assert Catalog(open_store(str(tmp_path))).steps() == [3]
+    assert verify_checkpoint(open_store(str(tmp_path)), 3).ok
+    got, state = _restored(tmp_path)
+    assert got == 3
+    assert_equal(states[3], state)
+
+
+def _damage(root: Path, step: int) -> None:
+    path = root / manifest_key(step)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    path.write_bytes(bytes(data[:-7]))
+
+
+@pytest.mark.parametrize("where", ["retention", "gc"])
+def test_a_damaged_old_manifest_keeps_its_objects(tmp_path: Path, where: str) -> None:
+    """Item 2: step 1's manifest damaged; steps 2 and 3 reference its object. Neither the job's
+    retention nor gc deletes step 1's objects, and step 3 restores bit-exact."""
+    model, states = _referencing_steps(tmp_path, 3)
+    _damage(tmp_path, 1)
+    before = sorted(p.name for p in (tmp_path / step_folder(1)).rglob("*.safetensors"))
+    assert before
+    if where == "retention":
+        with _manager(tmp_path, keep_last=2) as mgr:
+            states[4] = _save(mgr, 4, model)
+        newest = 4
+    else:
+        report = collect_garbage(open_store(str(tmp_path)), keep_last=1, safety_age_s=0)
+        assert any("cannot be read" in kept for kept in report.kept)
+        newest = 3
+    after = sorted(p.name for p in (tmp_path / step_folder(1)).rglob("*.safetensors"))
+    assert after == before
+    assert (tmp_path / manifest_key(1)).exists()  # left for an operator to look at
+    got, state = _restored(tmp_path)
+    assert got == newest
+    assert_equal(states[newest], state)
+
+
+FUTURE = json.dumps({"format": "spotckpt/1+fromthefuture"}).encode()
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["incremental", "full"])
+def test_a_planted_unreadable_step_takes_no_retention_slot(
+    tmp_path: Path, incremental: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Item 3: an object of a format from the future at step 999999 never takes a slot, nor
+    causes the deletion of readable steps; a restart restores the job's newest step; ls and
+    verify report it; only gc --delete-unreadable removes it."""
+    store = open_store(str(tmp_path))
+    store.put(manifest_key(999_999), FUTURE)
+    model = _model()
+    states = {}
+    level = caplog.at_level(logging.WARNING, logger="spotckpt")
+    with level, _manager(tmp_path, keep_last=1, incremental=incremental) as mgr:
+        for step in range(1, 4):
+            states[step] = _save(mgr, step, model)
+    assert "999999" in caplog.text and "cannot be read" in caplog.text
+    assert Catalog(store).steps() == [3, 999_999]
+    got, state = _restored(tmp_path)
+    assert got == 3
+    assert_equal(states[3], state)
+    assert not verify_checkpoint(store, 999_999).ok
+    report = collect_garbage(store, keep_last=1, safety_age_s=0)
+    assert Catalog(store).steps() == [3, 999_999]
+    assert any("999999" in kept for kept in report.kept)
+    collect_garbage(store, keep_last=1, safety_age_s=0, delete_unreadable=True)
+    assert Catalog(store).steps() == [3]
+    got, state = _restored(tmp_path)
+    assert got == 3
+    assert_equal(states[3], state)
+
+
+def test_an_object_under_a_key_spotckpt_never_writes_is_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Item 13 (Azure lists ``.../<attempt>//x``; its own test is in tests/storage/test_azure.py):
+    such an object in a retired step stops neither retention nor gc; both warn, name it, and
+    go on with the rest. The memory store holds the object as such a store would list it."""
+    uri = f"memory://odd-key-{uuid.uuid4().hex}"
+    model = _model()
+    states = {}
+    odd = f"{step_folder(1)}/a-odd//x"
+    with caplog.at_level(logging.WARNING, logger="spotckpt"):
+        with _manager(uri, keep_last=1, incremental=False) as mgr:
+            states[1] = _save(mgr, 1, model)
+            _BUCKETS[uri.removeprefix("memory://")][odd] = (b"odd", datetime.now(timezone.utc))
+            states[2] = _save(mgr, 2, model)
+            states[3] = _save(mgr, 3, model)
+        store = open_store(uri)
+        assert Catalog(store).steps() == [3]
+        assert odd in caplog.text
+        assert [k for k in _BUCKETS[uri.removeprefix("memory://")] if step_folder(1) in k] == [odd]
+        store.put(f"{step_folder(2)}/a-left/r00000-000.safetensors", b"x")  # a failed save's
+        report = collect_garbage(store, safety_age_s=0)
+    assert [a.target for a in report.actions if a.kind == "uncommitted"] == [
+        f"{step_folder(2)}/a-left/"
+    ]
+    assert verify_checkpoint(store, 3).ok
+    model = _model()
+    with _manager(uri) as mgr:
+        assert mgr.restore(TrainState(model=model, rng=False)) == 3
+    assert_equal(states[3], {k: v.clone() for k, v in model.state_dict().items()})
+
+
+# The rule itself ----------------------------------------------------------------------------------
+
+
+def _reading(step: int, *needs: str) -> StepReading:
+    return StepReading(step, frozenset(needs))
+
+
+def test_the_rule_counts_only_readable_steps_and_shields_older_folders() -> None:
+    readings = [
+        _reading(1, "step-000000001/a-x"),
+        StepReading(2, None, "damaged"),
+        _reading(3, "step-000000003/a-y", "step-000000001/a-x"),
+        _reading(4, "step-000000004/a-z"),
+        StepReading(9, None, "from the future"),
+    ]
+    decision = KeepLast(1).decide(readings)
+    assert decision.kept == (4,) and decision.retired == (1, 3) and decision.unreadable == (2, 9)
+    assert not decision.may_delete("step-000000003/a-y", 3)  # step 9 may reference it
+    assert decision.holds_back(3) is not None
+    forced = KeepLast(1, delete_unreadable=True).decide(readings)
+    assert forced.retired == (1, 2, 3, 9) and forced.unreadable == ()
+    assert forced.may_delete("step-000000003/a-y", 3)
+    assert not forced.may_delete("step-000000004/a-z", 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        KeepLast(0)
