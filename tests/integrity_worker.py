@@ -103,8 +103,11 @@ def nan_gate(rank: int, world: int, args: dict[str, Any]) -> None:
 
 def emergency_refused(rank: int, world: int, args: dict[str, Any]) -> None:
     """A real SIGTERM arrives while the state holds a NaN: the emergency save is refused by the
-    gate, the loop stops and the process exits 75 like any preempted trainer."""
+    gate, the loop stops and the process exits 75 like any preempted trainer. With ``float8``,
+    the state also holds a float8 buffer, and the NaN is there."""
     model = DistributedDataParallel(make_model())
+    if args.get("float8"):
+        model.module.register_buffer("scales", torch.ones(16).to(torch.float8_e4m3fn))
     state = TrainState(model=model, rng=False)
     manager = CheckpointManager(args["uri"], health_check="finite", interval_steps=2)
     step = 0
@@ -112,7 +115,10 @@ def emergency_refused(rank: int, world: int, args: dict[str, Any]) -> None:
         step += 1
         if step == 3:
             with torch.no_grad():
-                model.module[0].weight[0, 0] = float("inf")
+                if args.get("float8"):
+                    model.module.scales[0] = float("nan")
+                else:
+                    model.module[0].weight[0, 0] = float("inf")
             os.kill(os.getpid(), signal.SIGTERM)
         manager.maybe_save(step, state)
         if step > 10:

@@ -9,11 +9,18 @@ guards look at the state itself, inside DCP's own planning, so a refused save wr
   `Fingerprints`), carried to the coordinator in the plan's ``storage_data`` (no extra
   collective); the coordinator compares the items that several ranks hold
   (`check_replicas`, called from the writer's ``prepare_global_plan``) and refuses the save
-  naming the tensor and the ranks of each copy (`ReplicaMismatchError`). ``"sample"`` checks the
-  items of one of `SAMPLE_EVERY` name classes per save (every item once in that many saves);
-  ``"off"`` none. A job of one rank has no replicas: nothing is computed.
+  naming the tensor and the ranks of each copy (`ReplicaMismatchError`). A non-tensor value
+  (a number, string, bytes, numpy array or scalar, nested list or dict, ...) is also written
+  once under a shared name, so it is compared the same way: each rank checksums its canonical
+  encoding (`value_digest`: equal values agree whatever objects hold them), in the same report.
+  Per-rank state (RNG streams, data-loader positions, a TrainState's step and extras) is saved
+  under per-rank names, so it is never compared. ``"sample"`` checks the items of one of
+  `SAMPLE_EVERY` name classes per save (every item once in that many saves); ``"off"`` none. A
+  job of one rank has no replicas: nothing is computed.
 - The health gate (`health_check`): ``"finite"`` refuses a state with a NaN or infinity in a
-  floating tensor; a callable receives the state as DCP saves it (Stateful objects already
+  floating or complex tensor of any dtype torch has (float8 formats included: `holds_non_finite`
+  says how each is checked; integer, bool, bits and quantized dtypes cannot hold either and are
+  skipped); a callable receives the state as DCP saves it (Stateful objects already
   replaced by their state dicts) and refuses it by returning False or raising. Any rank's
   refusal fails the save on every rank (`HealthCheckError`).
 
@@ -25,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+import struct
+import types
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,7 +60,8 @@ HealthCheck = Callable[[dict[str, Any]], Any]
 SAMPLE_EVERY = 8
 """``replica_check="sample"`` checks one of this many classes of items per save, in turn."""
 Fingerprints = dict[str, int]
-"""One rank's checksums of its items, by item name (``fqn`` or ``fqn@offsets``)."""
+"""One rank's checksums of its items (tensors and values), by item name (``fqn`` or
+``fqn@offsets``)."""
 
 
 @dataclass(frozen=True)
@@ -118,14 +128,16 @@ class Guard:
             )
 
     def fingerprints(self, planner: Any, plan: SavePlan) -> Fingerprints:
-        """This rank's CRC32C of each item of `plan` that this save compares (a pack's members
-        each on their own, so that a mismatch names the tensor)."""
+        """This rank's CRC32C of each item of `plan` that this save compares: a tensor's bytes (a
+        pack's members each on their own, so that a mismatch names the tensor), a non-tensor
+        value's canonical encoding (`value_digest`)."""
         found: Fingerprints = {}
         for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                continue  # values: per-rank state is named per rank; DCP pickles the rest
             name = item_name(item)
             if not self.selects(name):
+                continue
+            if item.type == WriteItemType.BYTE_IO:  # a value (per-rank state has per-rank names)
+                found[name] = value_digest(planner.lookup_object(item.index))
                 continue
             data = tensor_bytes(_cpu(planner.resolve_data(item)))
             members = members_of(planner, item.index.fqn)
@@ -146,8 +158,9 @@ def item_name(item: WriteItem) -> str:
 
 
 def check_replicas(step: int, reports: list[Any]) -> None:
-    """On the coordinator: ReplicaMismatchError naming the first item whose copies on several
-    ranks differ, with the ranks of each copy (the ranks holding a minority copy first)."""
+    """On the coordinator: ReplicaMismatchError naming the first item (tensor or value) whose
+    copies on several ranks differ, with the ranks of each copy (the ranks holding a minority copy
+    first)."""
     by_item: dict[str, dict[int, list[int]]] = {}
     for rank, report in enumerate(reports):
         if not isinstance(report, Mapping):
@@ -160,12 +173,69 @@ def check_replicas(step: int, reports: list[Any]) -> None:
     name = disagreeing[0]
     copies = sorted(by_item[name].values(), key=lambda ranks: (len(ranks), ranks))
     described = "; ".join(f"rank(s) {ranks} hold one copy" for ranks in copies)
-    more = f" ({len(disagreeing) - 1} more tensors disagree)" if len(disagreeing) > 1 else ""
+    more = f" ({len(disagreeing) - 1} more items disagree)" if len(disagreeing) > 1 else ""
     raise ReplicaMismatchError(
-        f"replicas of tensor {name!r} disagree before the commit of step {step}: {described}"
+        f"replicas of {name!r} disagree before the commit of step {step}: {described}"
         f"{more}; nothing was committed. Ranks {copies[0]} hold the rarest copy: suspect their "
         "host (silent data corruption) and drain it, or look for training that diverged"
     )
+
+
+def value_digest(value: Any) -> int:
+    """CRC32C of the canonical encoding of a non-tensor value (`_canonical`), which ranks compare
+    like a tensor's bytes: equal values give one digest whichever objects hold them (a string
+    shared or repeated, a set in another hash order), values that restore differently differ."""
+    return crc32c(_canonical(value, ()))
+
+
+def _canonical(value: Any, open_ids: tuple[int, ...]) -> bytes:
+    """`value` as bytes that depend on nothing but what it restores as: its exact type, then for
+    an atom its exact bits, a sequence its items in order, a mapping or set its entries sorted by
+    their own encoding, a tensor its dtype, shape and bytes (numpy values are stored as tensors),
+    and any other object what pickle stores of it (its ``__reduce_ex__``), encoded alike."""
+    kind = type(value)
+    tag = f"{kind.__module__}.{kind.__qualname__}"
+    atom = _ATOMS.get(kind)
+    if atom is not None:
+        return _frame(tag, atom(value))
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        shape = f"{local.dtype}{tuple(local.shape)}".encode()
+        return _frame(tag, shape + crc32c(tensor_bytes(_cpu(local))).to_bytes(4, "big"))
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return _frame("global", f"{value.__module__}.{value.__qualname__}".encode())
+    if id(value) in open_ids:  # a container that holds itself: where its first copy opened
+        return _frame("cycle", str(open_ids.index(id(value))).encode())
+    inner = (*open_ids, id(value))
+    if isinstance(value, Mapping):
+        entries = [_canonical(k, inner) + _canonical(v, inner) for k, v in value.items()]
+        return _frame(tag, b"".join(sorted(entries)))
+    if isinstance(value, (set, frozenset)):
+        return _frame(tag, b"".join(sorted(_canonical(v, inner) for v in value)))
+    if isinstance(value, (list, tuple)):
+        return _frame(tag, b"".join(_canonical(v, inner) for v in value))
+    reduced = value.__reduce_ex__(4)
+    if isinstance(reduced, str):  # stored by name (a torch.dtype, an Enum member, ...)
+        return _frame(tag, reduced.encode())
+    parts = [list(part) if i >= 3 and part is not None else part for i, part in enumerate(reduced)]
+    return _frame(tag, _canonical(tuple(parts), inner))
+
+
+def _frame(tag: str, payload: bytes) -> bytes:
+    return tag.encode() + b"\0" + len(payload).to_bytes(8, "big") + payload
+
+
+_ATOMS: dict[type, Callable[[Any], bytes]] = {
+    type(None): lambda _: b"",
+    bool: lambda v: b"1" if v else b"0",
+    int: lambda v: str(v).encode(),
+    float: lambda v: struct.pack("<d", v),
+    complex: lambda v: struct.pack("<dd", v.real, v.imag),
+    str: lambda v: v.encode("utf-8", "surrogatepass"),
+    bytes: bytes,
+    bytearray: bytes,
+}
+"""The exact bits of each atom type's values, by exact type."""
 
 
 class _Guarded:
@@ -207,17 +277,53 @@ class GuardedPackingSavePlanner(_Guarded, PackingSavePlanner):
 
 
 def _non_finite(state_dict: dict[str, Any]) -> str | None:
-    """The name of the first floating tensor of `state_dict` holding a NaN or infinity."""
+    """The name of the first tensor of `state_dict` holding a NaN or infinity."""
     for path, leaf in _named_tensors(state_dict):
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
-        if not local.is_floating_point() or local.numel() == 0:
-            continue
-        # One reduction (memory bandwidth) for the common case; the exact check only when the
-        # sum is not finite (a NaN or infinity, or an overflow of the sum itself).
-        total = local.detach().sum()
-        if not math.isfinite(float(total)) and not bool(torch.isfinite(local).all()):
+        if holds_non_finite(local.detach()):
             return path
     return None
+
+
+_SUMMED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+"""Floating dtypes that torch sums on every device: checked with one reduction first."""
+FINITE_FLOATS = frozenset(
+    dtype for dtype in (getattr(torch, "float4_e2m1fn_x2", None),) if dtype is not None
+)
+"""Floating dtypes with no encoding of NaN or infinity (and no arithmetic in torch): skipped."""
+UPCAST_PIECE = 1 << 22
+"""Elements of a narrower float (float8 and the like) converted to float32 at a time (16 MiB)."""
+
+
+def holds_non_finite(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` holds a NaN or an infinity, for every dtype torch has: a complex tensor
+    as its real and imaginary parts; a floating one with one sum first (memory bandwidth) when
+    torch sums its dtype, else (float8 formats) converted to float32 in pieces of
+    `UPCAST_PIECE` elements, which holds every value of a narrower float, NaN and infinities
+    included. Integers, bool, bits, quantized integers and `FINITE_FLOATS` hold neither."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if not tensor.is_floating_point() or tensor.dtype in FINITE_FLOATS or not tensor.numel():
+        return False
+    if tensor.dtype in _SUMMED:
+        # The exact check only when the sum is not finite (a NaN or infinity, or an overflow
+        # of the sum itself).
+        return not math.isfinite(float(tensor.sum())) and not bool(torch.isfinite(tensor).all())
+    return any(not bool(torch.isfinite(piece.float()).all()) for piece in _pieces(tensor))
+
+
+def _pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Views of `tensor` that together cover it, of at most `UPCAST_PIECE` elements each (or
+    one innermost row, when a row is longer), with no copy."""
+    if tensor.numel() <= UPCAST_PIECE or tensor.dim() == 0:
+        yield tensor
+        return
+    row = tensor.numel() // tensor.shape[0]
+    if tensor.dim() == 1 or row <= UPCAST_PIECE:
+        yield from tensor.split(max(1, UPCAST_PIECE // row))
+        return
+    for inner in tensor:
+        yield from _pieces(inner)
 
 
 def _named_tensors(state: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

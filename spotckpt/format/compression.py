@@ -17,8 +17,16 @@ decoded bytes after (`spotckpt.engine.chunks`).
 A stored block is either the raw block, when compression would not make it shorter (the stored
 length then equals the raw length), or: K little-endian uint32 plane lengths, then each plane
 (a Zstandard frame when shorter than the plane, else the plane's raw bytes), then the block's
-last ``raw_length % K`` bytes raw. Decoding is bounded by the block's raw length whatever the
-stored bytes claim (no decompression bombs).
+last ``raw_length % K`` bytes raw.
+
+Decoding is bounded by the plane's length in the block the manifest promises, whatever the
+stored bytes claim (`decode_block_into`, the one function every reader decodes with): a frame's
+header is read first, and a frame that declares another content size, or a window larger than
+the plane needs, is refused before the decoder allocates anything (python-zstandard allocates
+a frame's declared content size whatever ``max_output_size`` says, and its decoder allocates
+the declared window); a frame without a declared size is decoded into at most the plane's
+length. Whatever does not decode is a `CorruptBlockError`, which readers report as corrupt data
+(a `ChecksumMismatchError`), as they do a CRC32C mismatch.
 
 Objects that hold compressed chunks have no safetensors header (the header must come first and
 give every tensor's stored size, unknown until compressed): the manifest is their only index.
@@ -101,8 +109,9 @@ def encode_block(block: memoryview, planes: int, compressor: Any) -> bytes:
 
 
 def decode_block_into(stored: memoryview, out: memoryview, planes: int) -> None:
-    """Decode one stored block into `out` (exactly its raw length); CorruptBlockError when the
-    stored bytes do not describe a block of that length."""
+    """Decode one stored block into `out` (exactly its raw length, as the manifest promises),
+    allocating no more than that length whatever the stored bytes claim; CorruptBlockError when
+    they do not describe a block of that length."""
     size = out.nbytes
     if stored.nbytes == size:
         out[:] = stored
@@ -124,16 +133,43 @@ def decode_block_into(stored: memoryview, out: memoryview, planes: int) -> None:
         if length == plane_size:
             decoded.append(np.frombuffer(piece, dtype=np.uint8))
             continue
-        try:
-            plain = decompressor.decompress(piece, max_output_size=plane_size)
-        except zstandard.ZstdError as error:
-            raise CorruptBlockError(f"a plane does not decode: {error}") from None
-        if len(plain) != plane_size:
-            raise CorruptBlockError(f"a plane decodes to {len(plain)} bytes, not {plane_size}")
+        plain = _decode_plane(decompressor, piece, plane_size)
         decoded.append(np.frombuffer(plain, dtype=np.uint8))
     target = np.frombuffer(out, dtype=np.uint8)
     _join(decoded, target[: plane_size * planes])
     target[plane_size * planes :] = np.frombuffer(stored[at:], dtype=np.uint8)
+
+
+def _decode_plane(decompressor: Any, frame: memoryview, size: int) -> bytes:
+    """The `size` bytes a plane's Zstandard frame holds. Its header is checked before the
+    decoder runs: a declared content size other than `size`, or a window beyond what a frame of
+    `size` bytes needs (``ZstdCompressor`` writes at most `_window_for` of it), is refused
+    before anything is allocated for it."""
+    try:
+        header = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError as error:
+        raise CorruptBlockError(f"a plane does not decode: {error}") from None
+    declared = header.content_size
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared != size:
+        raise CorruptBlockError(f"a plane's frame declares {declared} bytes, not {size}")
+    if header.window_size > _window_for(size):
+        raise CorruptBlockError(
+            f"a plane's frame declares a window of {header.window_size} bytes, more than a "
+            f"plane of {size} bytes needs"
+        )
+    try:
+        plain: bytes = decompressor.decompress(frame, max_output_size=size)
+    except zstandard.ZstdError as error:
+        raise CorruptBlockError(f"a plane does not decode: {error}") from None
+    if len(plain) != size:
+        raise CorruptBlockError(f"a plane decodes to {len(plain)} bytes, not {size}")
+    return plain
+
+
+def _window_for(size: int) -> int:
+    """The largest window a frame of `size` bytes has: Zstandard narrows the window of a
+    frame whose size it knows to the power of two that holds it, never below 1 KiB."""
+    return max(1 << 10, 1 << max(0, size - 1).bit_length())
 
 
 _WORDS: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}

@@ -133,6 +133,9 @@ def test_a_stored_block_never_decodes_beyond_its_raw_length() -> None:
     with pytest.raises(CorruptBlockError):
         decode_block_into(forged_block([len(bomb)], bomb), memoryview(out), 1)
     short = zstandard.ZstdCompressor().compress(bytes(100))
+    with pytest.raises(CorruptBlockError, match="declares 100 bytes"):
+        decode_block_into(forged_block([len(short)], short), memoryview(out), 1)
+    short = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(100))
     with pytest.raises(CorruptBlockError, match="decodes to 100 bytes"):
         decode_block_into(forged_block([len(short)], short), memoryview(out), 1)
     with pytest.raises(CorruptBlockError, match="do not add up"):
