@@ -10,14 +10,18 @@ Two measurements against the same SeaweedFS (`weed mini` on loopback), every var
   (``replica_check="off"``), with ``health_check="finite"``, with a signing key (BLAKE3 of every
   object while it streams, Ed25519 over the manifest), and with both; plus each check's own
   work on the same state, timed alone (a CRC32C pass as a replica fingerprint costs, the
-  finiteness scan, a BLAKE3 pass);
+  finiteness scan, a BLAKE3 pass, the per-chunk BLAKE3 pass that a signed save adds and a
+  signed step's restore checks); then restores of the unchecked and the signed root, the signed
+  one with the key configured (every byte returned checked against its chunk's BLAKE3),
+  interleaved likewise;
 - `world` gloo ranks of a DDP model of `ddp_state_mib` MiB (every rank holds all of it, one
   writes it): saves with no check, with ``replica_check="all"`` (every rank fingerprints its copy,
   the coordinator compares), and with all checks (replicas, finite gate, signing). Times are
   job-wide (barrier to barrier).
 
-Prints each variant's median save time and its cost against the unchecked save, and the target:
-replica agreement, strong hashing and signing together under 5 % of the save time.
+Prints each variant's median save time and its cost against the unchecked save, the signed
+restore's against the unsigned one, and the target: replica agreement, strong hashing and
+signing together under 5 % of the save time.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from tiers_bench import job_timed  # noqa: E402
 
 TARGET = 0.05
 TENSOR_MIB = 64
+RESTORES = {"off": "off", "signed, key configured": "signed"}
+"""Restore variants: name -> the single-process root (and settings) they read."""
 SINGLE = {
     "off": {"replica_check": "off"},
     "finite": {"replica_check": "off", "health_check": "finite"},
@@ -84,8 +90,11 @@ def _manager(uri: str, options: dict[str, Any], settings: dict[str, str]) -> Any
 
 
 def single_process(uri: str, options: dict[str, Any], key: str, mib: int, reps: int) -> Any:
-    """Median blocking save per variant, and each check's own work on the same state."""
-    from spotckpt.checksum import crc32c
+    """Median blocking save per variant, each check's own work on the same state, and the
+    median restore of the unchecked and the signed root."""
+    import torch
+
+    from spotckpt.checksum import chunk_hash, crc32c
     from spotckpt.engine.guards import Guard
     from spotckpt.format.safetensors_io import tensor_bytes
     from spotckpt.format.signing import new_hasher
@@ -100,13 +109,23 @@ def single_process(uri: str, options: dict[str, Any], key: str, mib: int, reps: 
                 started = time.perf_counter()
                 manager.save(step, state)
                 times[name].append(time.perf_counter() - started)
+    restores: dict[str, list[float]] = {name: [] for name in RESTORES}
+    for _ in range(reps):
+        for name, root in RESTORES.items():
+            target = {k: torch.empty_like(v) for k, v in state.items()}
+            with _manager(f"{uri}/{root}", options, _settings(SINGLE[root], key)) as manager:
+                started = time.perf_counter()
+                manager.restore(target)
+                restores[name].append(time.perf_counter() - started)
     views = [tensor_bytes(t) for t in state.values()]
     alone = {
         "replica fingerprint (CRC32C pass)": _timed(lambda: [crc32c(v) for v in views]),
         "finite scan": _timed(lambda: Guard(1, health_check="finite").check_health(state)),
         "BLAKE3 pass": _timed(lambda: [new_hasher().update(v) for v in views]),
+        "chunk BLAKE3 pass": _timed(lambda: [chunk_hash(v) for v in views]),
     }
-    return {name: statistics.median(values) for name, values in times.items()}, alone
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return medians, alone, {name: statistics.median(v) for name, v in restores.items()}
 
 
 def _timed(fn: Any) -> float:
@@ -191,13 +210,20 @@ def _cost_rows(medians: dict[str, float]) -> list[str]:
 
 def report(single: Any, ddp: dict[str, Any], args: argparse.Namespace) -> bool:
     """Print the tables and the target; whether every measured 'all checks' variant meets it."""
-    medians, alone = single
+    medians, alone, restores = single
     load = os.getloadavg()[0]
     print(f"one process, {args.state_mib} MiB state, {args.reps} rep(s), load {load:.2f}:")
     print("\n".join(_cost_rows(medians)))
     base = medians["off"]
     for name, seconds in alone.items():
         print(f"  alone: {name:<34} {seconds:7.3f} s = {100 * seconds / base:5.1f} % of the save")
+    print("restore, one process (the signed root read with its key: chunk BLAKE3s checked):")
+    print("\n".join(_cost_rows(restores)))
+    chunk_pass = alone["chunk BLAKE3 pass"]
+    print(
+        f"  alone: chunk BLAKE3 pass {chunk_pass:7.3f} s = "
+        f"{100 * chunk_pass / restores['off']:5.1f} % of the unsigned restore"
+    )
     worst = [(medians["finite+signed"] - base) / base]
     if ddp.get("status") == "ok":
         print(f"{args.world}-rank DDP, {args.ddp_state_mib} MiB model on every rank:")

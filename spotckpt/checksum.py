@@ -1,4 +1,5 @@
-"""CRC32C (Castagnoli), the checksum of every object and tensor chunk.
+"""CRC32C (Castagnoli), the checksum of every object and tensor chunk, and BLAKE3, the strong
+hash of chunks that incremental saves compare and reads of signed steps check.
 
 Computed with the ``crc32c`` package rather than ``google-crc32c``: both run the same hardware
 instruction, but google-crc32c's C entry point accepts only ``bytes``, so checksumming a tensor or
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import base64
 
+import blake3
 from crc32c import crc32c as _crc32c
 
 Buffer = bytes | bytearray | memoryview
@@ -23,3 +25,9 @@ def crc32c(data: Buffer, value: int = 0) -> int:
 def crc32c_b64(data: Buffer) -> str:
     """CRC32C in the base64 big-endian form S3's ``x-amz-checksum-crc32c`` expects."""
     return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode()
+
+
+def chunk_hash(data: Buffer) -> str:
+    """BLAKE3 of a chunk's bytes, hex (multi-threaded for large chunks)."""
+    threads = blake3.blake3.AUTO if memoryview(data).nbytes >= 1 << 20 else 1
+    return str(blake3.blake3(data, max_threads=threads).hexdigest())

@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from spotckpt.catalog import Catalog, step_folder
-from spotckpt.engine.chunks import ChunkReader
+from spotckpt.engine.chunks import ChunkReader, strong_hashes
 from spotckpt.errors import (
     InvalidArgumentError,
     InvalidKeyError,
@@ -505,6 +505,7 @@ class _TensorStream:
             step_folder(manifest.step),
             manifest.block_size,
             {key: record.size for key, record in manifest.objects.items()},
+            strong=strong_hashes(manifest),
         )
         self.read_ahead_bytes = read_ahead_bytes
         self.workers = workers
@@ -574,6 +575,8 @@ class _TensorStream:
         buffer = bytearray(location.length)
         block_size = self.chunks.block_size
         step = max(1, _READ_PIECE // block_size) * block_size
+        if self.chunks.hashed(location):  # its BLAKE3 is checked over the whole chunk
+            step = max(1, location.length)
         for start in range(0, location.length, step):
             piece, _ = self.chunks.read_chunk(
                 location, source, start, min(start + step, location.length)

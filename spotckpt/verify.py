@@ -11,6 +11,8 @@ Every problem is reported, not only the first; a report with no problems is ``ok
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -33,7 +35,8 @@ from spotckpt.errors import (
     ValueLoadError,
 )
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
-from spotckpt.format.signing import Keyring, new_hasher
+from spotckpt.format.references import object_path
+from spotckpt.format.signing import SIGNED, Keyring, key_id, new_hasher
 from spotckpt.storage.base import ObjectInfo, ObjectStore
 from spotckpt.values import load_plain
 
@@ -72,6 +75,8 @@ class VerifyReport:
     objects_checked: int = 0
     digest: str | None = None
     """The step's digest (`spotckpt.digest`), when asked for: stands for the bytes if ok."""
+    signature: SignatureCheck | None = None
+    """What was checked of the manifest's signature (None: the manifest did not read)."""
 
     @property
     def ok(self) -> bool:
@@ -88,13 +93,58 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
+        return (
+            {
+                "step": self.step,
+                "ok": self.ok,
+                "bytes_checked": self.bytes_checked,
+                "objects_checked": self.objects_checked,
+                "problems": [asdict(p) | {"tensors": list(p.tensors)} for p in self.problems],
+            }
+            | ({} if self.digest is None else {"digest": self.digest})
+            | ({} if self.signature is None else {"signature": asdict(self.signature)})
+        )
+
+
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass(frozen=True)
+class SignatureCheck:
+    """What a verify checked of the manifest's signature, named by public key ids only.
+
+    `status`: ``checked`` (signed, and the signature verified under an accepted key, `key`),
+    ``accepted-unsigned`` (unsigned, read under ``accept_unsigned``), ``not-checked`` (signed
+    with the key the manifest names, but no key is configured to check it with) or ``unsigned``
+    (unsigned, and no key is configured)."""
+
+    status: str
+    key: str | None = None
+
+    def describe(self) -> str:
+        """The phrase of the success line: ``signature checked with key 1a2b...``."""
+        key = self.key or "unknown"
         return {
-            "step": self.step,
-            "ok": self.ok,
-            "bytes_checked": self.bytes_checked,
-            "objects_checked": self.objects_checked,
-            "problems": [asdict(p) | {"tensors": list(p.tensors)} for p in self.problems],
-        } | ({} if self.digest is None else {"digest": self.digest})
+            "checked": f"signature checked with key {key}",
+            "accepted-unsigned": "unsigned, accepted (accept_unsigned)",
+            "not-checked": f"signed with key {key}, signature not checked: no key configured",
+            "unsigned": "unsigned, no key configured",
+        }[self.status]
+
+    @classmethod
+    def of(cls, data: bytes, manifest: Manifest, keyring: Keyring | None) -> SignatureCheck:
+        """The check of a manifest (its bytes, `data`) that the catalog has read, and so
+        checked, with `keyring`."""
+        signature = json.loads(data).get("signature")
+        named = signature.get("key") if isinstance(signature, dict) else None
+        shown = named if isinstance(named, str) and _KEY_ID.fullmatch(named) else None
+        if keyring is None or not keyring.enforcing:
+            signed = signature is not None or SIGNED in manifest.features
+            return cls("not-checked", shown) if signed else cls("unsigned")
+        if signature is None:
+            return cls("accepted-unsigned")  # else the catalog would have refused it
+        accepted = {key_id(public) for public in keyring.verifiers}
+        return cls("checked", shown if shown in accepted else None)
 
 
 _ERRORS: dict[str, type[CheckpointError]] = {
@@ -147,7 +197,10 @@ def verify_checkpoint(
 ) -> VerifyReport:
     """Check the committed checkpoint of `step` in `store`; see the module docstring. With a
     `keyring`, the manifest must also be signed for this step and job, and in a signed
-    manifest every object's BLAKE3 is checked too (`spotckpt.format.signing`). With `digest`,
+    manifest every object's BLAKE3 is checked too (`spotckpt.format.signing`); an object whose
+    record in a signed manifest has none (a signed step of an older spotckpt referencing an
+    object written unsigned) is a ``blake3`` problem: the signature does not cover its bytes.
+    With `digest`,
     the report also holds the step's digest (`spotckpt.digest`).
 
     Raises NoCheckpointError when the step has no manifest. Storage failures that say nothing
@@ -164,10 +217,30 @@ def verify_checkpoint(
     except (ManifestError, CorruptCheckpointError) as error:  # an index part's too
         report.problems.append(Problem("manifest", key, str(error)))
         return report
+    report.signature = SignatureCheck.of(data, manifest, keyring)
     if digest:
         report.digest = step_digest(data, manifest.objects.values())
+    if catalog.keyring is not None and SIGNED in manifest.features:
+        report.problems += _unhashed_problems(manifest)
     _check_objects(store, manifest, report, progress, piece_size, max_workers)
     return report
+
+
+def _unhashed_problems(manifest: Manifest) -> list[Problem]:
+    """A ``blake3`` problem for each object of a signed manifest whose record has no BLAKE3."""
+    folder = step_folder(manifest.step)
+    inside = _chunks_by_object(manifest)
+    problems = []
+    for record in manifest.objects.values():
+        if record.blake3 is None:
+            key = object_path(folder, record.key)
+            names = _names(inside.get(record.key, []))
+            message = (
+                f"object {key} has no BLAKE3 in the signed manifest: the signature covers only "
+                f"its CRC32Cs, which bytes can be replaced with (it holds {describe(names)})"
+            )
+            problems.append(Problem("blake3", key, message, names))
+    return problems
 
 
 def _check_objects(

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from spotckpt.catalog import Catalog, step_folder
-from spotckpt.engine.chunks import ChunkReader
+from spotckpt.engine.chunks import ChunkReader, strong_hashes
 from spotckpt.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -109,6 +109,7 @@ class CheckpointFile:
             step_folder(self.step),
             self._manifest.block_size,
             {key: record.size for key, record in self._manifest.objects.items()},
+            strong=strong_hashes(self._manifest),
         )
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
@@ -235,10 +236,7 @@ class CheckpointFile:
             self.step, lambda root: (wanted_boxes, ()), data=self._data
         )
         with self._lock:  # the objects of the parts just read join those known
-            self._chunks.object_sizes = {
-                **self._chunks.object_sizes,
-                **{key: record.size for key, record in manifest.objects.items()},
-            }
+            self._chunks.learn(manifest.objects)
         return {name: manifest.tensors[name] for name in boxes}
 
     def _read_box(self, name: str, record: TensorRecord, box: Box) -> torch.Tensor:
@@ -316,6 +314,8 @@ class CheckpointFile:
             return
         for future in [self._pool.submit(piece, at) for at in range(start, end, step)]:
             future.result()
+        if end - start > step:  # several pieces: the whole chunk's BLAKE3 (a signed step's)
+            self._chunks.check_strong(into, location, name)
 
 
 class TensorSlice:

@@ -10,7 +10,15 @@ the chunk. `ChunkReader` turns such a location into bytes that are known to be i
   object's real size, learned once per object with ``store.head()`` and compared with the size the
   manifest claims, so a forged size never makes a store allocate what the object does not hold;
 - every block is compared with the manifest's CRC32C (`BlockCheck`, which also follows a chunk fed
-  in pieces, as ``verify`` streams whole objects).
+  in pieces, as ``verify`` streams whole objects);
+- in a signed step (`strong_hashes`), every byte returned is also covered by a BLAKE3 that the
+  signature covers, since a CRC32C is easy to keep while replacing bytes: a chunk whose entry
+  has a BLAKE3 (every chunk and value a signed save writes) is compared with it whole
+  (`check_strong`), so every read of such a chunk covers all of it (`span`), however little of
+  it the caller wants; a chunk without one (a signed step of a spotckpt that recorded only the
+  objects' hashes) is served only once the whole object it lies in matched its record's BLAKE3,
+  streamed once per object and reader (`check_object`), and an object whose record has none is
+  refused.
 
 Every failure is a `CorruptCheckpointError` subclass whose message names the object, the byte
 range and the tensors or values stored there: `ObjectMissingError`, `ObjectSizeError` (truncated,
@@ -27,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from spotckpt.checksum import Buffer, crc32c
+from spotckpt.checksum import Buffer, chunk_hash, crc32c
 from spotckpt.errors import (
     ChecksumMismatchError,
     InvalidArgumentError,
@@ -35,11 +43,23 @@ from spotckpt.errors import (
     ObjectSizeError,
 )
 from spotckpt.format.compression import CorruptBlockError, decode_block_into, plane_count
-from spotckpt.format.manifest import ChunkLocation
+from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.references import object_path
+from spotckpt.format.signing import SIGNED, new_hasher
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore
 
 _NAMES_SHOWN = 3
+_OBJECT_PIECE = 16 << 20
+"""Bytes of an object read at a time when it is checked whole (`ChunkReader.check_object`)."""
+
+
+def strong_hashes(manifest: Manifest) -> dict[str, str | None] | None:
+    """Each object's BLAKE3 (None where its record has none) when reads of `manifest`'s chunks
+    check strong hashes: in a signed step, whose signature covers them. None for an unsigned
+    step (an incremental save's chunk hashes prove nothing there that its CRC32Cs do not)."""
+    if SIGNED not in manifest.features:
+        return None
+    return {key: record.blake3 for key, record in manifest.objects.items()}
 
 
 @dataclass(frozen=True)
@@ -172,27 +192,49 @@ class ChunkReader:
     """Verified ranged reads of the objects of one checkpoint step; thread-safe.
 
     `folder` is the step folder that the manifest's object keys are relative to; `object_sizes`
-    maps each object key to the size the manifest claims for it.
+    maps each object key to the size the manifest claims for it; `strong`, a signed step's
+    object hashes (`strong_hashes`): check BLAKE3 as well as CRC32C.
     """
 
     def __init__(
-        self, store: ObjectStore, folder: str, block_size: int, object_sizes: Mapping[str, int]
+        self,
+        store: ObjectStore,
+        folder: str,
+        block_size: int,
+        object_sizes: Mapping[str, int],
+        *,
+        strong: Mapping[str, str | None] | None = None,
     ) -> None:
         self.store = store
         self.folder = folder
         self.block_size = block_size
         self.object_sizes = object_sizes
+        self.strong = strong
         self._sizes: dict[str, Future[int | None]] = {}
+        self._whole: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
+
+    def learn(self, objects: Mapping[str, ObjectRecord]) -> None:
+        """Objects of the step read after this reader was made (index parts read lazily)."""
+        self.object_sizes = {**self.object_sizes, **{k: r.size for k, r in objects.items()}}
+        if self.strong is not None:
+            self.strong = {**self.strong, **{k: r.blake3 for k, r in objects.items()}}
+
+    def hashed(self, location: ChunkLocation) -> bool:
+        """Whether reads of this chunk check its own BLAKE3 (and so cover it whole)."""
+        return self.strong is not None and bool(location.blake3)
 
     def path(self, key: str) -> str:
         """The store key of object `key` (in the step folder, or referenced in an earlier one)."""
         return object_path(self.folder, key)
 
     def span(self, location: ChunkLocation, start: int, end: int) -> BlockSpan:
-        """Bytes `start`..`end` of a chunk, widened to the blocks that hold them."""
+        """Bytes `start`..`end` of a chunk, widened to the blocks that hold them (to the whole
+        chunk when its BLAKE3 is checked)."""
         if end <= start:
             return BlockSpan(start, start, start // self.block_size)
+        if self.hashed(location):
+            return BlockSpan(0, location.length, 0)
         first_block = start // self.block_size
         last_block = -(-end // self.block_size)
         return BlockSpan(
@@ -326,11 +368,19 @@ class ChunkReader:
 
     def verify(self, data: Buffer, location: ChunkLocation, first_block: int, name: str) -> None:
         """Raise ChecksumMismatchError unless `data`, the chunk's bytes from block `first_block`
-        on (whole blocks, or up to the chunk's end), match the manifest's CRC32Cs."""
+        on (whole blocks, or up to the chunk's end), match the manifest's CRC32Cs and, in a
+        signed step, its BLAKE3: checked here when `data` is the whole chunk (a caller that
+        reads a hashed chunk in pieces calls `check_strong` once they all landed), or its
+        object's, checked whole (`check_object`), when the chunk has none of its own."""
+        view = memoryview(data)
         check = BlockCheck(location, self.block_size, first_block)
-        check.feed(memoryview(data))
+        check.feed(view)
         bad = check.finish()
         if bad is None:
+            if not self.hashed(location):
+                self.check_object(location.key, name)
+            elif first_block == 0 and view.nbytes == location.length:
+                self.check_strong(view, location, name)
             return
         start = location.offset + bad * self.block_size
         end = location.offset + min(location.length, (bad + 1) * self.block_size)
@@ -338,6 +388,57 @@ class ChunkReader:
             f"CRC32C mismatch in {self.path(location.key)} at bytes {start}..{end} (block {bad} "
             f"of {name!r}): the stored data is corrupt"
         )
+
+    def check_strong(self, data: Buffer, location: ChunkLocation, name: str) -> None:
+        """ChecksumMismatchError unless `data`, the whole chunk, has the BLAKE3 of its signed
+        manifest (a no-op where none is checked, `hashed`)."""
+        if not self.hashed(location) or chunk_hash(data) == location.blake3:
+            return
+        end = location.offset + location.stored_length
+        raise ChecksumMismatchError(
+            f"BLAKE3 mismatch in {self.path(location.key)} at bytes {location.offset}..{end} "
+            f"({name!r}): the bytes differ from what the signed manifest holds (replaced, or "
+            "corrupt with their CRC32Cs kept)"
+        )
+
+    def check_object(self, key: str, name: str) -> None:
+        """In a signed step: ChecksumMismatchError unless object `key`, streamed whole once (by
+        the first caller; the others wait for it), has its record's BLAKE3. A no-op in an
+        unsigned step. Between this read and the chunk's own, the object could still be replaced:
+        only a chunk's own BLAKE3 (every signed save since records it) closes that."""
+        if self.strong is None:
+            return
+        with self._lock:
+            known = self._whole.get(key)
+            owner = known is None
+            if known is None:
+                known = self._whole[key] = Future()
+        if owner:
+            try:
+                self._hash_object(key, name)
+            except BaseException as error:
+                known.set_exception(error)
+                raise
+            known.set_result(None)
+        known.result()
+
+    def _hash_object(self, key: str, name: str) -> None:
+        path = self.path(key)
+        expected = (self.strong or {}).get(key)
+        if expected is None:
+            raise ChecksumMismatchError(
+                f"object {path} ({name!r}) has no BLAKE3 in its signed manifest: its bytes are "
+                "not covered by the signature, and are refused"
+            )
+        hasher = new_hasher()
+        size = self.object_sizes[key]
+        for start in range(0, size, _OBJECT_PIECE):
+            hasher.update(self.read(key, start, min(size, start + _OBJECT_PIECE), (name,)))
+        if hasher.hexdigest() != expected:
+            raise ChecksumMismatchError(
+                f"BLAKE3 mismatch in object {path} ({name!r}): its bytes differ from what the "
+                "signed manifest holds (replaced, or corrupt with their CRC32Cs kept)"
+            )
 
     def _real_size(self, key: str) -> int | None:
         """The object's size from one ``head`` (shared by concurrent callers), None if absent."""

@@ -14,16 +14,22 @@ The base is the newest committed step of the root, when it is a one-document man
 an incremental save of this job (`spotckpt.catalog.JobIdentity`) fewer than `FULL_REWRITE_AFTER`
 incremental saves after the last full one; otherwise the save writes everything (a full rewrite,
 depth 0), which bounds how long old step folders are held by references.
+
+What may enter a signed manifest (`may_vouch_for`): a reference copies the base's record and
+location into a manifest that the job then signs, so a signing save takes a base only when its
+manifest was read under the job's keyring and its signature verified (`Catalog` built with the
+keyring, the manifest naming the ``signed`` feature), and every record and chunk it would copy
+carries a BLAKE3. An unsigned newest step (one planted by a writer without the key, or saved
+before the key was set and read with ``accept_unsigned``) is no base: the signing save uploads
+every chunk, and the saves after it reference only signed steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import blake3
-
 from spotckpt.catalog import Catalog, step_folder
-from spotckpt.checksum import crc32c
+from spotckpt.checksum import chunk_hash, crc32c
 from spotckpt.errors import CheckpointError
 from spotckpt.format.manifest import (
     FORMAT_VERSION,
@@ -33,6 +39,7 @@ from spotckpt.format.manifest import (
     ObjectRecord,
 )
 from spotckpt.format.references import FEATURE, is_reference, object_path
+from spotckpt.format.signing import SIGNED
 
 FULL_REWRITE_AFTER = 16
 """Incremental saves in a row (saves that referenced something) after which the next save
@@ -40,12 +47,6 @@ writes everything again."""
 
 Chunk = tuple[str, tuple[int, ...]]
 """A tensor chunk by name and offsets."""
-
-
-def chunk_hash(data: memoryview) -> str:
-    """BLAKE3 of a chunk's bytes, hex (multi-threaded for large chunks)."""
-    threads = blake3.blake3.AUTO if data.nbytes >= 1 << 20 else 1
-    return str(blake3.blake3(data, max_threads=threads).hexdigest())
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,22 @@ class Base:
         return (stored if digest == stored.location.blake3 else None), digest
 
 
+def may_vouch_for(catalog: Catalog, manifest: Manifest) -> bool:
+    """Whether a signing save may copy `manifest`'s records into the manifest it signs: read
+    under the keyring with a verified signature (a `Catalog` with a keyring refuses a wrong one
+    and lets an unsigned one through only with ``accept_unsigned``, so the ``signed`` feature of
+    a manifest it returned means a signature that verified), every record with a BLAKE3."""
+    return catalog.keyring is not None and SIGNED in manifest.features and not unhashed(manifest)
+
+
+def unhashed(manifest: Manifest) -> list[str]:
+    """The objects of `manifest` whose record, or a chunk or value in which, has no BLAKE3:
+    none may be in a manifest that is signed (the signature would cover only CRC32Cs)."""
+    keys = {key for key, record in manifest.objects.items() if not record.blake3}
+    keys |= {location.key for location in manifest.locations() if not location.blake3}
+    return sorted(keys)
+
+
 def base_of(manifest: Manifest, job: str) -> Base | None:
     """`manifest` as the base of a save of `job`, or None when it may not be one."""
     info = manifest.incremental
@@ -116,10 +133,13 @@ def base_of(manifest: Manifest, job: str) -> Base | None:
     return Base(manifest.step, info.depth + 1, manifest.block_size, chunks)
 
 
-def load_base(catalog: Catalog, step: int | None, job: str | None) -> Base | None:
+def load_base(
+    catalog: Catalog, step: int | None, job: str | None, *, signing: bool = False
+) -> Base | None:
     """The base step `step` (the newest committed one, chosen by the coordinator) read from
-    `catalog`, or None: none, not this job's, too deep, unreadable, or missing objects (then the
-    save writes everything, which is always correct)."""
+    `catalog` (built with the job's keyring), or None: none, not this job's, too deep,
+    unreadable, missing objects, or, for a `signing` save, not vouched for (`may_vouch_for`);
+    then the save writes everything, which is always correct."""
     if step is None or not job:
         return None
     try:
@@ -127,6 +147,8 @@ def load_base(catalog: Catalog, step: int | None, job: str | None) -> Base | Non
     except CheckpointError:
         return None
     if manifest.format.split("+")[0] != FORMAT_VERSION:
+        return None
+    if signing and not may_vouch_for(catalog, manifest):
         return None
     try:  # what the base references must still be there, or the new step could not commit
         catalog.check_referenced(step, {k: r.size for k, r in manifest.objects.items()})

@@ -9,7 +9,10 @@ pieces wanted by several ranks go to one reader, `spotckpt.engine.shared_reads`)
 fetches with parallel ranged reads. A tensor piece of half a read (8 MiB) or more that can take
 the stored bytes as they are (a contiguous CPU destination of the stored dtype and shape) is read
 straight into its memory, in pieces of at most ``max_read_bytes``, and its CRC32C blocks are
-checked there, in the reading thread: no intermediate buffer, no copy. Smaller pieces (and those
+checked there, in the reading thread: no intermediate buffer, no copy. In a signed step every
+byte returned is also checked against a BLAKE3 the signature covers (`spotckpt.engine.chunks`):
+a chunk is then read whole, however little of it is wanted, and one read in place in pieces is
+hashed once its last piece landed, before it is committed. Smaller pieces (and those
 needing a strided copy or another device) are widened to CRC block boundaries, coalesced with
 their neighbours into one ranged read each, verified (`spotckpt.engine.chunks`), and copied out.
 A compressed chunk (`spotckpt.format.compression`) is read by its stored blocks, neighbours
@@ -44,7 +47,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from spotckpt.catalog import step_folder
-from spotckpt.engine.chunks import ChunkReader
+from spotckpt.engine.chunks import ChunkReader, strong_hashes
 from spotckpt.engine.packing import Run, small_runs
 from spotckpt.engine.shared_reads import SharedReads, exchange, plan_shared_reads
 from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError
@@ -98,10 +101,16 @@ class _Fetch:
 
 @dataclass
 class _Landing:
-    """A tensor read in place: its destination and how many of its pieces are in flight."""
+    """A tensor read in place: its destination, its need, how many pieces it was read in and
+    how many of them are in flight."""
 
     target: torch.Tensor
-    pieces_left: int
+    need: _Need
+    pieces: int
+    pieces_left: int = -1
+
+    def __post_init__(self) -> None:
+        self.pieces_left = self.pieces
 
 
 @dataclass
@@ -156,6 +165,7 @@ class ObjectStoreReader(StorageReader):
             self.folder,
             manifest.block_size,
             {key: record.size for key, record in manifest.objects.items()},
+            strong=strong_hashes(manifest),
         )
         self.metadata, self.locations = manifest.to_dcp()
         self.chunk_sizes = {
@@ -265,14 +275,14 @@ class ObjectStoreReader(StorageReader):
             if need.location.codec:
                 to_decode = self._compressed_pieces(need, target)
                 if target is not None:
-                    landing[id(need.request)] = _Landing(target, len(to_decode))
+                    landing[id(need.request)] = _Landing(target, need, len(to_decode))
                 compressed += to_decode
                 continue
             if target is None:
                 buffered.append(need)
                 continue
             pieces = self._pieces(need, target)
-            landing[id(need.request)] = _Landing(target, len(pieces))
+            landing[id(need.request)] = _Landing(target, need, len(pieces))
             fetches += pieces
         fetches += self._plan_fetches(buffered)
         compressed.sort(key=lambda n: (n.location.key, n.location.offset, n.first_block))
@@ -297,22 +307,29 @@ class ObjectStoreReader(StorageReader):
                                     need, view, need.location.offset + need.start, planner
                                 )
                             else:
-                                landed = landing[id(need.request)]
-                                landed.pieces_left -= 1
-                                if not landed.pieces_left:
-                                    planner.commit_tensor(need.request, landed.target)
+                                self._land(landing[id(need.request)], planner)
                         continue
                     buffer = done.result()
                     for need in fetch.needs:
                         if fetch.into is None:
                             self._deliver(need, buffer, fetch.start, planner)
-                            continue
-                        landed = landing[id(need.request)]
-                        landed.pieces_left -= 1
-                        if not landed.pieces_left:
-                            planner.commit_tensor(need.request, landed.target)
+                        else:
+                            self._land(landing[id(need.request)], planner)
             except Exception as error:
                 raise _first_failure(pending, error) from None
+
+    def _land(self, landed: _Landing, planner: LoadPlanner) -> None:
+        """One more piece of a tensor read in place has arrived (its CRCs checked); after the
+        last, the whole chunk's BLAKE3 is checked (a signed step's: a single piece was checked
+        whole already) and the tensor is committed."""
+        landed.pieces_left -= 1
+        if landed.pieces_left:
+            return
+        if landed.pieces > 1:
+            memory = landed.target.reshape(-1).view(torch.uint8).numpy().data
+            request = landed.need.request
+            self.chunks.check_strong(memory, landed.need.location, request.storage_index.fqn)
+        planner.commit_tensor(landed.need.request, landed.target)
 
     def _check_objects(self, fetches: list[_Fetch], pool: ThreadPoolExecutor) -> None:
         """Before any byte is read: every object exists with the size the manifest says, and

@@ -21,7 +21,10 @@ An incremental save (`incremental`, one-document manifests only) first compares 
 chunk with the base step (the newest committed one, named by the coordinator in each rank's
 assignment) and references, instead of uploading, each chunk whose bytes the base already holds
 (`spotckpt.engine.incremental`); every chunk it writes is hashed too (while it uploads, when the
-comparison did not need its hash), for the next save to compare with.
+comparison did not need its hash), for the next save to compare with. A signing save (a keyring
+with a signing key) hashes every chunk and value it writes, for reads to check
+(`spotckpt.engine.chunks`), reads its base under the keyring and references only a base whose
+signature verified (`spotckpt.engine.incremental.may_vouch_for`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from spotckpt.catalog import (
     step_folder,
     step_key,
 )
+from spotckpt.checksum import chunk_hash
 from spotckpt.digest import step_digest
 from spotckpt.engine.global_plan import PlanCache
 from spotckpt.engine.guards import (
@@ -56,13 +60,7 @@ from spotckpt.engine.guards import (
     GuardedSavePlanner,
     check_replicas,
 )
-from spotckpt.engine.incremental import (
-    Base,
-    chunk_hash,
-    features_of,
-    load_base,
-    record_of,
-)
+from spotckpt.engine.incremental import Base, features_of, load_base, record_of, unhashed
 from spotckpt.engine.manifests import (
     ManifestHeader,
     WrittenItem,
@@ -186,7 +184,7 @@ class ObjectStoreWriter(StorageWriter):
         self.job = job
         self.index_parts = index_parts
         self.store = store
-        self.catalog = Catalog(store)
+        self.catalog = Catalog(store, keyring)  # a base is read under the job's keyring
         self.step = step
         self.block_size = block_size
         self.prefix_spread = prefix_spread
@@ -271,7 +269,10 @@ class ObjectStoreWriter(StorageWriter):
             )
         self.attempt = assignment.attempt
         hashing = self.incremental and not assignment.indexed
-        self.base = load_base(self.catalog, assignment.base, self.job) if hashing else None
+        signing = self.keyring is not None
+        self.base = (
+            load_base(self.catalog, assignment.base, self.job, signing=signing) if hashing else None
+        )
         compressing = self.compression != "off" and not assignment.indexed
         results = (
             self._write_object(plan.items, planner, assignment.key, hashing, compressing)
@@ -326,7 +327,8 @@ class ObjectStoreWriter(StorageWriter):
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
         writer = self.store.open_writer(step_key(self.step, key))
         placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
-        hasher = new_hasher() if self.keyring is not None else None
+        signing = self.keyring is not None  # every chunk's BLAKE3 too: reads check them
+        hasher = new_hasher() if signing else None
         started = time.monotonic()
         with writer:
             stream: SafetensorsStreamWriter | CompressedStreamWriter
@@ -347,7 +349,7 @@ class ObjectStoreWriter(StorageWriter):
                         pieces = [stream.write_tensor(spec.name, data)]
                     # While the object's last parts upload: where each item (or member) lies.
                     hashes = digests.get(item.index, ())
-                    if hashing and not hashes and item.index not in values:
+                    if not hashes and (signing or (hashing and item.index not in values)):
                         hashes = _hashes(data, members)
                     if members is None:
                         location = _location(key, pieces[0], hashes[0] if hashes else "")
@@ -533,6 +535,11 @@ class ObjectStoreWriter(StorageWriter):
         if any(location.codec for location in manifest.locations()):
             features.add(COMPRESSED)
         manifest.format = format_string(FORMAT_VERSION, features)
+        if self.keyring is not None and (missing := unhashed(manifest)):
+            raise SaveFailedError(
+                f"save of step {self.step} refused: objects {missing[:3]} have no BLAKE3, and a "
+                "signed manifest vouches only for strong hashes"
+            )
         data = self.encode(manifest)
         digest = step_digest(data, manifest.objects.values())
         self.catalog.commit(manifest, data)

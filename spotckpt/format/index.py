@@ -6,7 +6,8 @@ splits it:
 
 - **Index parts** ``a-<attempt>/index-r<rank>.json``, one per rank that wrote data, written by
   that rank next to its object: its object's size and CRC32C, and the location (offset, length,
-  block CRC32Cs) of each tensor chunk it wrote.
+  block CRC32Cs) of each tensor chunk it wrote; in a signed save also ``"blake3"``, per tensor
+  the BLAKE3 of each of its chunks in the same order (a reader that predates it ignores it).
 - **The root** ``manifest.json``, still the single create-only commit point, written last by the
   coordinator: the parts (key, size, CRC32C, rank), and per tensor its dtype, shape, how its
   chunks tile it and which rank wrote each. The tiling is a grid (per dimension the chunk
@@ -323,6 +324,10 @@ def part_json(
             for fqn, entries in chunks.items()
         },
     }
+    if any(c.blake3 for entries in chunks.values() for _, c in entries):  # a signed save's
+        document["blake3"] = {
+            fqn: [c.blake3 for _, c in entries] for fqn, entries in chunks.items()
+        }
     return json.dumps(document, separators=(",", ":")).encode()
 
 
@@ -375,6 +380,7 @@ def _value_json(record: ObjectRecord, location: ChunkLocation) -> dict[str, Any]
         "offset": location.offset,
         "length": location.length,
         "block_crc32c": list(location.block_crc32c),
+        **({"blake3": location.blake3} if location.blake3 else {}),
     }
 
 
@@ -497,6 +503,8 @@ def _value(
         raise _fail(f"{where}: rank {record.rank} is not below the world_size of {world_size}")
     spec = {k: entry[k] for k in ("offset", "length", "block_crc32c")}
     spec["key"] = record.key
+    if "blake3" in entry:
+        spec["blake3"] = entry["blake3"]
     return record, parse_location(spec, {record.key: record}, block_size, where)
 
 
@@ -670,16 +678,24 @@ def _parse_part(data: bytes, root: Root, rank: int) -> Part:
     key = record.key
     objects = {key: record}
 
-    def location(offset: Any, length: Any, crcs: Any, where: str) -> ChunkLocation:
+    hashes = document.get("blake3", {})
+    if not isinstance(hashes, dict):
+        raise _fail(f"index part of rank {rank}: blake3 must be a JSON object")
+
+    def location(fqn: str, number: int, entry: Any) -> ChunkLocation:
+        offset, length, crcs = entry[1:]
         spec = {"key": key, "offset": offset, "length": length, "block_crc32c": crcs}
-        return parse_location(spec, objects, root.block_size, where)
+        digests = hashes.get(fqn)
+        if digests is not None:
+            if not isinstance(digests, list) or len(digests) != len(document["chunks"][fqn]):
+                raise _fail(f"index part of rank {rank}: tensor {fqn!r} has a wrong blake3 list")
+            spec["blake3"] = digests[number]
+        return parse_location(spec, objects, root.block_size, f"tensor {fqn!r}")
 
     chunks = {
         str(fqn): {
-            tuple(_count(o, "chunk offset") for o in offsets): location(
-                off, n, crcs, f"tensor {fqn!r}"
-            )
-            for offsets, off, n, crcs in entries
+            tuple(_count(o, "chunk offset") for o in entry[0]): location(fqn, number, entry)
+            for number, entry in enumerate(entries)
         }
         for fqn, entries in document["chunks"].items()
     }

@@ -9,6 +9,9 @@ signing key, every manifest (the flat document, or an indexed root and every ind
   signed manifest copied in from another step or another job is refused (a replay);
 - ``"blake3"`` in every object's record: the BLAKE3 hash of the whole object, computed while
   the object streams out (no extra pass), checked by ``verify`` (and so ``export --verify``);
+  and in every tensor chunk's and value's location, checked by every read of the step
+  (`spotckpt.engine.chunks`). Only records read under the keyring may enter a signed manifest
+  (`spotckpt.engine.incremental.may_vouch_for`), and none without a BLAKE3;
 - ``"signature"``: ``{"key": <key id>, "ed25519": <base64>}``, an Ed25519 signature over
   `SIGNED_PREFIX` + the document without ``"signature"``, encoded canonically (`canonical`).
 
