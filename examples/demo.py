@@ -367,12 +367,22 @@ def where_to_look(runs: dict[str, str], embedded: bool) -> str:
         )
         return "\n".join(lines)
     spot = shlex.quote(runs["spot run"])
+    command = _spotckpt_command()
     lines += [
         "look at the spot run's checkpoints and its goodput with:",
-        f"  spotckpt ls {spot}",
-        f"  spotckpt stats {spot}",
+        f"  {command} ls {spot}",
+        f"  {command} stats {spot}",
     ]
     return "\n".join(lines)
+
+
+def _spotckpt_command() -> str:
+    """The ``spotckpt`` command of the environment running the demo, by its full path: the
+    commands printed work in a shell that has not activated that environment (`.venv`)."""
+    script = Path(sys.executable).with_name("spotckpt")
+    if script.is_file():
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m spotckpt.cli"
 
 
 @contextmanager

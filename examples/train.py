@@ -267,12 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         extra={"tokens_seen": 0},
     )
 
-    manager = CheckpointManager.from_config(
-        interval_steps=args.save_every,
-        async_save=args.async_save or None,
-        local_dir=args.local_dir,
-        local_interval_steps=args.local_every,
-    )
+    given = {  # options left out on the command line come from SPOTCKPT_* and spotckpt.toml
+        "interval_steps": args.save_every,
+        "async_save": args.async_save or None,
+        "local_dir": args.local_dir,
+        "local_interval_steps": args.local_every,
+    }
+    manager = CheckpointManager.from_config(**{k: v for k, v in given.items() if v is not None})
     restored = manager.restore(state)
     start = 1 if restored is None else restored + 1
     if rank == 0:

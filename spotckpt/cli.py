@@ -42,6 +42,7 @@ from spotckpt.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     ManifestError,
+    MissingDependencyError,
     MissingURIError,
     NoCheckpointError,
 )
@@ -51,6 +52,7 @@ from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import collect_garbage
 from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
+from spotckpt.retention import KeepLast
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, UploadInfo
 from spotckpt.storage.registry import open_store, uri_scheme
 from spotckpt.units import human_size
@@ -396,10 +398,7 @@ def _uncommitted_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
     """Attempt folders no manifest of their own step holds: an unfinished save's, or (status
     ``referenced``) a retired step's objects that a kept step still references."""
     rows = []
-    try:
-        held = catalog.held_by_references(scan.committed)
-    except (ManifestError, CorruptCheckpointError):
-        held = set()
+    held = KeepLast(None).decide(catalog.read_steps()).needed
     for step, folder in sorted(scan.steps.items()):
         referenced: set[str] = set()
         if folder.has_manifest:
@@ -672,9 +671,10 @@ def verify_command(
     if as_json:
         _emit_json(report.to_dict())
     elif report.ok:
+        signature = "" if report.signature is None else f"; {report.signature.describe()}"
         click.echo(
             f"step {chosen}: OK ({_plural(report.objects_checked, 'object')}, "
-            f"{human_size(report.bytes_checked)} checked)"
+            f"{human_size(report.bytes_checked)} checked{signature})"
         )
         if report.digest is not None:
             click.echo(f"digest {report.digest}")
@@ -713,6 +713,14 @@ def _some(names: Sequence[str], limit: int = 6) -> str:
     show_default=True,
     help="Leave anything younger than this alone (90s, 30m, 1h, 2d).",
 )
+@click.option(
+    "--delete-unreadable",
+    is_flag=True,
+    help=(
+        "Also delete committed steps whose manifest cannot be read (damaged, unsigned under "
+        "the key, or from a newer spotckpt); otherwise they and older steps' objects stay."
+    ),
+)
 @_storage_option
 @_json_option
 def gc_command(
@@ -720,6 +728,7 @@ def gc_command(
     dry_run: bool,
     keep_last: int | None,
     safety_age: float,
+    delete_unreadable: bool,
     storage_options: tuple[tuple[str, str], ...],
     as_json: bool,
 ) -> None:
@@ -731,6 +740,8 @@ def gc_command(
             safety_age_s=safety_age,
             dry_run=dry_run,
             progress=progress,
+            keyring=_keyring(uri),
+            delete_unreadable=delete_unreadable,
         )
     if as_json:
         _emit_json(report.to_dict())
@@ -932,6 +943,7 @@ def launch_command(torchrun_args: tuple[str, ...]) -> int:
 
 _USAGE_ERRORS = (
     ConfigError,
+    MissingDependencyError,  # names the extra to install
     NoCheckpointError,
     StorageError,
     ValueError,
@@ -993,3 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 __all__ = ["cli", "main", "parse_duration", "parse_size"]
+
+
+if __name__ == "__main__":  # python -m spotckpt.cli, where the console script is not installed
+    main()

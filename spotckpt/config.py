@@ -2,9 +2,16 @@
 
 Precedence, highest first: keyword arguments, ``SPOTCKPT_*`` environment variables, the file
 named by ``SPOTCKPT_CONFIG`` or ``./spotckpt.toml``, then ``[tool.spotckpt]`` in
-``./pyproject.toml``. Unknown keys, wrong types and bad values are errors that name their source
-and key (``/run/spotckpt.toml: keep_last: must be at least 1, got 0``,
-``SPOTCKPT_KEEP_LAST: must be int or None, got 'many'``); credentials never appear in them.
+``./pyproject.toml``, then the defaults of `Settings`. `Config.load` is the one place that
+applies this rule: ``CheckpointManager(uri, **kwargs)``, ``CheckpointManager.from_config()``,
+every integration and the command line all resolve their settings through it. A keyword argument
+that is passed wins, None included (``keep_last=None`` keeps every step whatever
+``SPOTCKPT_KEEP_LAST`` says); only ``uri=None`` means "not given".
+
+Unknown keys, wrong types and bad values are errors that name their source and key
+(``/run/spotckpt.toml: keep_last: must be at least 1, got 0``,
+``SPOTCKPT_KEEP_LAST: must be int or None, got 'many'``). The value of a setting in
+`SECRET_SETTINGS` is never shown in them, only its type; credentials never appear in them.
 """
 
 from __future__ import annotations
@@ -36,6 +43,13 @@ _NOT_SETTINGS = frozenset(
     {_CONFIG_VARIABLE, NODE_VARIABLE, ZONE_VARIABLE, AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV}
 )
 _MAX_SHOWN = 60
+
+SECRET_SETTINGS = frozenset({"storage_options", "signing_key", "verify_keys"})
+"""Settings whose values may be secrets (credentials among the options; the signing key, or PEM
+text given where a path belongs; a private key among the verify keys): an error about one names
+the setting and the value's type, never the value."""
+_KEY_PATHS = frozenset({"signing_key", "verify_keys"})
+_PEM_MARK = "-----BEGIN"
 
 DEFAULT_MAX_INTERVAL_STEPS = 10_000
 """The ceiling of the ``"auto"`` interval when `max_interval_steps` is not given (or is None).
@@ -106,7 +120,7 @@ class Settings:
       infinity in floating tensors), a callable on the state (code only), or None.
     - `signing_key`: path of a PEM file holding an Ed25519 private key: every manifest is signed
       with it and every read refuses an unsigned or wrongly signed step; see
-      `spotckpt.format.signing`.
+      `spotckpt.format.signing`. PEM text given here instead of a path is refused, unshown.
     - `verify_keys`: paths (separated by ``os.pathsep``) of PEM Ed25519 public keys also accepted
       for reading (key rotation, or readers that must not sign).
     - `key_provider`: a callable returning a `spotckpt.format.signing.Keyring` (code only: a
@@ -190,15 +204,16 @@ class Config(Settings):
 
     @classmethod
     def load(cls, cwd: str | Path | None = None, **overrides: Any) -> Config:
-        """Merge the sources in precedence order and validate the result."""
+        """Merge the sources in precedence order and validate the result: the one resolution
+        of the settings (see the module docstring). Every keyword passed wins, None included,
+        but ``uri=None``, which means "not given"."""
         folder = Path(cwd) if cwd is not None else Path.cwd()
         merged: dict[str, Any] = {}
-        for where, values in (
-            *_file_sources(folder),
-            (_env_name, _from_env(os.environ)),
-            (_keyword, {k: v for k, v in overrides.items() if v is not None}),
-        ):
+        given = {k: v for k, v in overrides.items() if not (k == "uri" and v is None)}
+        keywords = _checked(given, _keyword)  # the caller's own mistakes are reported first
+        for where, values in (*_file_sources(folder), (_env_name, _from_env(os.environ))):
             merged.update(_checked(values, where))
+        merged.update(keywords)
         if "uri" not in merged:
             raise MissingURIError(
                 "no checkpoint URI: pass uri= or set SPOTCKPT_URI (or put uri in spotckpt.toml)"
@@ -267,7 +282,10 @@ def _in_file(label: str) -> Where:
     return lambda key: f"{label}: {key}"
 
 
-def _shown(value: Any) -> str:
+def _shown(key: str, value: Any) -> str:
+    """`value` as an error about setting `key` shows it: only its type for `SECRET_SETTINGS`."""
+    if key in SECRET_SETTINGS:
+        return type(value).__name__
     text = repr(value)
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
@@ -280,13 +298,13 @@ def _problem(key: str, value: Any) -> str | None:
     """What is wrong with `value` for setting `key`, or None when it is fine."""
     kinds = _TYPES[key]
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        if key == "storage_options":  # never echo a value that may hold credentials
-            return f"must be a table of options, got {type(value).__name__}"
+        if key == "storage_options":
+            return f"must be a table of options, got {_shown(key, value)}"
         if key == "interval_steps":
-            return f'must be int, None or "auto", got {_shown(value)}'
-        return f"must be {_kind_names(kinds)}, got {_shown(value)}"
+            return f'must be int, None or "auto", got {_shown(key, value)}'
+        return f"must be {_kind_names(kinds)}, got {_shown(key, value)}"
     if key == "interval_steps" and isinstance(value, str) and value != "auto":
-        return f'must be int, None or "auto", got {_shown(value)}'
+        return f'must be int, None or "auto", got {_shown(key, value)}'
     return _range_problem(key, value)
 
 
@@ -301,15 +319,20 @@ def _range_problem(key: str, value: Any) -> str | None:
     if key in ("uri", "local_dir") and value == "":
         return "must be a non-empty string"
     if key == "async_mode" and value not in ("thread", "process"):
-        return f'must be "thread" or "process", got {_shown(value)}'
+        return f'must be "thread" or "process", got {_shown(key, value)}'
     if key == "compression" and value not in ("auto", "on", "off"):
-        return f'must be "auto", "on" or "off", got {_shown(value)}'
+        return f'must be "auto", "on" or "off", got {_shown(key, value)}'
     if key == "replica_check" and value not in ("all", "sample", "off"):
-        return f'must be "all", "sample" or "off", got {_shown(value)}'
+        return f'must be "all", "sample" or "off", got {_shown(key, value)}'
     if key == "health_check" and value not in (None, "finite"):
-        return f'must be "finite" or None here (a callable only in code), got {_shown(value)}'
-    if key in ("signing_key", "verify_keys") and value == "":
+        return f'must be "finite" or None here (a callable only in code), got {_shown(key, value)}'
+    if key in _KEY_PATHS and value == "":
         return "must be a non-empty path"
+    if key in _KEY_PATHS and isinstance(value, str) and (_PEM_MARK in value or "\n" in value):
+        return (
+            "holds PEM text (not shown), not a path: put the key in a file (a Kubernetes "
+            "secret mounted as a volume, for instance) and give the file's path"
+        )
     if key == "redundancy" and value is not None:
         try:
             if parse_redundancy(value).erasure and not has_module("zfec"):
@@ -330,8 +353,8 @@ def _range_problem(key: str, value: Any) -> str | None:
 def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
     checked = {}
     for key, value in values.items():
-        if key == "health_check" and callable(value) and where is _keyword:
-            checked[key] = value
+        if where is _keyword and _code_value(key, value):
+            checked[key] = value  # Settings checks it
             continue
         if key in _CODE_ONLY:
             checked[key] = _code_only(key, value, where)
@@ -347,6 +370,14 @@ def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
     return checked
 
 
+def _code_value(key: str, value: Any) -> bool:
+    """Whether a keyword argument is a value only code can give: a health-check callable, a
+    `PreemptionWatcher` (Settings checks both)."""
+    if key == "health_check":
+        return callable(value)
+    return key == "preemption" and not isinstance(value, bool)
+
+
 def _code_only(key: str, value: Any, where: Where) -> Any:
     """A code-only setting (a callable): fine as a keyword argument, an error anywhere else."""
     if where is not _keyword:
@@ -358,6 +389,17 @@ def _code_only(key: str, value: Any, where: Where) -> Any:
     if problem is not None:
         raise ConfigError(f"{where(key)}: {problem}")
     return value
+
+
+def config_files(folder: Path) -> list[str]:
+    """The configuration files in `folder` that `Config.load` reads there when
+    ``SPOTCKPT_CONFIG`` is not set: ``spotckpt.toml``, ``pyproject.toml`` with
+    ``[tool.spotckpt]``."""
+    pyproject = folder / "pyproject.toml"
+    found = [str(folder / "spotckpt.toml")] if (folder / "spotckpt.toml").is_file() else []
+    if pyproject.is_file() and _tool_table(pyproject, _read_toml(pyproject)) is not None:
+        found.append(f"{pyproject} [tool.spotckpt]")
+    return found
 
 
 def _file_sources(folder: Path) -> list[tuple[Where, dict[str, Any]]]:
@@ -441,7 +483,8 @@ def _parse_env(name: str, raw: str, kinds: tuple[type, ...]) -> Any:
         if str in kinds:
             return text  # e.g. interval_steps "auto"; anything else fails validation
         names = _kind_names(tuple(k for k in kinds if k is not type(None)))
-        raise ConfigError(redact(f"{name}: must be {names}, got {_shown(raw)}")) from None
+        shown = _shown(name[len(ENV_PREFIX) :].lower(), raw)
+        raise ConfigError(redact(f"{name}: must be {names}, got {shown}")) from None
     return text
 
 

@@ -17,7 +17,11 @@ bounded cost (`spotckpt.format.bounded_json`) and checked field by field (`event
 `summary_problem`); a malformed one is left out of every figure, with one warning per read that
 names it. The interval is always within ``[max(1, min_interval_steps), max_interval_steps]``
 (the ceiling defaults to `spotckpt.config.DEFAULT_MAX_INTERVAL_STEPS`), and figures that cannot
-be true (a mean time between evictions below the step time or the save stall) are not used.
+be true are not used: a mean time between evictions below the step time or the save stall
+(`possible_figures`); an event counting more requests or bytes than its recorded time could
+carry (`impossible_rates`); an event that would take the run's checkpoint overhead above its
+training time (`impossible_overhead`). Such an event is rejected (left out of every figure and
+counted, with a warning naming it); a summary whose sums break the same rules is malformed.
 
 The model of `expected_goodput` and `daly_interval_s` (J. T. Daly, "A higher order estimate of
 the optimum checkpoint interval for restart dumps", Future Generation Computer Systems 22, 2006)
@@ -74,6 +78,11 @@ observed training, so a run's own evictions soon outweigh it (see `eviction_rate
 """
 PRIOR_WEIGHT_HOURS = 2.0
 """Hours of training that the prior counts for in `eviction_rate`."""
+MIN_SAVES_FOR_FIGURES = 3
+MIN_TRAINING_S_FOR_FIGURES = 600.0
+"""``spotckpt stats`` shows the overhead, the suggested interval and the goodput estimate only
+from this many saves over this much training; below, it says "too little data": in a short run
+the first save, a restore and start-up weigh as much as hours of training."""
 STARTING_INTERVAL_STEPS = 100
 """The ``"auto"`` interval until a step time and a save cost are measured (clamped to bounds)."""
 MIN_STEP_SAMPLES = 3
@@ -89,6 +98,16 @@ MAX_TOTAL_SECONDS = 100 * MAX_EVENT_SECONDS
 """The largest sum of durations a summary may record (a century of training)."""
 MAX_COUNT = 2**63 - 1
 """The largest count (steps, bytes, events) an event or a summary may record."""
+MAX_REQUESTS_PER_S = 1e6
+"""The most requests a whole job can make per second of the time an event records: far beyond
+what an object store serves one bucket (S3 starts at 3,500 writes and 5,500 reads per second per
+prefix, GCS at 1,000 and 5,000 per bucket, and both scale up gradually)."""
+MAX_BYTES_PER_S = 1e14
+"""The most bytes a whole job can move per second of an event's time (100 TB/s: 8,000 nodes at
+100 Gbit/s each)."""
+GRACE_S = 1.0
+"""Seconds added to each event's recorded time before the rates above bound it (clock
+granularity; the event's own PUT)."""
 _STEP_WINDOW = 64
 _SAVE_WINDOW = 16
 _READERS = 16
@@ -141,6 +160,50 @@ def possible_figures(mtbf_s: float, step_time_s: float | None, save_cost_s: floa
         figure is None or (math.isfinite(figure) and 0 <= figure <= mtbf_s)
         for figure in (step_time_s, save_cost_s)
     )
+
+
+_DURATIONS = ("train_s", "stall_s", "upload_s", "restore_s", "emergency_save_s")
+_OVERHEAD = ("stall_s", "emergency_save_s", "restore_s")
+_REQUESTS = ("write_requests", "read_requests", "delete_requests")
+
+
+def impossible_rates(sums: Mapping[str, Any], events: int) -> str | None:
+    """What cannot be true of the requests and bytes that `events` events count in the time
+    they record (`sums`: one event's own fields, or a summary's sums), or None.
+
+    The seconds an event records (training, stall, upload, restore, emergency save; overlaps
+    counted twice, which only widens the bound), plus `GRACE_S`, at `MAX_REQUESTS_PER_S` and
+    `MAX_BYTES_PER_S`, bound what it can have counted: more is a forged or corrupt figure. This
+    also bounds the request cost per hour of the run (the rates times the prices).
+    """
+    seconds = sum(_number(sums.get(name)) or 0.0 for name in _DURATIONS) + GRACE_S * events
+    requests = sum(_number(sums.get(name)) or 0.0 for name in _REQUESTS)
+    moved = sum(_number(sums.get(name)) or 0.0 for name in ("bytes_sent", "bytes_received"))
+    if requests > MAX_REQUESTS_PER_S * seconds:
+        return (
+            f"{requests:.3g} requests in {seconds:.3g} s, above {MAX_REQUESTS_PER_S:g} per second"
+        )
+    if moved > MAX_BYTES_PER_S * seconds:
+        return f"{moved:.3g} bytes in {seconds:.3g} s, above {MAX_BYTES_PER_S:g} per second"
+    return None
+
+
+def impossible_overhead(sums: Mapping[str, Any]) -> str | None:
+    """What cannot be true of a run's summed figures (`Totals.sums`), or None: its checkpoint
+    overhead (save stalls, emergency saves, restores) exceeding its training time.
+
+    Each event's ``train_s`` is the wall time since the session's previous event, and stalls,
+    emergency saves and restores are disjoint stretches of that time, so a run's overhead is at
+    most its training time (an overhead share of at most 100 %; a relative 1e-9 for rounding).
+    """
+    overhead = sum(_number(sums.get(name)) or 0.0 for name in _OVERHEAD)
+    training = _number(sums.get("train_s")) or 0.0
+    if overhead > training * (1 + 1e-9) + 1e-6:
+        return (
+            f"checkpoint overhead of {overhead:.3g} s within {training:.3g} s of training "
+            "(a share above 100 %)"
+        )
+    return None
 
 
 def expected_goodput(delta_s: float, mtbf_s: float, tau_s: float, restart_s: float = 0.0) -> float:
@@ -457,6 +520,7 @@ _SUMMARY_TABLES: dict[str, dict[str, _Check]] = {
 }
 _SUMMARY_FIELDS: dict[str, _Check] = {
     "events": _whole(0),
+    "rejected": _whole(0),
     "through": _event_name,
     **dict.fromkeys(_SUMMARY_TABLES, _of_type(dict)),
 }
@@ -481,7 +545,8 @@ def event_problem(document: Any) -> str | None:
 
 def summary_problem(document: Any) -> str | None:
     """What makes `document` no valid ``events/summary.json``, or None (see `event_problem`;
-    names that no figure reads are not checked, and `Totals.from_dict` drops them)."""
+    names that no figure reads are not checked, and `Totals.from_dict` drops them). Its sums
+    must also be figures that can be true (`impossible_rates`, `impossible_overhead`)."""
     if not isinstance(document, dict):
         return f"must be a JSON object, got {_shown(document)}"
     problem = _fields_problem(document, _SUMMARY_FIELDS)
@@ -490,7 +555,11 @@ def summary_problem(document: Any) -> str | None:
             return problem
         inner = _fields_problem(document.get(name) or {}, checks)
         problem = None if inner is None else f"{name}.{inner}"
-    return problem
+    if problem is not None:
+        return problem
+    sums = document.get("sums") or {}
+    problem = impossible_rates(sums, document.get("events") or 0) or impossible_overhead(sums)
+    return None if problem is None else f"sums: {problem}"
 
 
 def median(values: Iterable[float]) -> float | None:
@@ -514,20 +583,29 @@ class Totals:
     recent: dict[str, list[float]] = field(default_factory=dict)
     last: dict[str, Any] = field(default_factory=dict)
     events: int = 0
+    rejected: int = 0
+    """Events left out of every figure: malformed, or with figures that cannot be true."""
+
+    def problem_with(self, event: Mapping[str, Any]) -> str | None:
+        """What cannot be true of `event` (checked with `event_problem` already) or of the run
+        once it is added, or None: the rule of `impossible_rates` on the event's own figures,
+        and of `impossible_overhead` on the run's sums with it."""
+        own = _summed(event)
+        grown = {name: self.sums.get(name, 0.0) + own.get(name, 0.0) for name in _OVERHEAD}
+        grown["train_s"] = self.sums.get("train_s", 0.0) + own.get("train_s", 0.0)
+        return impossible_rates(event, 1) or impossible_overhead(grown)
 
     def add(self, event: Mapping[str, Any]) -> None:
-        """Fold in one event (check it with `event_problem` first); unknown kinds and
-        malformed figures are skipped."""
+        """Fold in one event (check it with `event_problem` and `problem_with` first); unknown
+        kinds and malformed figures are skipped."""
         kind = event.get("kind")
         if not isinstance(kind, str) or kind not in _SUMMED:
             return
         self.events += 1
         self.counts[kind] = self.counts.get(kind, 0) + 1
         emergency = kind == "save" and event.get("emergency") is True
-        for name in _SUMMED[kind]:
-            value = _number(event.get(name))
-            if value is not None and not (emergency and name in ("stall_s", "upload_s")):
-                self.sums[name] = self.sums.get(name, 0.0) + value
+        for name, amount in _summed(event).items():
+            self.sums[name] = self.sums.get(name, 0.0) + amount
         for name in () if emergency else _RECENT[kind]:
             value = _number(event.get(name))
             if value is not None:
@@ -548,6 +626,7 @@ class Totals:
         return {
             "format": SUMMARY_FORMAT,
             "events": self.events,
+            "rejected": self.rejected,
             "counts": dict(self.counts),
             "sums": dict(self.sums),
             "recent": {k: list(v) for k, v in self.recent.items()},
@@ -571,8 +650,31 @@ class Totals:
             if isinstance(v, list)
         }
         events = _number(document.get("events"))
+        rejected = _number(document.get("rejected"))
         last = table("last", _LAST)
-        return cls(counts, sums, recent, last, int(events) if events is not None else 0)
+        return cls(
+            counts,
+            sums,
+            recent,
+            last,
+            int(events) if events is not None else 0,
+            int(rejected) if rejected is not None else 0,
+        )
+
+
+def _summed(event: Mapping[str, Any]) -> dict[str, float]:
+    """What `event` adds to a run's sums (an emergency save's stall and upload are counted by
+    its preemption event instead)."""
+    kind = event.get("kind")
+    if not isinstance(kind, str) or kind not in _SUMMED:
+        return {}
+    emergency = kind == "save" and event.get("emergency") is True
+    found = {}
+    for name in _SUMMED[kind]:
+        value = _number(event.get(name))
+        if value is not None and not (emergency and name in ("stall_s", "upload_s")):
+            found[name] = value
+    return found
 
 
 def _now_iso() -> str:
@@ -627,8 +729,7 @@ class EventLog:
         if len(keys) >= self.max_events - 1:
             fold = keys[: len(keys) - self.max_events // 2]
             totals, through = self.read_summary()
-            for event in self._read_many(k for k in fold if through is None or k > through):
-                totals.add(event)
+            self._fold(totals, (k for k in fold if through is None or k > through))
             self.store.put(
                 EVENT_SUMMARY_KEY,
                 json.dumps({**totals.to_dict(), "through": fold[-1]}, sort_keys=True).encode(),
@@ -656,25 +757,30 @@ class EventLog:
     def totals(self) -> Totals:
         """Everything recorded: the summary plus every event not yet folded into it."""
         totals, through = self.read_summary()
-        keys = [k for k in self.event_keys() if through is None or k > through]
-        for event in self._read_many(keys):
-            totals.add(event)
+        self._fold(totals, (k for k in self.event_keys() if through is None or k > through))
         return totals
 
-    def _read_many(self, keys: Iterable[str]) -> list[dict[str, Any]]:
-        """The events under `keys`, in key order; gone ones are skipped, malformed ones too
-        (with one warning for all of them)."""
+    def _fold(self, totals: Totals, keys: Iterable[str]) -> None:
+        """Add the events under `keys` to `totals`, in key order. Gone ones are skipped;
+        malformed ones (`event_problem`) and those whose figures cannot be true
+        (`Totals.problem_with`) are left out, counted in ``totals.rejected``, with one warning
+        for each kind per read."""
         listed = list(keys)
         with ThreadPoolExecutor(min(_READERS, max(1, len(listed)))) as pool:
             results = list(pool.map(self._read_one, listed))
-        _report_malformed(
-            [
-                (key, problem)
-                for key, (_, problem) in zip(listed, results, strict=True)
-                if problem is not None
-            ]
-        )
-        return [document for document, _ in results if document is not None]
+        malformed, impossible = [], []
+        for key, (document, problem) in zip(listed, results, strict=True):
+            if problem is not None:
+                malformed.append((key, problem))
+            elif document is not None:
+                problem = totals.problem_with(document)
+                if problem is None:
+                    totals.add(document)
+                else:
+                    impossible.append((key, problem))
+        totals.rejected += len(malformed) + len(impossible)
+        _report_malformed(malformed)
+        _report_impossible(impossible)
 
     def _read_one(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
         return _read_checked(self.store, key, MAX_EVENT_BYTES, event_problem)
@@ -712,6 +818,23 @@ def _report_malformed(skipped: list[tuple[str, str]]) -> None:
         key,
         problem,
         others,
+    )
+
+
+def _report_impossible(rejected: list[tuple[str, str]], named: int = 10) -> None:
+    """One warning for the events of one read whose figures cannot be true, naming each (the
+    first `named` of them)."""
+    if not rejected:
+        return
+    listed = "; ".join(f"{key} ({problem})" for key, problem in rejected[:named])
+    more = f"; and {len(rejected) - named} more" if len(rejected) > named else ""
+    log.warning(
+        "rejected %d goodput event(s) whose figures cannot be true: %s%s. They are left out of "
+        "the goodput figures, the request costs and the auto interval; spotckpt never writes "
+        "such events, so check who can write to the bucket and delete them",
+        len(rejected),
+        listed,
+        more,
     )
 
 
@@ -908,6 +1031,8 @@ class GoodputStats:
 
     uri: str
     events: int
+    rejected_events: int = 0
+    """Events left out of every figure: malformed, or with figures that cannot be true."""
     saves: int = 0
     restores: int = 0
     evictions: int = 0
@@ -953,18 +1078,82 @@ class GoodputStats:
         """``goodput: overhead 1.2 % of 0.3 h, 0 steps lost in 3 evictions, interval 25 ...``."""
         if not self.events:
             return f"goodput: no events yet at {self.uri}"
-        overhead = "-" if self.overhead_share is None else f"{100 * self.overhead_share:.1f} %"
+        lost = f"{_count(self.steps_lost, 'step')} lost in {_count(self.evictions, 'eviction')}"
         interval = "-" if self.interval_steps is None else f"{self.interval_steps} steps"
+        if not self.enough_data:
+            return (
+                f"goodput: {lost}, interval {interval}; too little data yet for the overhead "
+                f"and the goodput estimate ({self._observed()})"
+            )
+        overhead = "-" if self.overhead_share is None else f"{100 * self.overhead_share:.1f} %"
         estimate = "" if self.estimated_goodput is None else f", {self._goodput()} goodput"
         return (
-            f"goodput: checkpoint overhead {overhead} of {_duration(self.training_s)}, "
-            f"{_count(self.steps_lost, 'step')} lost in {_count(self.evictions, 'eviction')}, "
+            f"goodput: checkpoint overhead {overhead} of {_duration(self.training_s)}, {lost}, "
             f"interval {interval} "
             f"(suggested {_or_dash(self.suggested_interval_steps)}){estimate}"
         )
 
+    @property
+    def enough_data(self) -> bool:
+        """Whether the run is long enough for the overhead and the model's figures to mean
+        anything (`MIN_SAVES_FOR_FIGURES` saves over `MIN_TRAINING_S_FOR_FIGURES`)."""
+        return self.saves >= MIN_SAVES_FOR_FIGURES and self.training_s >= MIN_TRAINING_S_FOR_FIGURES
+
+    def _observed(self) -> str:
+        """``2 saves in 40.0 s of training; figures need 3 saves and 10.0 min``."""
+        return (
+            f"{_count(self.saves, 'save')} in {_duration(self.training_s)} of training; "
+            f"figures need {MIN_SAVES_FOR_FIGURES} saves and "
+            f"{_duration(MIN_TRAINING_S_FOR_FIGURES)}"
+        )
+
     def _goodput(self) -> str:
         return "-" if self.estimated_goodput is None else f"{100 * self.estimated_goodput:.1f} %"
+
+    def _rate_basis(self) -> str:
+        """Where the eviction rate of the model's figures comes from."""
+        if self.evictions == 0:
+            return "assumed eviction rate"
+        return "observed eviction rate, blended with the assumed prior"
+
+    def _rate_row(self) -> str:
+        if self.evictions_per_hour is None:
+            return "-"
+        rate = f"{self.evictions_per_hour:.3f} per hour"
+        prior = f"{PRIOR_EVICTIONS_PER_HOUR} per hour, weighted as {PRIOR_WEIGHT_HOURS:g} h"
+        if self.evictions == 0:
+            return (
+                f"{rate} (assumed: no eviction observed in {_duration(self.training_s)}, so "
+                f"the prior of {prior})"
+            )
+        return (
+            f"{rate} ({_count(self.evictions, 'eviction')} observed in "
+            f"{_duration(self.training_s)}, blended with an assumed prior of {prior})"
+        )
+
+    def _model_rows(self) -> list[tuple[str, str]]:
+        """The overhead (measured) and the figures of Daly's model (measured save stall and
+        step time, and the eviction rate), or "too little data"."""
+        if not self.enough_data:
+            little = f"too little data ({self._observed()})"
+            return [("overhead", little), ("suggested", "too little data"), ("goodput", little)]
+        basis = self._rate_basis()
+        return [
+            (
+                "overhead",
+                _share(self.overhead_share) + " of training time (measured: save stalls, "
+                "emergency saves and restores)",
+            ),
+            (
+                "suggested",
+                f"{_or_dash(self.suggested_interval_steps)} steps (Daly's formula: measured "
+                f"save stall and step time, {basis})",
+            ),
+            (
+                "goodput",
+                f"{self._goodput()} (estimated by Daly's model at the current interval, {basis})",
+            ),
+        ]
 
     def text(self) -> str:
         """The multi-line report."""
@@ -975,6 +1164,7 @@ class GoodputStats:
                 "events",
                 f"{self.events} ({_count(self.saves, 'save')}, {_count(self.restores, 'restore')})",
             ),
+            *self._rejected_rows(),
             ("evictions", str(self.evictions)),
             ("steps lost", str(self.steps_lost)),
             ("training time", _duration(self.training_s)),
@@ -982,16 +1172,19 @@ class GoodputStats:
             ("save upload", _spread(self.upload_median_s, self.upload_p95_s)),
             ("save bytes", _written_and_referenced(self.saved_bytes, self.referenced_bytes)),
             ("restore", f"median {_seconds(self.restore_median_s)}"),
-            ("overhead", _share(self.overhead_share) + " of training time"),
-            ("eviction rate", _rate(self.evictions_per_hour)),
+            ("eviction rate", self._rate_row()),
             ("step time", _seconds(self.step_time_s)),
             ("interval", f"{_or_dash(self.interval_steps)} steps (last recorded)"),
-            ("suggested", f"{_or_dash(self.suggested_interval_steps)} steps (Daly)"),
-            ("goodput", f"{self._goodput()} (estimated, at the current interval)"),
+            *self._model_rows(),
             *self._cost_rows(),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"goodput at {self.uri}"] + [f"  {n.ljust(width)}  {v}" for n, v in rows])
+
+    def _rejected_rows(self) -> list[tuple[str, str]]:
+        if not self.rejected_events:
+            return []
+        return [("rejected", f"{self.rejected_events} events left out (malformed or impossible)")]
 
     def _cost_rows(self) -> list[tuple[str, str]]:
         if self.cost_requests_total is None:
@@ -1056,10 +1249,6 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f} %"
 
 
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f} per hour (observed, with the prior)"
-
-
 def stats_from_totals(
     uri: str,
     totals: Totals,
@@ -1076,6 +1265,7 @@ def stats_from_totals(
     stats = GoodputStats(
         uri=uri,
         events=totals.events,
+        rejected_events=totals.rejected,
         saves=counts.get("save", 0),
         restores=counts.get("restore", 0),
         evictions=evictions,

@@ -72,6 +72,8 @@ __all__ = ["CheckpointManager", "KeyMismatchError", "PendingSave"]
 
 log = logging.getLogger("spotckpt")
 
+_SETTING_NAMES = frozenset(field.name for field in dataclasses.fields(Settings))
+
 
 @dataclasses.dataclass
 class PendingSave:
@@ -104,18 +106,32 @@ class CheckpointManager:
     The keyword arguments are the fields of `spotckpt.config.Settings` (`keep_last=3`,
     `interval_steps`, `async_save`, `preemption`, `storage_options`, ...), declared and validated
     there once for the manager and `Config` alike; `store` passes an already open store.
+    Settings not passed come from ``SPOTCKPT_*`` variables, then ``spotckpt.toml``, then the
+    defaults, and `uri` from ``SPOTCKPT_URI`` when None: `spotckpt.config.Config.load`, the one
+    rule for every entry point (a keyword passed wins, None included).
     Goodput (`spotckpt.goodput`): `interval_steps="auto"`, events under ``events/``, `metrics`.
     """
 
-    def __init__(self, uri: str, *, store: ObjectStore | None = None, **settings: Any) -> None:
-        self.settings = Settings(**settings)
-        self.uri = uri
+    def __init__(
+        self, uri: str | None = None, *, store: ObjectStore | None = None, **settings: Any
+    ) -> None:
+        unknown = sorted(set(settings) - _SETTING_NAMES)
+        if unknown:
+            raise TypeError(
+                f"CheckpointManager() got unexpected keyword arguments {', '.join(unknown)}; "
+                f"the settings are those of spotckpt.config.Settings"
+            )
+        config = Config.load(uri=uri, **settings)
+        self.settings = Settings(**config.manager_kwargs())
+        self.uri = config.uri
         self.keep_last = self.settings.keep_last
         self.async_save = self.settings.async_save
         self.prefix_spread = self.settings.prefix_spread
         self.agree_every = self.settings.agree_every
         storage_options = self.settings.storage_options
-        self.store = store if store is not None else open_store(uri, **dict(storage_options or {}))
+        self.store = (
+            store if store is not None else open_store(self.uri, **dict(storage_options or {}))
+        )
         self.keyring = keyring_of(self.settings)
         self.catalog = Catalog(self.store, self.keyring)
         self.collective = Collective(self.settings.collective_timeout_s)
@@ -183,8 +199,10 @@ class CheckpointManager:
 
     @classmethod
     def from_config(cls, config: Config | None = None, **overrides: Any) -> CheckpointManager:
-        """Build from a `Config` (by default loaded from kwargs, env and spotckpt.toml)."""
-        config = config if config is not None else Config.load(**overrides)
+        """Build from a `Config`, every setting of which counts as given; without one, the
+        same as ``CheckpointManager(**overrides)`` (kwargs, env, spotckpt.toml, defaults)."""
+        if config is None:
+            return cls(**overrides)
         return cls(config.uri, **config.manager_kwargs())
 
     @staticmethod
@@ -830,8 +848,9 @@ class CheckpointManager:
            record: not used) and newer than the newest step committed in the bucket, or that
            very step only when it is the same commit (the bucket's manifest names its attempt).
            The bucket is the source of truth for "committed": a tier step never shadows a
-           committed step of another save. A tier step that does not load falls through to
-           the bucket.
+           committed step of another save. A tier step that does not load is set aside on
+           every node (never chosen again, by this restore or a later one) and the next newest
+           tried; with none left, the bucket.
         3. Then the bucket's committed steps, newest first. A step that turns out corrupt (bad
            bytes or a bad manifest) is quarantined and the next older one tried, with a warning,
            unless `fallback` is off or none is older; a step deleted meanwhile (retention by
@@ -976,26 +995,23 @@ class CheckpointManager:
         self, state: State, scope: Scope, strict: bool, restoring: _Restoring
     ) -> int | None:
         """Restore the newest step of `scope` the fast tiers can give whole; None if none can
-        or it did not load (then `restoring` tells whether the state was written)."""
+        (then `restoring` tells whether the state was written). A step that does not load is
+        set aside on every node (`FastTier.set_aside`: a warning and a ``quarantine`` event)
+        and the next newest one tried."""
         tier = cast(FastTier, self.tier)
 
         def needs(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
             return self.loader.byte_ranges(state, manifest, tier.store, strict)
 
-        found = tier.recover(self.collective, scope, needs)
-        if found is None:
-            return None
-        manifest, moved = found
-        restoring.written = True
-        try:
-            self.last_read_stats = stats = self.loader.load(state, manifest, tier.store, strict)
-        except (CorruptCheckpointError, ManifestError) as error:
-            restoring.failure = f"fast-tier step {manifest.step}: {type(error).__name__}: {error}"
-            log.warning(
-                "the fast-tier copy of step %d did not load (%s); restoring from the store",
-                manifest.step,
-                error,
-            )
+        while (found := tier.recover(self.collective, scope, needs)) is not None:
+            manifest, moved = found
+            restoring.written = True
+            try:
+                self.last_read_stats = stats = self.loader.load(state, manifest, tier.store, strict)
+                break
+            except (CorruptCheckpointError, ManifestError) as error:
+                self._set_aside_tier_step(manifest.step, error, restoring)
+        else:
             return None
         self.last_restore_sources = {
             "local": max(0, stats.bytes_read - moved),
@@ -1006,6 +1022,25 @@ class CheckpointManager:
             "restored step %d from the fast tier: %s", manifest.step, self.last_restore_sources
         )
         return manifest.step
+
+    def _set_aside_tier_step(self, step: int, error: Exception, restoring: _Restoring) -> None:
+        """A fast-tier step failed to load (on every rank): set it aside, loudly."""
+        reason = f"{type(error).__name__}: {error}"
+        restoring.failure = f"fast-tier step {step}: {reason}"
+        log.warning(
+            "the fast-tier copy of step %d did not load (%s); it is set aside on every node and "
+            "the restore goes on with older steps",
+            step,
+            error,
+        )
+        cast(FastTier, self.tier).set_aside(step, reason)
+        if self.goodput.events is None:  # only the coordinator records events
+            return
+        try:
+            event = {"kind": "quarantine", "tier": True, "step": step, "reason": reason[:2000]}
+            self.goodput.events.record(event)
+        except StorageError as failure:
+            log.warning("could not record the set-aside of fast-tier step %d: %s", step, failure)
 
     # Maintenance ------------------------------------------------------------------------------
 
@@ -1028,7 +1063,11 @@ class CheckpointManager:
         if not self.is_coordinator:
             return GcReport(dry_run=dry_run)
         return collect_garbage(
-            self.store, keep_last=keep_last, safety_age_s=safety_age_s, dry_run=dry_run
+            self.store,
+            keep_last=keep_last,
+            safety_age_s=safety_age_s,
+            dry_run=dry_run,
+            keyring=self.keyring,
         )
 
     # Lifecycle --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 `redact` removes ``user:password@`` from URLs, the values of ``secret=...``-like pairs (Azure's
 ``AccountKey=`` inside a connection string and ``account_key``/``connection_string`` options
-among them), the ``sig=`` signature of an Azure SAS URL or token, and any known secret value;
+among them), the ``sig=`` signature of an Azure SAS URL or token, PEM private keys (the whole
+block, or all that follows its first line when the end is cut off), and any known secret value;
 `printable` escapes control characters (such as ``"\\x1b[2J"`` or ``"\\n"`` in a tensor name
 read from a bucket) so they never reach a terminal raw. Config errors, the CLI
 and its log lines use both.
@@ -39,6 +40,9 @@ _SECRET_PAIR = re.compile(
     re.IGNORECASE,
 )
 _SAS_SIGNATURE = re.compile(r"(?P<key>(?<![\w.-])sig=)(?P<value>[^&\s\"';,]+)", re.IGNORECASE)
+_PEM_PRIVATE_KEY = re.compile(
+    r"-----BEGIN (?P<kind>[A-Z0-9 ]*PRIVATE KEY)-----.*?(?:-----END (?P=kind)-----|\Z)", re.DOTALL
+)
 _UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
@@ -61,6 +65,7 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     for secret in sorted(set(secrets), key=len, reverse=True):
         if len(secret) >= _MIN_SECRET_LENGTH:
             text = text.replace(secret, MASK)
+    text = _PEM_PRIVATE_KEY.sub(f"{MASK} (a PEM private key)", text)
     text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
     text = _BARE_USERINFO.sub(f"{MASK}@", text)
     text = _SAS_SIGNATURE.sub(lambda m: f"{m['key']}{MASK}", text)

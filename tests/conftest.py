@@ -84,6 +84,34 @@ os.environ.setdefault("SPOTCKPT_AZURE_METADATA_ENDPOINT", "http://127.0.0.1:9")
 
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request access log
 
+_SUITE_VARIABLES = frozenset({"SPOTCKPT_AZURE_METADATA_ENDPOINT"})
+"""The ``SPOTCKPT_*`` variables this file sets for every test (above)."""
+
+
+@pytest.fixture(autouse=True)
+def _no_spotckpt_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts without the ``SPOTCKPT_*`` variables of the shell that ran pytest:
+    every manager applies them under its keyword arguments (`spotckpt.config.Config.load`), so
+    a stray one would change what each manager of the suite does, and in child processes too.
+    A test sets its own with monkeypatch."""
+    for name in [n for n in os.environ if n.startswith("SPOTCKPT_")]:
+        if name not in _SUITE_VARIABLES:
+            monkeypatch.delenv(name)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to run where a configuration file in the working directory would configure every
+    manager the suite builds (``./spotckpt.toml``, or ``[tool.spotckpt]`` in
+    ``./pyproject.toml``, read by `spotckpt.config.Config.load`)."""
+    from spotckpt.config import config_files
+
+    found = config_files(Path.cwd())
+    if found:
+        raise pytest.UsageError(
+            f"{', '.join(found)} would configure every CheckpointManager the tests build: "
+            "move it away, or run pytest from another folder"
+        )
+
 
 def _mount_tmpfs(target: Path) -> bool:
     done = subprocess.run(

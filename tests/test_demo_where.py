@@ -1,6 +1,7 @@
 """`make demo` ends by saying where each run wrote and how to look at it; the commands it prints
-work as printed (run here through a shell on a real checkpoint in a folder whose name needs
-quoting), and with the embedded server it says that the checkpoints are gone."""
+work as printed (run here through a shell that has not activated the virtual environment, on a
+real checkpoint in a folder whose name needs quoting), and with the embedded server it says that
+the checkpoints are gone."""
 
 from __future__ import annotations
 
@@ -39,10 +40,13 @@ def test_printed_commands_show_the_spot_run(tmp_path: Path) -> None:
     text = _demo().where_to_look(runs, embedded=False)
     assert f"spot run:      {runs['spot run']}" in text
     assert f"reference run: {runs['reference run']}" in text
-    commands = [line.strip() for line in text.splitlines() if line.startswith("  spotckpt ")]
+    hint = text.splitlines().index("look at the spot run's checkpoints and its goodput with:")
+    commands = [line.strip() for line in text.splitlines()[hint + 1 :]]
     assert [c.split()[1] for c in commands] == ["ls", "stats"]
+    assert all(c.startswith(f"{SCRIPT} ") for c in commands)  # this environment's spotckpt
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTCKPT_")}
-    env["PATH"] = f"{SCRIPT.parent}{os.pathsep}{env.get('PATH', '')}"  # this checkout's spotckpt
+    env["PATH"] = os.defpath  # a shell that has not activated the virtual environment
+    env.pop("VIRTUAL_ENV", None)
     listed, stats = (
         subprocess.run(
             command, shell=True, capture_output=True, text=True, timeout=300, env=env, check=False

@@ -9,6 +9,7 @@ virtual environment.)
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from spotckpt.config import Settings
 from spotckpt.errors import ConfigError, MissingDependencyError
 from spotckpt.storage import open_store
+from spotckpt.storage.registry import store_extras
 from spotckpt.tiers.erasure import data_block, parity_block
 
 
@@ -68,3 +70,40 @@ def test_integration_without_its_framework_names_the_extra(
         importlib.import_module(module)
     assert f"{module} needs the {extra} extra: pip install 'spotckpt[{extra}]'" in str(raised.value)
     assert isinstance(raised.value, ImportError)  # code that tries an optional import still can
+
+
+_PACKAGES_OF_EXTRA = {"gcs": ("google",), "azure": ("azure",), "fsspec": ("fsspec",)}
+"""The top-level packages each store extra brings, which `_block` makes unimportable."""
+
+
+@pytest.mark.parametrize(
+    ("scheme", "extra"),
+    [(scheme, extra) for scheme, extra in sorted(store_extras().items()) if extra is not None],
+)
+def test_every_store_without_its_extra_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    scheme: str,
+    extra: str,
+) -> None:
+    """One rule for every built-in scheme (the registry's table), and the CLI says the same."""
+    from spotckpt.cli import main
+
+    _block(monkeypatch, *_PACKAGES_OF_EXTRA[extra])
+    for module in [m for m in sys.modules if m.startswith("spotckpt.storage.")]:
+        if module.rsplit(".", 1)[1] in ("gcs", "azure", "fsspec", "_gcs_http"):
+            _forget(monkeypatch, module)
+    uri = f"{scheme}memory://c/run" if scheme.endswith("+") else f"{scheme}://c/run"
+    wanted = f"needs the {extra} extra: pip install 'spotckpt[{extra}]'"
+    with pytest.raises(MissingDependencyError, match=re.escape(wanted)):
+        open_store(uri)
+    with pytest.raises(SystemExit):
+        main(["ls", uri])
+    assert wanted in capsys.readouterr().err
+
+
+def test_every_built_in_scheme_is_in_the_table_of_extras() -> None:
+    assert {"s3", "gs", "gcs", "az", "abfs", "abfss", "fsspec+", "file", "memory"} <= set(
+        store_extras()
+    )
+    assert store_extras()["s3"] is None and store_extras()["az"] == "azure"

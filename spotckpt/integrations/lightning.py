@@ -146,16 +146,16 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
     they did in the same batch; the Trainer then adds no default ``ModelCheckpoint`` (add one
     for ``.ckpt`` files) and needs ``enable_checkpointing=True`` (its default).
 
-    `manager_options` are `CheckpointManager`'s keyword arguments (`keep_last`, `async_save`,
-    `storage_options`, ...). The manager is created when fitting starts (after Lightning has set
-    up the process group) as `manager`, and closed when fitting ends.
+    `uri` and `manager_options` are `CheckpointManager`'s arguments (`interval_steps`,
+    `keep_last`, `async_save`, `storage_options`, ...); what is not given comes from
+    ``SPOTCKPT_*`` variables and ``spotckpt.toml`` (a missing `uri` from ``SPOTCKPT_URI``), as
+    for every manager. The manager is created when fitting starts (after Lightning has set up
+    the process group) as `manager`, and closed when fitting ends.
     """
 
-    def __init__(
-        self, uri: str, *, interval_steps: int | str | None = None, **manager_options: Any
-    ) -> None:
+    def __init__(self, uri: str | None = None, **manager_options: Any) -> None:
         self.uri = uri
-        self.options = {"interval_steps": interval_steps, **manager_options}
+        self.options = manager_options
         self.manager: CheckpointManager | None = None
         self._state: LightningTrainState | None = None
         self._step = 0  # global step of the last optimizer step seen
@@ -202,12 +202,12 @@ class SpotckptCallback(pl.callbacks.Checkpoint):
         self._step, self._saved, self._at_step_end = trainer.global_step, step, True
         loaded = self._state.checkpoint.loaded
         if step is None or loaded is None:
-            log.info("no committed checkpoint under %s: training from the start", self.uri)
+            log.info("no committed checkpoint under %s: training from the start", manager.uri)
             return
         self._state.checkpoint.loaded = None
         loaders.epoch_ended_at_restore = _restore_trainer(trainer, loaded)
         self._step = trainer.global_step
-        log.info("resumed from step %d (%s)", step, self.uri)
+        log.info("resumed from step %d (%s)", step, manager.uri)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -294,10 +294,11 @@ class SpotckptCheckpointManager(CheckpointManager):
 class SpotckptTrainer(Trainer):
     """torchtitan's `Trainer`, checkpointing through spotckpt and stopping on preemption.
 
-    `spotckpt_config` gives the URI and the manager's settings (default: `Config.load()`, from
-    ``SPOTCKPT_*`` variables and ``spotckpt.toml``). `train` ends the process with status 75
-    after an emergency save. Without CUDA or another accelerator it trains on the CPU with gloo
-    (see the module docstring).
+    `spotckpt_config` gives the URI and the manager's settings, each of them as given (default:
+    `Config.load()`, from ``SPOTCKPT_*`` variables and ``spotckpt.toml``, the rule of every
+    manager; ``Config.load(uri=...)`` gives some in code and still reads the rest there).
+    `train` ends the process with status 75 after an emergency save. Without CUDA or another
+    accelerator it trains on the CPU with gloo (see the module docstring).
     """
 
     checkpointer: SpotckptCheckpointManager

@@ -63,8 +63,9 @@ class SpotckptCallback(TrainerCallback):
     """Interval and emergency saves, and resumption, for `transformers.Trainer`.
 
     `uri` and `manager_options` (`interval_steps`, `keep_last`, `async_save`,
-    `storage_options`, ...) are those of `CheckpointManager.from_config`: a missing `uri` comes
-    from ``SPOTCKPT_URI`` or ``spotckpt.toml``. The manager is built when the Trainer is (after
+    `storage_options`, ...) are those of `CheckpointManager`: what is not given comes from
+    ``SPOTCKPT_*`` variables and ``spotckpt.toml`` (a missing `uri` from ``SPOTCKPT_URI``), as
+    for every manager. The manager is built when the Trainer is (after
     the distributed process group exists) and is available as `manager`. With
     `exit_on_preemption` (the default) the process exits with status 75 once the emergency save
     has committed; otherwise the Trainer stops and `preempted` is true.

@@ -10,15 +10,19 @@ spotckpt by declaring, in its ``pyproject.toml``::
     hdfs2 = "spotckpt_hdfs2:open_hdfs2_store"
 
 where ``open_hdfs2_store(uri, options)`` returns an `ObjectStore`. A built-in scheme therefore
-wins over an entry point of the same name. The S3, GCS and Azure back ends import their SDKs only
-when a URI of theirs is opened, and an entry point loads only when its scheme is asked for.
+wins over an entry point of the same name. The S3, GCS, Azure and fsspec back ends import their
+SDKs only when a URI of theirs is opened (`_BackEnd`), and an entry point loads only when its
+scheme is asked for. A back end whose SDK is not installed is a `MissingDependencyError` that
+names the extra to install, the same for every scheme (`store_extras`).
 
 This module sits above `spotckpt.storage.base` and the back ends; none of them imports it.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +40,7 @@ StoreFactory = Callable[[str, dict[str, Any]], ObjectStore]
 """Builds the store for a URI from it and its back-end options."""
 
 _FACTORIES: dict[str, StoreFactory] = {}
+_FSSPEC = "fsspec+"
 
 
 def register_store(scheme: str, factory: StoreFactory) -> None:
@@ -64,8 +69,8 @@ def _factory(scheme: str) -> StoreFactory:
     factory = _FACTORIES.get(scheme)
     if factory is not None:
         return factory
-    if scheme.startswith("fsspec+"):
-        return _open_fsspec
+    if scheme.startswith(_FSSPEC):
+        return _BUILT_IN[_FSSPEC]
     found = entry_points(group=ENTRY_POINT_GROUP, name=scheme)
     if not found:
         known = sorted({*_FACTORIES, *entry_points(group=ENTRY_POINT_GROUP).names})
@@ -104,36 +109,52 @@ def _describe(entry: EntryPoint) -> str:
     return f"the entry point {entry.name} = {entry.value} in {ENTRY_POINT_GROUP}{package}"
 
 
-def _open_s3(uri: str, options: dict[str, Any]) -> ObjectStore:
-    from spotckpt.storage.s3 import open_s3_store  # boto3 loads only when S3 is used
+@dataclass(frozen=True)
+class _BackEnd:
+    """A built-in back end, imported when a URI of its first opens (with its SDK): a missing
+    SDK is a MissingDependencyError naming `extra` (None: a core dependency)."""
 
-    return open_s3_store(uri, options)
+    module: str
+    function: str
+    extra: str | None
 
-
-def _open_gcs(uri: str, options: dict[str, Any]) -> ObjectStore:
-    try:
-        from spotckpt.storage.gcs import open_gcs_store  # google-cloud-storage loads only for GCS
-    except ImportError as error:
-        raise missing_extra("gcs", "the gs:// store", error) from error
-    return open_gcs_store(uri, options)
-
-
-def _open_azure(uri: str, options: dict[str, Any]) -> ObjectStore:
-    from spotckpt.storage.azure import open_azure_store  # azure-storage-blob loads only for Azure
-
-    return open_azure_store(uri, options)
-
-
-def _open_fsspec(uri: str, options: dict[str, Any]) -> ObjectStore:
-    from spotckpt.storage.fsspec import open_fsspec_store  # fsspec loads only when asked for
-
-    return open_fsspec_store(uri, options)
+    def __call__(self, uri: str, options: dict[str, Any]) -> ObjectStore:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as error:
+            if self.extra is None:
+                raise
+            purpose = f"the {uri_scheme(uri)}:// store"
+            raise missing_extra(self.extra, purpose, error) from error
+        store: ObjectStore = getattr(module, self.function)(uri, options)
+        return store
 
 
-register_store("file", open_local_store)
-register_store("memory", open_memory_store)
-register_store("s3", _open_s3)
-register_store("gs", _open_gcs)
-register_store("gcs", _open_gcs)
-for _scheme in ("az", "abfs", "abfss"):
-    register_store(_scheme, _open_azure)
+_S3 = _BackEnd("spotckpt.storage.s3", "open_s3_store", None)
+_GCS = _BackEnd("spotckpt.storage.gcs", "open_gcs_store", "gcs")
+_AZURE = _BackEnd("spotckpt.storage.azure", "open_azure_store", "azure")
+_BUILT_IN: dict[str, StoreFactory] = {
+    "file": open_local_store,
+    "memory": open_memory_store,
+    "s3": _S3,
+    "gs": _GCS,
+    "gcs": _GCS,
+    "az": _AZURE,
+    "abfs": _AZURE,
+    "abfss": _AZURE,
+    _FSSPEC: _BackEnd("spotckpt.storage.fsspec", "open_fsspec_store", "fsspec"),
+}
+"""The built-in schemes (``fsspec+`` stands for every ``fsspec+<protocol>``)."""
+
+
+def store_extras() -> dict[str, str | None]:
+    """The extra each built-in scheme needs (None: the core install has what it needs)."""
+    return {
+        scheme: factory.extra if isinstance(factory, _BackEnd) else None
+        for scheme, factory in _BUILT_IN.items()
+    }
+
+
+for _scheme, _built_in in _BUILT_IN.items():
+    if _scheme != _FSSPEC:
+        register_store(_scheme, _built_in)

@@ -661,7 +661,7 @@ def test_stats_skips_forged_goodput_objects(tmp_path: Path, s3_uri: str) -> None
             store.put(key, data)
         log = EventLog(store)
         for _ in range(3):
-            log.record({"kind": "save", "stall_s": 1.0, "train_s": 60.0, "step_time_s": 1e-155})
+            log.record({"kind": "save", "stall_s": 1.0, "train_s": 300.0, "step_time_s": 1e-155})
     results = run_all(
         [["stats", local, "--json"], ["stats", s3_uri, "--json"], ["stats", s3_uri]], cwd=tmp_path
     )
@@ -676,7 +676,7 @@ def test_stats_skips_forged_goodput_objects(tmp_path: Path, s3_uri: str) -> None
         stats = json.loads(result.stdout)
         assert (stats["events"], stats["saves"], stats["evictions"]) == (3, 3, 0)
         assert stats["suggested_interval_steps"] == DEFAULT_MAX_INTERVAL_STEPS
-    suggested = rf"^  suggested\s+{DEFAULT_MAX_INTERVAL_STEPS} steps \(Daly\)$"
+    suggested = rf"^  suggested\s+{DEFAULT_MAX_INTERVAL_STEPS} steps \(Daly's formula: "
     assert re.search(suggested, results[2].stdout, re.M), results[2].stdout
     events_row = r"^  events\s+3 \(3 saves, 0 restores\)$"
     assert re.search(events_row, results[2].stdout, re.M), results[2].stdout
@@ -720,7 +720,9 @@ def test_stats_after_a_real_run_with_an_eviction(tmp_path: Path) -> None:
     assert re.search(r"^  evictions\s+1$", text.stdout, re.M), text.stdout
     assert re.search(r"^  steps lost\s+0$", text.stdout, re.M), text.stdout
     assert re.search(r"^  interval\s+4 steps", text.stdout, re.M), text.stdout
-    assert re.search(r"^  suggested\s+\d+ steps \(Daly\)$", text.stdout, re.M), text.stdout
+    # a run of seconds: what the JSON holds, the text does not present as the library's cost
+    too_little = r"^  (overhead|suggested|goodput)\s+too little data"
+    assert len(re.findall(too_little, text.stdout, re.M)) == 3, text.stdout
     assert timed.returncode == 0 and timed.stdout == text.stdout
     imported = {ln.rsplit("|", 1)[1].strip() for ln in timed.stderr.splitlines() if "|" in ln}
     assert "spotckpt.goodput" in imported and "torch" not in imported
