@@ -5,8 +5,8 @@ own, like torchrun on separate machines would; results come back as files in the
 Each rank (forked by `preloaded`) runs in a private mount namespace (what ``unshare -m`` makes)
 in which the base of `local_dir` (the part before ``{node}``) is its machine's own folder,
 ``machines/<machine>`` beside it (or a disk of its own): a rank can never read another
-machine's disk, and two machines may even use the same node id. The folders outlive the
-processes (`node_folder` finds them).
+machine's disk, and two machines that use the same node id see different folders (which the
+tier refuses at start-up). The folders outlive the processes (`node_folder` finds them).
 """
 
 from __future__ import annotations

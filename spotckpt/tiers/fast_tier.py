@@ -17,7 +17,12 @@ A restore (`recover`): node leaders verify what their tier holds (size and CRC32
 object) among the steps a `Scope` admits (this job's, as new as the bucket), all ranks share
 those reports and their load plans' needs, choose the newest step the union can restore
 (`spotckpt.tiers.recovery`), bring each node the objects it lacks from peers or by rebuilding
-them from parity, and load it from the node's folder.
+them from parity, and load it from the node's folder. A step that then fails to load is set
+aside on every node (`set_aside`) and the next one chosen.
+
+Start-up: every rank shares its node id and the id of the folder it sees (`folder_id`); ranks
+that claim one node id on different machines are refused (`check_one_folder_per_node`), since
+their node's steps would be split between the machines and never restored whole.
 
 Failures: a rank's own trouble (a full disk, an unreadable file, a damaged record) is shared
 through the collectives, so every rank reaches the same verdict; a peer lost in the middle (its
@@ -30,11 +35,13 @@ save is writing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -71,11 +78,12 @@ from spotckpt.errors import (
 )
 from spotckpt.format.manifest import Manifest
 from spotckpt.format.signing import Keyring
+from spotckpt.retention import KeepLast, StepReading
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.local import LocalStore
 from spotckpt.tiers.erasure import data_block, parity_block
 from spotckpt.tiers.exchange import PIECE_BYTES, Job, Outcome, Piece, pieces_of, run_jobs
-from spotckpt.tiers.node import NodeIdentity, node_identity
+from spotckpt.tiers.node import NodeIdentity, check_one_folder_per_node, node_identity
 from spotckpt.tiers.record import MAX_RECORD_BYTES, GroupRecord, ParityRecord, TierRecord
 from spotckpt.tiers.recovery import (
     Choice,
@@ -93,11 +101,15 @@ from spotckpt.tiers.redundancy import Placement, Redundancy
 log = logging.getLogger("spotckpt")
 NODE_FIELD = "{node}"
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+FOLDER_ID_NAME = ".spotckpt-folder-id"
+_FOLDER_ID = re.compile(r"[0-9a-f]{32}")
 SPACE_MARGIN = 1.10  # free space wanted beyond the estimate of what a fast save writes
 
 
 def resolve_local_dir(template: str, node: str) -> Path:
-    """`template` with ``{node}`` replaced, created below its existing part, and writable.
+    """`template` with ``{node}`` replaced, created below its existing part, writable, and with
+    a folder id (`folder_id`).
 
     The part before ``{node}`` (the whole path without it) must exist: a missing mount is an
     error at start-up, not a folder quietly created on the root disk.
@@ -111,13 +123,40 @@ def resolve_local_dir(template: str, node: str) -> Path:
         )
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".spotckpt-probe-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".spotckpt-probe-") as probe:
+            probe.write(uuid.uuid4().hex.encode())
+            probe.flush()
+            with contextlib.suppress(FileExistsError):  # the folder keeps the id it has
+                os.link(probe.name, root / FOLDER_ID_NAME)
     except OSError as error:
         raise InvalidArgumentError(
             f"local_dir {str(root)!r} is not writable: {error.strerror or error}"
         ) from None
     return root
+
+
+def folder_id(root: Path) -> str:
+    """The random id of the tier folder `root`: ranks that read the same one see one folder
+    (one machine's disk). It appears whole (linked into place by `resolve_local_dir`, first
+    one wins), so the ranks sharing the folder never read different ones."""
+    path = root / FOLDER_ID_NAME
+    try:
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            data = os.read(fd, 64)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        raise InvalidArgumentError(
+            f"cannot read {str(path)!r}: {error.strerror or error}"
+        ) from None
+    text = data.decode("ascii", "replace")
+    if not _FOLDER_ID.fullmatch(text):
+        raise InvalidArgumentError(
+            f"{str(path)!r} is not a folder id written by spotckpt: remove it (a new one is "
+            "written at the next start)"
+        )
+    return text
 
 
 class TierWriter(ObjectStoreWriter):
@@ -263,20 +302,25 @@ class FastTier:
         keyring: Keyring | None = None,
     ) -> None:
         self.rank = collective.rank
-        identity, problem = None, None
+        identity, folder, problem = None, None, None
         try:
             identity = node_identity()
             self.root: Path = resolve_local_dir(local_dir, identity.node)
+            folder = folder_id(self.root)
         except InvalidArgumentError as error:
             problem = f"rank {self.rank}: {error}"
-        shared = collective.gather((identity, problem, uuid.uuid4().hex))  # all fail, or none
-        problems = [p for _, p, _ in shared if p is not None]
+        # All fail, or none: every rank decides from the same shared facts.
+        shared = collective.gather((identity, folder, problem, uuid.uuid4().hex))
+        problems = [p for _, _, p, _ in shared if p is not None]
         if problems:
             raise InvalidArgumentError(f"the fast tier cannot start: {'; '.join(problems)}")
-        self.identity: NodeIdentity = shared[self.rank][0]
-        self.token: str = shared[0][2]  # names this tier's rank markers, the same on every rank
+        identities = [identity for identity, _, _, _ in shared]
+        check_one_folder_per_node(identities, [folder for _, folder, _, _ in shared])
+        self.identity: NodeIdentity = identities[self.rank]
+        self.token: str = shared[0][3]  # names this tier's rank markers, the same on every rank
         self._operations = 0
-        self.placement = Placement(redundancy, [identity for identity, _, _ in shared])
+        self._unusable: set[int] = set()  # tier steps that failed to load: never chosen again
+        self.placement = Placement(redundancy, identities)
         self.redundancy = redundancy
         self.is_leader = self.placement.is_leader(self.rank)
         self.store = LocalStore(self.root, fsync=False)  # objects: checked by CRC32C on restore
@@ -305,7 +349,7 @@ class FastTier:
 
     def writer(self, step: int, **options: Any) -> TierWriter:
         """The DCP writer of a fast save of `step` (a stale copy of the step is removed first,
-        on every rank: a rank's folder need not be its node leader's)."""
+        on every rank: deletes are idempotent, and no rank waits on its leader for them)."""
         self._remove_folder(step)
         return TierWriter(  # one manifest document: the tier shares and re-reads it whole
             self.store, step, prefix_spread=self.prefix_spread, index_parts=False, **options
@@ -423,15 +467,18 @@ class FastTier:
         `keep_last` in all; delete every other step folder of this rank's node: older steps,
         uncommitted ones (a rank whose folder is not its node leader's never commits there),
         another job's, stale newer ones. Every rank runs it (deletes are idempotent); no save
-        of this job is writing any other step meanwhile, and `newest` is never touched."""
+        of this job is writing any other step meanwhile, and `newest` is never touched.
+        Which of ours stay is the retention rule's (`spotckpt.retention.KeepLast`); a step
+        whose tier record cannot be read goes here, unlike in the bucket: nothing can restore
+        it, and the tier's room is for steps that can be."""
         try:
             ours = [
-                s
+                StepReading(s, frozenset())
                 for s in self.catalog.steps()
                 if (newest is None or s < newest) and self._job_of(s) == job
             ]
             room = self.keep_last - (newest is not None)
-            keep = set(ours[max(0, len(ours) - room) :]) if room > 0 else set()
+            keep = set(KeepLast(room).decide(ours).kept) if room > 0 else set()
             keep.update([newest] if newest is not None else [])
             for step in self._folders():
                 if step not in keep:
@@ -624,6 +671,8 @@ class FastTier:
         for step in reversed(committed):
             if scope.durable is not None and step < scope.durable:
                 break
+            if step in self._unusable:
+                continue
             try:
                 held = self._held_step(step, scope)
             except (CheckpointError, OSError) as error:
@@ -701,9 +750,30 @@ class FastTier:
             return False
         return crc == expected
 
+    def set_aside(self, step: int, reason: str) -> None:
+        """Never use tier `step` again: its load failed on every rank (bytes that pass the
+        whole-object CRC32C but not the load's block checks), and the next restart must not
+        meet it again. Every rank calls it; the node leader moves the step's manifest aside in
+        its folder (`Catalog.quarantine`: under ``quarantined-<stamp>/`` with `reason`), so the
+        step is no longer committed there and retention removes its folder. A node that cannot
+        move it warns; this process still never chooses the step again."""
+        self._unusable.add(step)
+        if not self.is_leader:
+            return
+        try:
+            self.catalog.quarantine(step, reason)
+        except (CheckpointError, OSError) as error:
+            log.warning(
+                "could not set fast-tier step %d aside on node %s: %s",
+                step,
+                self.identity.node,
+                error,
+                extra=THIS_RANK,
+            )
+
     def discard_newer(self, step: int | None) -> None:
         """After a restore of `step` (None: from nothing): newer tier steps are stale; drop them
-        (on every rank: a rank's folder need not be its node leader's)."""
+        (on every rank: deletes are idempotent, and no rank waits on its leader for them)."""
         for folder_step in self._folders():
             if step is None or folder_step > step:
                 self._remove_folder(folder_step)

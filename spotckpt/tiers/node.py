@@ -6,6 +6,11 @@ restart is the machine whose disk holds the copies, and the host name names it. 
 ``SPOTCKPT_ZONE`` (optional) names the failure domain, for example a cloud zone or spot pool:
 placement puts a rank's copies in other zones first, since one reclaim often takes several
 nodes of one pool at once.
+
+A node id names one machine's folder: every rank that claims it must see the same tier folder
+(each rank reads the folder's random id, `FastTier` compares them), or the job refuses to
+start (`check_one_folder_per_node`). Two machines under one id (a reused host name such as
+``localhost``) would each hold part of every tier step, and a restart would find no step whole.
 """
 
 from __future__ import annotations
@@ -51,3 +56,19 @@ def node_identity(environ: Mapping[str, str] | None = None) -> NodeIdentity:
         check_name(node, NODE_VARIABLE if NODE_VARIABLE in environ else "the host name"),
         check_name(zone, ZONE_VARIABLE) if zone else "",
     )
+
+
+def check_one_folder_per_node(identities: list[NodeIdentity], folders: list[str]) -> None:
+    """InvalidArgumentError, the same on every rank, unless the ranks that claim one node id
+    (`identities`, by rank) all see one tier folder (`folders`: the id each rank read there)."""
+    seen: dict[str, tuple[int, str]] = {}
+    for rank, (identity, folder) in enumerate(zip(identities, folders, strict=True)):
+        first, theirs = seen.setdefault(identity.node, (rank, folder))
+        if theirs != folder:
+            raise InvalidArgumentError(
+                f"ranks {first} and {rank} both claim node id {identity.node!r} but run on "
+                "different machines (they see different folders at local_dir): a fast-tier step "
+                "would be split between them and never restored whole. The node id is "
+                f"{NODE_VARIABLE}, else the host name: set {NODE_VARIABLE} to a name of its own "
+                "on each machine"
+            )

@@ -435,20 +435,53 @@ def test_tier_records_and_manifests_are_fsynced_before_and_after_their_rename(
 def test_a_tier_load_that_fails_after_writing_into_the_state_never_returns_none(
     tmp_path: Path,
 ) -> None:
-    """It completes from the bucket, or raises: never "nothing restored" over a changed state."""
+    """It completes from an older step (here the bucket's, from the tier's copy of that very
+    commit), or raises: never "nothing restored" over a changed state."""
     options = _tier_options(tmp_path)
     saved = _run(tmp_path / "b", options, range(1, 4), interval_steps=2, local_interval_steps=1)
     (obj,) = (tmp_path / "fast").glob("*/step-000000003/a-*/r00000-000.safetensors")
     corrupt_keeping_crc32c(obj)  # the node's whole-object check passes; the load's does not
-    step, state, sources = _restored(tmp_path / "b", options)
-    assert step == 2 and _same_state(state, saved[2]) and sources["store"] > 0
+    step, state, _ = _restored(tmp_path / "b", options)
+    assert step == 2 and _same_state(state, saved[2])
 
-    options = _tier_options(tmp_path / "only-fast")
-    _run(tmp_path / "only-fast" / "b", options, range(1, 4), local_interval_steps=1)
-    (obj,) = (tmp_path / "only-fast" / "fast").glob("*/step-000000003/a-*/r00000-000.safetensors")
+
+def test_a_tier_step_that_fails_to_load_is_set_aside_and_the_older_tier_step_restored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No bucket step: the tier's older step completes the restore, with a warning and an
+    event, and the step that failed no longer counts as committed in the tier."""
+    options = _tier_options(tmp_path)
+    saved = _run(tmp_path / "b", options, range(1, 4), local_interval_steps=1)
+    (obj,) = (tmp_path / "fast").glob("*/step-000000003/a-*/r00000-000.safetensors")
     corrupt_keeping_crc32c(obj)
-    with pytest.raises(IncompleteRestoreError, match=r"fast-tier step 3: .*holds no committed"):
-        _restored(tmp_path / "only-fast" / "b", options)
+    with caplog.at_level(logging.WARNING, logger="spotckpt"):
+        step, state, sources = _restored(tmp_path / "b", options)
+    assert step == 2 and _same_state(state, saved[2]) and sources["store"] == 0
+    assert "fast-tier copy of step 3 did not load" in caplog.text and "set aside" in caplog.text
+    (event,) = (tmp_path / "b" / "events").glob("*-quarantine-*.json")
+    document = json.loads(event.read_bytes())
+    assert (document["step"], document["tier"]) == (3, True), document
+    assert "CRC32C mismatch" in document["reason"], document
+    assert not list((tmp_path / "fast").glob("*/step-000000003/manifest.json"))
+
+
+def test_a_tier_step_that_fails_to_load_never_fails_the_next_restart(tmp_path: Path) -> None:
+    """Every tier step fails to load and the bucket has none: that restore raises (the state
+    is half written), but the steps are set aside, so the next one starts from nothing
+    instead of failing the same way for ever."""
+    options = _tier_options(tmp_path)
+    _run(tmp_path / "b", options, range(1, 4), local_interval_steps=1)
+    for step in (2, 3):
+        (obj,) = (tmp_path / "fast").glob(f"*/step-00000000{step}/a-*/r00000-000.safetensors")
+        corrupt_keeping_crc32c(obj)
+    with pytest.raises(IncompleteRestoreError, match=r"fast-tier step 2: .*holds no committed"):
+        _restored(tmp_path / "b", options)
+    for step in (2, 3):
+        (record,) = (tmp_path / "fast").glob(f"*/step-00000000{step}/quarantined-*/reason.json")
+        assert "CRC32C mismatch" in json.loads(record.read_bytes())["reason"]
+    untouched = _state(0)
+    step, state, _ = _restored(tmp_path / "b", options)
+    assert step is None and _same_state(state, untouched)
 
 
 def test_retention_removes_other_jobs_uncommitted_and_stale_folders(tmp_path: Path) -> None:
@@ -674,27 +707,66 @@ def test_a_damaged_tier_record_on_any_node_makes_every_rank_restore_an_older_ste
     _same(tmp_path / "out" / "restored-3.pt", tmp_path / "out" / "expected-4.pt")
 
 
-@pytest.mark.process
-def test_a_peer_serving_corrupt_bytes_never_leaves_a_half_restored_state_behind(
-    tmp_path: Path,
-) -> None:
-    """Rank 1's object comes from node2's copy, damaged so that node2's whole-object check
-    passes: the load fails on rank 1 after the other ranks loaded theirs. Without a bucket
-    step every rank raises; with one, every rank completes from it."""
-    args = _args(tmp_path, str(tmp_path / "bucket"), "replicate:2")
+def _serve_corrupt_step_6(tmp_path: Path, args: dict[str, Any]) -> None:
+    """Tier steps 4 and 6 on four nodes (replicate:2), node1 lost: rank 1's object of step 6
+    comes from node2's copy, whose bytes are flipped so that node2's whole-object check passes
+    and the load's block checks fail, on rank 1 after the other ranks loaded theirs. The bucket
+    has no committed step (its step 4's manifest is held aside, in `held-manifest.json`)."""
     run_nodes(NODES, "save_then_die", args)
     _lose(args, ["node1"])
     (copy,) = node_folder(args, "node2").glob("step-000000006/a-*/r00001-000.safetensors")
     corrupt_keeping_crc32c(copy)
     held = tmp_path / "bucket" / "step-000000004" / "manifest.json"
-    held.rename(tmp_path / "held-manifest.json")  # the bucket: no committed step for now
+    held.rename(tmp_path / "held-manifest.json")
+
+
+@pytest.mark.process
+def test_a_peer_serving_corrupt_bytes_for_a_step_the_bucket_lacks_sets_it_aside_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    """The load of tier step 6 fails on every rank: the step is set aside on every node (a
+    warning, an event) and the restore goes on with tier step 4; a second restart does not meet
+    step 6 again."""
+    args = _args(tmp_path, str(tmp_path / "bucket"), "replicate:2")
+    _serve_corrupt_step_6(tmp_path, args)
+    outputs = run_nodes(NODES, "restore", args)
+    assert [r.get("step") for r in _results(tmp_path, "restore", range(4))] == [4, 4, 4, 4]
+    assert "fast-tier copy of step 6 did not load" in outputs[0] and "set aside" in outputs[0]
+    assert _sources(tmp_path, 4)["sources"]["store"] == 0
+    _same(tmp_path / "out" / "restored-4.pt", tmp_path / "out" / "expected-4.pt")
+    (event,) = (tmp_path / "bucket" / "events").glob("*-quarantine-*.json")
+    assert json.loads(event.read_bytes())["step"] == 6
+    assert not list(tmp_path.glob("machines/*/*/step-000000006/manifest.json"))
+    outputs = run_nodes(NODES, "restore", args)
+    assert [r.get("step") for r in _results(tmp_path, "restore", range(4))] == [4, 4, 4, 4]
+    assert not any("step 6" in output for output in outputs)
+
+
+@pytest.mark.process
+def test_a_peer_serving_corrupt_bytes_never_leaves_a_half_restored_state_behind(
+    tmp_path: Path,
+) -> None:
+    """With no older step anywhere, every rank raises (its state is half written); the step is
+    set aside on every node that held it, so the next restart never loads it again: here it
+    restores the bucket's step 4, once that is back."""
+    args = _args(tmp_path, str(tmp_path / "bucket"), "replicate:2")
+    _serve_corrupt_step_6(tmp_path, args)
+    for node in ("node0", "node2", "node3"):
+        shutil.rmtree(node_folder(args, node) / "step-000000004")
     run_nodes(NODES, "restore", args)
     for result in _results(tmp_path, "restore", range(4)):
         assert result.get("error") == "IncompleteRestoreError", result
         assert "fast-tier step 6" in result["message"]
-    (tmp_path / "held-manifest.json").rename(held)
-    run_nodes(NODES, "restore", args)
+    for node in ("node0", "node2", "node3"):
+        folder = node_folder(args, node) / "step-000000006"
+        assert not (folder / "manifest.json").exists(), node
+        assert len(list(folder.glob("quarantined-*/reason.json"))) == 1, node
+    (tmp_path / "held-manifest.json").rename(
+        tmp_path / "bucket" / "step-000000004" / "manifest.json"
+    )
+    outputs = run_nodes(NODES, "restore", args)
     assert [r["step"] for r in _results(tmp_path, "restore", range(4))] == [4, 4, 4, 4]
+    assert not any("step 6" in output for output in outputs)
     assert _sources(tmp_path, 4)["sources"]["store"] > 0
     _same(tmp_path / "out" / "restored-4.pt", tmp_path / "out" / "expected-4.pt")
 
@@ -769,18 +841,19 @@ def test_a_hostile_node_id_on_one_rank_stops_every_rank_at_start_with_a_clear_er
 
 
 @pytest.mark.process
-def test_two_machines_with_one_node_id_keep_their_tier_folders_bounded(tmp_path: Path) -> None:
-    """The rank whose machine is not its node leader's never commits there: retention still
-    removes its folders, so each machine keeps at most local_keep_last of them."""
-    args = _args(
-        tmp_path, str(tmp_path / "bucket"), None, interval_steps=None, local_interval_steps=1
-    )
-    args["steps"] = 6
-    results = finish(
-        launch_nodes(["localhost"] * 2, "save_loop", args, machines=["m0", "m1"]), timeout=600
-    )
-    assert [status for status, _ in results] == [0, 0], results
-    assert _results(tmp_path, "loop", range(2)) == [{"steps": list(range(1, 7))}] * 2
-    for machine in ("m0", "m1"):
-        folders = sorted(p.name for p in node_folder(args, "localhost", machine).glob("step-*"))
-        assert 1 <= len(folders) <= 2, (machine, folders)
+def test_two_machines_with_one_node_id_are_refused_at_start_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    """A reused host name: each machine would hold half of every tier step and a restart would
+    restore nothing, silently. Every rank refuses at start-up instead; two ranks of one machine
+    (one folder) are one node, as they should be."""
+    args = _args(tmp_path, str(tmp_path / "bucket"), None, local_interval_steps=1)
+    processes = launch_nodes(["localhost"] * 2, "start", args, machines=["m0", "m1"])
+    assert [status for status, _ in finish(processes, timeout=600)] == [0, 0]
+    for result in _results(tmp_path, "start", range(2)):
+        assert result.get("error") == "InvalidArgumentError", result
+        assert "ranks 0 and 1 both claim node id 'localhost'" in result["message"]
+        assert "set SPOTCKPT_NODE" in result["message"]
+    processes = launch_nodes(["localhost"] * 2, "start", args, machines=["m0", "m0"])
+    assert [status for status, _ in finish(processes, timeout=600)] == [0, 0]
+    assert _results(tmp_path, "start", range(2)) == [{}, {}]
