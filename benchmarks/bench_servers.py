@@ -240,6 +240,7 @@ class WeedServer(Server):
         super().__init__(workdir)
         self.binary = binary
         self.data: Path | None = None
+        self.sockets = Path("/tmp")
 
     def choose_port(self) -> int:
         return free_port_pair()
@@ -251,6 +252,8 @@ class WeedServer(Server):
 
     def command(self) -> list[str]:
         self.data = Path(tempfile.mkdtemp(prefix="weed-", dir=self.workdir))
+        # Unix socket paths hold 108 bytes at most: a deep workdir (pytest's) would not fit.
+        self.sockets = Path(tempfile.mkdtemp(prefix="weed-", dir="/tmp"))
         (self.data / "tmp").mkdir()
         (self.data / "store").mkdir()
         ports = {
@@ -277,14 +280,15 @@ class WeedServer(Server):
             "-webdav=false",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
-            f"-s3.localSocket={self.data / 'tmp' / 's3.sock'}",
-            f"-filer.localSocket={self.data / 'tmp' / 'filer.sock'}",
+            f"-s3.localSocket={self.sockets / 's3.sock'}",
+            f"-filer.localSocket={self.sockets / 'filer.sock'}",
         ]
 
     def stop(self) -> None:
         super().stop()
         if self.data is not None:
             shutil.rmtree(self.data, ignore_errors=True)
+            shutil.rmtree(self.sockets, ignore_errors=True)
             self.data = None
 
 

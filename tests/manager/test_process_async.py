@@ -13,10 +13,12 @@ import contextlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from datetime import timedelta
@@ -255,24 +257,30 @@ def _run_worker(
 ) -> dict[str, Any]:
     """Run `_worker` with `args` in a fresh interpreter; returns what it reported."""
     out = tmp_path / "result.json"
-    folders = {name: tmp_path / name for name in ("tmp", "home", "cwd")}
+    folders = {name: tmp_path / name for name in ("home", "cwd")}
     for folder in folders.values():
         folder.mkdir()
+    # TMPDIR short: multiprocessing binds Unix sockets under it (108 bytes at most), and
+    # tmp_path's length grows with pytest's run counter and the test's name.
+    folders["tmp"] = Path(tempfile.mkdtemp(prefix="spa-"))
+    cleanup = contextlib.ExitStack()
+    cleanup.callback(shutil.rmtree, folders["tmp"], ignore_errors=True)
     environment = dict(os.environ if env is None else env)
     environment.update(
         PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(TESTS), str(REPO)]),
         TMPDIR=str(folders["tmp"]),
         HOME=str(folders["home"]),
     )
-    completed = subprocess.run(
-        [sys.executable, __file__, json.dumps({**args, "out": str(out)})],
-        env=environment,
-        cwd=folders["cwd"],
-        capture_output=True,
-        text=True,
-        timeout=WORKER_TIMEOUT_S,
-        check=False,
-    )
+    with cleanup:
+        completed = subprocess.run(
+            [sys.executable, __file__, json.dumps({**args, "out": str(out)})],
+            env=environment,
+            cwd=folders["cwd"],
+            capture_output=True,
+            text=True,
+            timeout=WORKER_TIMEOUT_S,
+            check=False,
+        )
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, f"worker exited {completed.returncode}:\n{output[-6000:]}"
     for value in args.get("options", {}).values():
