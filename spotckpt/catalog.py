@@ -297,7 +297,7 @@ def _aware(moment: datetime) -> datetime:
 
 
 def _no_chunks(root: Root) -> tuple[Mapping[str, list[Box]], Iterable[str]]:
-    """What `Catalog.held_by_references` wants of an indexed root: no chunk, no value (an
+    """What retention (`Catalog.read_steps`) wants of an indexed root: no chunk, no value (an
     indexed save never references)."""
     return {}, []
 
@@ -549,6 +549,13 @@ class Catalog:
             known.update(zip(fresh, pool.map(self._reading, fresh), strict=True))
         self._known = {step: (manifests[step], reading) for step, reading in known.items()}
         return [known[step] for step in sorted(manifests)]
+
+    def _forget(self, steps: Iterable[int]) -> None:
+        """Drop the readings of steps whose manifest this catalog removes: a step saved again
+        in the same second with a manifest of the same size would look unchanged in a listing
+        that gives times to the second."""
+        for step in steps:
+            self._known.pop(step, None)
 
     def _reading(self, step: int) -> StepReading:
         """Retention's view of one committed step; NoCheckpointError when it vanished."""
@@ -881,13 +888,13 @@ class Catalog:
             readable = [r.step for r in readings if r.readable]
             newest = max(readable) if readable else None
         mine = [r for r in readings if r.step == step]
-        if newest is not None and step >= newest and (not mine or mine[0].readable):
+        if not mine:
+            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
+        if newest is not None and step >= newest and mine[0].readable:
             raise CheckpointError(
                 f"refusing to delete step {step}: it is the newest committed checkpoint at "
                 f"{self.uri}"
             )
-        if not mine:
-            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
         others = KeepLast(None).decide(r for r in readings if r.step != step)
         self.remove_steps([step], others, mine)
 
@@ -920,6 +927,7 @@ class Catalog:
         (their `readings`; gc passes none and collects those folders itself)."""
         if not steps:
             return
+        self._forget(steps)
         self.store.delete_many([manifest_key(step) for step in steps])
         keys = self._folder_keys({step_folder(s) for s in steps})
         self.store.delete_many([k for k in keys if may_delete_key(k, decision)])
@@ -992,6 +1000,7 @@ class Catalog:
         it and the attempt folders it names); None when the manifest is already gone (the step
         was retired meanwhile, which is not a fault of the checkpoint).
         """
+        self._forget([step])
         info = self.store.head(manifest_key(step))
         if info is None:
             return None

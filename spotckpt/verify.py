@@ -232,7 +232,7 @@ def _unhashed_problems(manifest: Manifest) -> list[Problem]:
     inside = _chunks_by_object(manifest)
     problems = []
     for record in manifest.objects.values():
-        if record.blake3 is None:
+        if not record.blake3:  # the writer's rule too (`unhashed`)
             key = object_path(folder, record.key)
             names = _names(inside.get(record.key, []))
             message = (

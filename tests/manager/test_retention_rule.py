@@ -19,6 +19,7 @@ from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
 from spotckpt.catalog import Catalog, manifest_key, step_folder
+from spotckpt.errors import CheckpointError, NoCheckpointError
 from spotckpt.gc import collect_garbage
 from spotckpt.retention import KeepLast, StepReading
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
@@ -225,3 +226,21 @@ def test_the_rule_counts_only_readable_steps_and_shields_older_folders() -> None
     assert not forced.may_delete("step-000000004/a-z", 4)
     with pytest.raises(ValueError, match="at least 1"):
         KeepLast(0)
+
+
+def test_delete_step_names_a_missing_step_and_refuses_the_newest_readable(tmp_path: Path) -> None:
+    """An explicit delete: a step with no manifest is NoCheckpointError (not "the newest"), the
+    newest readable step is refused even below a planted unreadable one, which may be deleted."""
+    states = _referencing_steps(tmp_path, 2)[1]
+    store = open_store(str(tmp_path))
+    store.put(manifest_key(999_999), FUTURE)
+    catalog = Catalog(store)
+    with pytest.raises(NoCheckpointError):
+        catalog.delete_step(7)
+    with pytest.raises(CheckpointError, match="newest committed checkpoint"):
+        catalog.delete_step(2)
+    catalog.delete_step(999_999)
+    assert catalog.steps() == [1, 2]
+    got, state = _restored(tmp_path)
+    assert got == 2
+    assert_equal(states[2], state)
