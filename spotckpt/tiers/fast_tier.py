@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,7 +128,7 @@ def resolve_local_dir(template: str, node: str) -> Path:
             probe.write(uuid.uuid4().hex.encode())
             probe.flush()
             with contextlib.suppress(FileExistsError):  # the folder keeps the id it has
-                os.link(probe.name, root / FOLDER_ID_NAME)
+                _place_id(Path(probe.name), root / FOLDER_ID_NAME)
     except OSError as error:
         raise InvalidArgumentError(
             f"local_dir {str(root)!r} is not writable: {error.strerror or error}"
@@ -135,21 +136,50 @@ def resolve_local_dir(template: str, node: str) -> Path:
     return root
 
 
+_NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK})
+"""What `os.link` raises where a file system has no hard links (vfat, some FUSE mounts)."""
+ID_WAIT_S = 5.0
+"""How long `folder_id` waits for the bytes of an id file another rank is still writing."""
+
+
+def _place_id(written: Path, target: Path) -> None:
+    """Put the id file `written` in place as `target`, whole and first one wins (FileExistsError
+    when another rank's is there): a hard link; where the file system has none, an exclusive
+    create written in one call (`folder_id` waits the moment until its bytes are there)."""
+    try:
+        os.link(written, target)
+        return
+    except OSError as error:
+        if isinstance(error, FileExistsError) or error.errno not in _NO_LINKS:
+            raise
+    fd = os.open(target, _WRITE_FLAGS | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, written.read_bytes())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def folder_id(root: Path) -> str:
     """The random id of the tier folder `root`: ranks that read the same one see one folder
-    (one machine's disk). It appears whole (linked into place by `resolve_local_dir`, first
-    one wins), so the ranks sharing the folder never read different ones."""
+    (one machine's disk). It appears whole, first one wins (`_place_id`), so the ranks sharing
+    the folder never read different ones."""
     path = root / FOLDER_ID_NAME
-    try:
-        fd = os.open(path, _READ_FLAGS)
+    deadline = time.monotonic() + ID_WAIT_S
+    while True:
         try:
-            data = os.read(fd, 64)
-        finally:
-            os.close(fd)
-    except OSError as error:
-        raise InvalidArgumentError(
-            f"cannot read {str(path)!r}: {error.strerror or error}"
-        ) from None
+            fd = os.open(path, _READ_FLAGS)
+            try:
+                data = os.read(fd, 64)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            raise InvalidArgumentError(
+                f"cannot read {str(path)!r}: {error.strerror or error}"
+            ) from None
+        if data or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)  # created, not yet written, by another rank (`_place_id`)
     text = data.decode("ascii", "replace")
     if not _FOLDER_ID.fullmatch(text):
         raise InvalidArgumentError(

@@ -10,6 +10,7 @@ of one would fail the restore rather than only show in a counter.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from spotckpt.catalog import Catalog
 from spotckpt.errors import IncompleteRestoreError, InvalidArgumentError, ManifestError
 from spotckpt.storage import open_store
 from spotckpt.tiers.erasure import data_block, parity_block
+from spotckpt.tiers.fast_tier import folder_id, resolve_local_dir
 from spotckpt.tiers.node import NodeIdentity, node_identity
 from spotckpt.tiers.record import GroupRecord, ParityRecord, TierRecord
 from spotckpt.tiers.recovery import HeldStep, NodeReport, Scope, choose_step, merge_ranges
@@ -857,3 +859,21 @@ def test_two_machines_with_one_node_id_are_refused_at_start_naming_the_setting(
     processes = launch_nodes(["localhost"] * 2, "start", args, machines=["m0", "m0"])
     assert [status for status, _ in finish(processes, timeout=600)] == [0, 0]
     assert _results(tmp_path, "start", range(2)) == [{}, {}]
+
+
+@pytest.mark.parametrize("code", ["EPERM", "EOPNOTSUPP", "EXDEV"])
+def test_a_folder_id_is_placed_where_the_file_system_has_no_hard_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str
+) -> None:
+    """vfat and some FUSE mounts refuse hard links: the tier still starts, with an id written by
+    an exclusive create, which the next start (and another rank) keeps."""
+
+    def no_links(source: Any, target: Any) -> None:
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(os, "link", no_links)
+    root = resolve_local_dir(str(tmp_path / "{node}"), "n0")
+    first = folder_id(root)
+    assert re.fullmatch(r"[0-9a-f]{32}", first)
+    assert folder_id(resolve_local_dir(str(tmp_path / "{node}"), "n0")) == first
+    assert not list(root.glob(".spotckpt-probe-*"))
