@@ -1,6 +1,7 @@
-"""Rank processes of the integrity tests: replica agreement, the health gate, an emergency save
-refused by the gate. Each runs in its own process in a gloo group; results come back as files in
-the test's temporary folder and as the exit status.
+"""Rank processes of the integrity tests: replica agreement (tensors, and non-tensor values of
+every kind: `value_matrix`), the health gate, an emergency save refused by the gate. Each runs
+in its own process in a gloo group; results come back as files in the test's temporary folder
+and as the exit status.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -188,12 +190,67 @@ def ddp_batchnorm(rank: int, world: int, args: dict[str, Any]) -> None:
     default.close()
 
 
+VALUE_KINDS: dict[str, Callable[[int], Any]] = {
+    "int": lambda r: 1000 + r,
+    "float": lambda r: 0.25 + r / 8,
+    "numpy_array": lambda r: np.arange(6, dtype=np.float32).reshape(2, 3) + r,
+    "numpy_scalar": lambda r: np.float64(1.5 + r),
+    "str": lambda r: f"host-{r}",
+    "nested": lambda r: {"a": [1, 2, {"b": r}], "c": ("x", r * 0.5), "d": "same"},
+    "bytes": lambda r: bytes([1, 2, 3, r]),
+}
+"""Each kind's value as rank r holds it (r = 0 on every rank: the agreeing case)."""
+VALUE_KEY = "stat"
+"""The shared name every value is saved under."""
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether a restored value equals the saved one, type included (numpy compared as arrays)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (np.ndarray, np.generic)):
+        return bool(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def value_matrix(rank: int, world: int, args: dict[str, Any]) -> None:
+    """For each kind: a differing value is refused on every rank and nothing is committed; an
+    agreeing one commits and restores on every rank."""
+    results: dict[str, dict[str, Any]] = {}
+    manager = CheckpointManager(args["uri"], preemption=False, replica_check="all")
+    for index, (kind, make) in enumerate(VALUE_KINDS.items()):
+        differing, agreeing = 2 * index + 1, 2 * index + 2
+        refused = ""
+        try:
+            manager.save(differing, {"w": torch.ones(8), VALUE_KEY: make(rank)})
+        except ReplicaMismatchError as error:
+            refused = str(error)
+        steps_after_refusal = manager.steps()
+        manager.save(agreeing, {"w": torch.ones(8), VALUE_KEY: make(0)})
+        state = {"w": torch.zeros(8), VALUE_KEY: make(7)}  # same structure, other values
+        restored = manager.restore(state, agreeing)
+        results[kind] = {
+            "refused": refused,
+            "committed_after_refusal": differing in steps_after_refusal,
+            "restored_step": restored,
+            "restored_equal": same_value(state[VALUE_KEY], make(0))
+            and bool(state["w"].eq(1).all()),
+        }
+    (Path(args["out"]) / f"values-{rank}.json").write_text(json.dumps(results))
+    manager.close()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "replica_flip": replica_flip,
     "ddp_batchnorm": ddp_batchnorm,
     "nan_gate": nan_gate,
     "emergency_refused": emergency_refused,
     "signed_indexed": signed_indexed,
+    "value_matrix": value_matrix,
 }
 
 

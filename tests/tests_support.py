@@ -274,12 +274,19 @@ def corrupt_keeping_crc32c(path: Path, distance: int = 70_000) -> None:
     """Damage a stored object so that its whole CRC32C (what a node checks before it uses or
     serves a copy) stays the same while the CRC32Cs of two of its 64 KiB blocks (what a load
     checks) change: a byte in the middle is flipped, and four bytes `distance` further on are
-    set to cancel it out of the object's CRC32C. CRC32C is affine over GF(2), so those four
-    bytes are the solution of a 32 x 32 linear system."""
+    set to cancel it out of the object's CRC32C (`flip_keeping_crc32c`)."""
     data = bytearray(path.read_bytes())
     flip = len(data) // 2
-    fix = flip + distance
-    assert fix + 4 <= len(data), f"{path} is too small to damage this way"
+    assert flip + distance + 4 <= len(data), f"{path} is too small to damage this way"
+    flip_keeping_crc32c(data, flip, flip + distance)
+    path.write_bytes(bytes(data))
+
+
+def flip_keeping_crc32c(data: bytearray, flip: int, fix: int) -> None:
+    """Flip byte `flip` of `data` and set the four bytes at `fix` so that the CRC32C of the
+    whole stays the same (and of every range holding both, such as a block around them), while
+    any strong hash changes. CRC32C is affine over GF(2), so those four bytes are the solution
+    of a 32 x 32 linear system."""
     target = crc32c(bytes(data))
     data[flip] ^= 0xFF
 
@@ -291,7 +298,6 @@ def corrupt_keeping_crc32c(path: Path, distance: int = 70_000) -> None:
     columns = [crc_with(1 << bit) ^ base for bit in range(32)]
     crc_with(_solve_gf2(columns, target ^ base))
     assert crc32c(bytes(data)) == target
-    path.write_bytes(bytes(data))
 
 
 def _solve_gf2(columns: list[int], target: int) -> int:

@@ -1,6 +1,7 @@
 """``replica_check="all"`` on non-tensor values under a shared name, with real gloo ranks: a
 value that differs by rank is refused like a tensor would be; an agreeing one commits and
-restores. One pair of rank processes runs the whole matrix of kinds (`replica_values_worker`)."""
+restores. One pair of rank processes runs the whole matrix of kinds
+(`integrity_worker.value_matrix`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import replica_values_worker
 
 from spotckpt.engine.guards import Guard, check_replicas, value_digest
 from spotckpt.errors import ReplicaMismatchError
 
+import integrity_worker
 from dist_worker import launch_ranks
 
 pytestmark = pytest.mark.process
@@ -23,11 +24,11 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Each rank's results over `replica_values_worker.KINDS`."""
+    """Each rank's results over `integrity_worker.VALUE_KINDS`."""
     tmp = tmp_path_factory.mktemp("values")
     args = {"uri": str(tmp / "ck"), "out": str(tmp)}
     results = launch_ranks(
-        WORLD, "value_matrix", args, worker=replica_values_worker.__file__, timeout=600
+        WORLD, "value_matrix", args, worker=integrity_worker.__file__, timeout=600
     )
     for rank, result in enumerate(results):
         assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
@@ -35,7 +36,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", sorted(replica_values_worker.KINDS))
+@pytest.mark.parametrize("kind", sorted(integrity_worker.VALUE_KINDS))
 def test_a_value_that_differs_by_rank_is_refused_and_an_agreeing_one_restores(
     matrix: list[dict[str, Any]], kind: str
 ) -> None:

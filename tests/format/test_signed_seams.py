@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 import spotckpt.engine.writer
 from spotckpt import CheckpointManager, open_checkpoint
 from spotckpt.catalog import Catalog, manifest_key, step_folder
-from spotckpt.checksum import crc32c
 from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.errors import ChecksumMismatchError
 from spotckpt.export import export_hf
@@ -36,7 +35,7 @@ from spotckpt.format.references import object_path
 from spotckpt.format.signing import Keyring
 from spotckpt.storage import open_store
 
-from tests_support import write_signing_key
+from tests_support import flip_keeping_crc32c, write_signing_key
 
 KIB = 1 << 10
 
@@ -85,41 +84,13 @@ def _location(root: Path, step: int, name: str) -> ChunkLocation:
     return chunk.location
 
 
-def flip_keeping_crc32c(data: bytearray, at: int) -> None:
-    """Change byte `at` and set the four bytes from ``at + 4`` so that the CRC32C of every range
-    holding all of ``at .. at + 8`` (the object's, the block's around them) stays the same."""
-    original = crc32c(bytes(data))
-    data[at] ^= 0xFF
-    fix = at + 4
-
-    def crc_with(value: int) -> int:
-        data[fix : fix + 4] = value.to_bytes(4, "little")
-        return crc32c(bytes(data))
-
-    base = crc_with(0)
-    basis: list[tuple[int, int]] = []  # Gaussian elimination over GF(2): (value, columns)
-    for bit in range(32):
-        value, mask = crc_with(1 << bit) ^ base, 1 << bit
-        for pivot, combination in basis:
-            if value ^ pivot < value:
-                value, mask = value ^ pivot, mask ^ combination
-        if value:
-            basis = sorted([*basis, (value, mask)], reverse=True)
-    target, solution = original ^ base, 0
-    for pivot, combination in basis:
-        if target ^ pivot < target:
-            target, solution = target ^ pivot, solution ^ combination
-    assert target == 0
-    crc_with(solution)
-    assert crc32c(bytes(data)) == original
-
-
 def _forge(root: Path, step: int, location: ChunkLocation) -> None:
     """Change a chunk's stored bytes in place, every CRC32C kept."""
     assert location.stored_length == location.length  # raw, or blocks stored as they are
     path = root / object_path(step_folder(step), location.key)
     data = bytearray(path.read_bytes())
-    flip_keeping_crc32c(data, location.offset + min(16, location.length // 2 - 8))
+    at = location.offset + min(16, location.length // 2 - 8)
+    flip_keeping_crc32c(data, at, at + 4)
     path.write_bytes(bytes(data))
 
 

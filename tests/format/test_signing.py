@@ -17,11 +17,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog, manifest_key
-from spotckpt.checksum import crc32c
 from spotckpt.errors import ConfigError, CorruptCheckpointError, SignatureError
 from spotckpt.format.signing import Keyring
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
+
+from tests_support import flip_keeping_crc32c
 
 
 def _write_key(path: Path) -> tuple[Path, list[str]]:
@@ -259,47 +260,13 @@ def test_the_key_never_appears_in_logs_errors_or_manifests(
         assert secret not in everything
 
 
-def _flip_keeping_crc32c(data: bytearray, at: int) -> None:
-    """Change 4 bytes at `at` and 4 more right after so that the CRC32C of the whole (and of
-    every block holding them) stays the same: the forgery a CRC cannot see."""
-    original = crc32c(bytes(data))
-    data[at] ^= 0xFF
-    target = crc32c(bytes(data)) ^ original  # the change to cancel
-    columns = []
-    base = crc32c(bytes(data))
-    for bit in range(32):
-        trial = bytearray(data)
-        trial[at + 4 + bit // 8] ^= 1 << (bit % 8)
-        columns.append(crc32c(bytes(trial)) ^ base)
-    # solve sum(x_i * columns[i]) = target over GF(2)
-    rows = [(columns[i], 1 << i) for i in range(32)]
-    solution = 0
-    pivots: list[tuple[int, int]] = []
-    for value, mask in rows:
-        for pivot_value, pivot_mask in pivots:
-            if value ^ pivot_value < value:
-                value, mask = value ^ pivot_value, mask ^ pivot_mask
-        if value:
-            pivots.append((value, mask))
-            pivots.sort(reverse=True)
-    remaining = target
-    for pivot_value, pivot_mask in pivots:
-        if remaining ^ pivot_value < remaining:
-            remaining, solution = remaining ^ pivot_value, solution ^ pivot_mask
-    assert remaining == 0
-    for bit in range(32):
-        if solution >> bit & 1:
-            data[at + 4 + bit // 8] ^= 1 << (bit % 8)
-    assert crc32c(bytes(data)) == original
-
-
 def test_bytes_replaced_with_their_crc32c_kept_fail_the_strong_hash(
     tmp_path: Path, key: tuple[Path, list[str]]
 ) -> None:
     root = _signed_root(tmp_path, key[0], (1,))
     (path,) = (root / "step-000000001").rglob("*.safetensors")
     data = bytearray(path.read_bytes())
-    _flip_keeping_crc32c(data, len(data) - 64)
+    flip_keeping_crc32c(data, len(data) - 64, len(data) - 60)
     path.write_bytes(bytes(data))
     for keyring in (None, Keyring.from_files(str(key[0]))):
         report = verify_checkpoint(open_store(str(root)), 1, keyring=keyring)

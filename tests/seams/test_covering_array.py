@@ -30,7 +30,6 @@ from seam_run import NEXT, phase, same, state
 
 from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog, manifest_key, step_folder
-from spotckpt.checksum import crc32c
 from spotckpt.errors import CheckpointError, ConfigError
 from spotckpt.export import export_hf
 from spotckpt.format.references import object_path
@@ -38,7 +37,7 @@ from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 
 from dist_worker import launch_ranks
-from tests_support import write_signing_key
+from tests_support import flip_keeping_crc32c, write_signing_key
 
 SEED = int(os.environ.get("SPOTCKPT_SEAMS_SEED", "44"))
 CELLS = covering_array()
@@ -115,35 +114,6 @@ def _ok(seen: list[dict]) -> None:
 # Faults ----------------------------------------------------------------------------------------
 
 
-def _flip_keeping_crc32c(data: bytearray, at: int) -> None:
-    """Change byte `at` and set the four bytes from ``at + 4`` so that the CRC32C of every range
-    holding all of ``at .. at + 8`` (the object's, its block's) stays the same: only a strong
-    hash (a signed step's BLAKE3) tells."""
-    target = crc32c(bytes(data))
-    data[at] ^= 0xFF
-    fix = at + 4
-
-    def crc_with(value: int) -> int:
-        data[fix : fix + 4] = value.to_bytes(4, "little")
-        return crc32c(bytes(data))
-
-    base = crc_with(0)
-    basis: list[tuple[int, int]] = []  # Gaussian elimination over GF(2): (value, columns)
-    for bit in range(32):
-        value, mask = crc_with(1 << bit) ^ base, 1 << bit
-        for pivot, combination in basis:
-            if value ^ pivot < value:
-                value, mask = value ^ pivot, mask ^ combination
-        if value:
-            basis = sorted([*basis, (value, mask)], reverse=True)
-    rest, solution = target ^ base, 0
-    for pivot, combination in basis:
-        if rest ^ pivot < rest:
-            rest, solution = rest ^ pivot, solution ^ combination
-    crc_with(solution)
-    assert crc32c(bytes(data)) == target
-
-
 def _plant(cell: Cell, paths: dict[str, str]) -> set[int]:
     """Plant the cell's fault in the bucket folder; the steps it damaged."""
     root = Path(paths["bucket"])
@@ -154,7 +124,7 @@ def _plant(cell: Cell, paths: dict[str, str]) -> set[int]:
         data = bytearray(path.read_bytes())
         at = location.offset + min(16, location.stored_length // 2 - 8)
         if cell.signed:  # every CRC32C kept: the signature's hashes must tell
-            _flip_keeping_crc32c(data, at)
+            flip_keeping_crc32c(data, at, at + 4)
         else:
             data[at] ^= 0xFF
         path.write_bytes(bytes(data))
