@@ -320,7 +320,7 @@ def may_delete_key(key: str, decision: RetentionDecision) -> bool:
 
 
 def _described(key: str, size: int, found: ObjectInfo | None) -> str:
-    """What is wrong with a referenced object, for `Catalog.check_referenced`'s error."""
+    """What is wrong with an object a manifest names (`Catalog.missing_objects`)."""
     if found is None:
         return f"object {key} is missing"
     return f"object {key} is {found.size} bytes, not the {size} written"
@@ -563,6 +563,12 @@ class Catalog:
             manifest = self.read_manifest(step, wanted=_NO_CHUNKS)
         except (ManifestError, CorruptCheckpointError, BoundedJSONError) as error:
             return StepReading(step, None, f"{type(error).__name__}: {error}")
+        missing = self.missing_objects(step, {k: r.size for k, r in manifest.objects.items()})
+        if missing:  # a manifest copied without its objects, or objects deleted since
+            more = (
+                f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""
+            )
+            return StepReading(step, None, f"{'; '.join(missing[:MISSING_NAMED])}{more}")
         own = {f"{step_folder(step)}/{name}" for name in attempt_folders(manifest)}
         return StepReading(step, frozenset(own | referenced_folders(manifest)))
 
@@ -812,15 +818,7 @@ class Catalog:
         their rank wrote them (a gc whose safety age is too short, a lifecycle rule, a person):
         a manifest must not point at them.
         """
-        keys = sorted(referenced)
-        if not keys:
-            return
-        found = self._found(step, keys)
-        wrong = []
-        for key in keys:
-            info = found[key]
-            if info is None or info.size != referenced[key]:
-                wrong.append(_described(step_key(step, key), referenced[key], info))
+        wrong = self.missing_objects(step, referenced)
         if wrong:
             more = f" and {len(wrong) - MISSING_NAMED} more" if len(wrong) > MISSING_NAMED else ""
             raise SaveFailedError(
@@ -829,6 +827,17 @@ class Catalog:
                 "again, and look for what deletes objects under the root (a gc with a short "
                 "--safety-age, a bucket lifecycle rule)"
             )
+
+    def missing_objects(self, step: int, expected: Mapping[str, int]) -> list[str]:
+        """The objects of `expected` (key relative to the step folder, and size) that are
+        missing or of another size, each described."""
+        keys = sorted(expected)
+        found = self._found(step, keys) if keys else {}
+        return [
+            _described(step_key(step, key), expected[key], info)
+            for key in keys
+            if (info := found[key]) is None or info.size != expected[key]
+        ]
 
     def _found(self, step: int, keys: list[str]) -> dict[str, ObjectInfo | None]:
         """What the store holds at each of `keys` (relative to the step folder): one listing

@@ -3,10 +3,11 @@ deleted. One rule, shared by the job's retention after each commit (`Catalog.ret
 (`spotckpt.gc`) and the fast tier's pruning (`spotckpt.tiers.fast_tier`).
 
 1. **Only readable steps count.** A step is readable when its manifest (an indexed step's root,
-   which names every object the step holds) validates, and is signed where a keyring enforces
-   signing; a damaged index part is found by restore (which quarantines the step) and
-   `verify`. The newest `KeepLast.count` readable steps are kept; older readable steps retire.
-   The newest readable step is never retired.
+   which names every object the step holds) validates, is signed where a keyring enforces
+   signing, and every object it names is there at its size (a manifest copied without its
+   objects cannot be restored); a damaged index part or bad bytes are found by restore (which
+   quarantines the step) and `verify`. The newest `KeepLast.count` readable steps are kept;
+   older readable steps retire. The newest readable step is never retired.
 2. **An unreadable step is left alone.** A damaged manifest, a format this version does not
    know, a manifest unsigned under a key: such a step takes no slot from readable steps, is
    never retired, and keeps its objects. What it references is unknown, so every folder of an

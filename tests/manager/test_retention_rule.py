@@ -244,3 +244,28 @@ def test_delete_step_names_a_missing_step_and_refuses_the_newest_readable(tmp_pa
     got, state = _restored(tmp_path)
     assert got == 2
     assert_equal(states[2], state)
+
+
+@pytest.mark.parametrize("where", ["retention", "gc"])
+def test_a_copied_manifest_without_its_objects_takes_no_slot(tmp_path: Path, where: str) -> None:
+    """A manifest that validates but whose objects are not there (copied without them, as a
+    partial sync does, or planted without a key) cannot be restored: it takes no keep_last
+    slot, so the steps that can be restored stay."""
+    model, states = _referencing_steps(tmp_path, 2)
+    planted = tmp_path / manifest_key(999)
+    planted.parent.mkdir()
+    document = json.loads((tmp_path / manifest_key(2)).read_bytes())
+    planted.write_text(json.dumps(document | {"step": 999}))
+    assert Catalog(open_store(str(tmp_path))).steps() == [1, 2, 999]
+    if where == "retention":
+        with _manager(tmp_path, keep_last=1) as mgr:
+            states[3] = _save(mgr, 3, model)
+        newest = 3
+    else:
+        report = collect_garbage(open_store(str(tmp_path)), keep_last=1, safety_age_s=0)
+        assert any("step-000000999/ (manifest cannot be read" in kept for kept in report.kept)
+        newest = 2
+    assert Catalog(open_store(str(tmp_path))).steps() == [newest, 999]
+    got, state = _restored(tmp_path)
+    assert got == newest
+    assert_equal(states[newest], state)
