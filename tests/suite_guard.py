@@ -18,10 +18,10 @@ the test's child processes are killed and the main thread's system call is inter
 (`Timeouts._unstick`); the worker itself is never ended (see there why).
 
 **Children.** A process started while the test ran (not by a fixture's set-up: module and session
-fixtures keep theirs) and still alive after its teardown is killed, with its whole tree, and the
-test gets a warning that names it. multiprocessing's own children are left to the objects that
-own them (a DataLoader iterator still alive ends its workers itself, and raises in the main thread
-if one is killed under it).
+fixtures keep theirs, also when the test's body first asks for one) and still alive after its
+teardown is killed, with its whole tree, and the test gets a warning that names it.
+multiprocessing's own children are left to the objects that own them (a DataLoader iterator
+still alive ends its workers itself, and raises in the main thread if one is killed under it).
 
 **`make check`** (``--no-processes``): a test that starts a process or binds or connects a
 socket other than a Unix one fails at once, naming what it did and the ``process`` marker to put
@@ -240,6 +240,18 @@ class ChildReaper:
 
     def __init__(self) -> None:
         self.before_call: set[int] = set()
+        self.fixtures_own: set[int] = set()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]) -> Iterator[None]:
+        """A server that a session or module fixture starts belongs to the fixture, also when
+        a test's body first asks for it (``request.getfixturevalue``): later tests use it."""
+        if fixturedef.scope == "function":
+            yield
+            return
+        before = set(_descendants())
+        yield
+        self.fixtures_own |= set(_descendants()) - before
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_call(self, item: pytest.Item) -> None:
@@ -255,7 +267,8 @@ class ChildReaper:
         leftover = [
             p
             for pid, p in _descendants().items()
-            if pid not in self.before_call | starters | owned and not _process_helper(p)
+            if pid not in self.before_call | starters | owned | self.fixtures_own
+            and not _process_helper(p)
         ]
         leftover = [p for p in leftover if _parent(p) in starters]
         _, leftover = psutil.wait_procs(leftover, timeout=EXIT_GRACE_S)  # some are on their way
