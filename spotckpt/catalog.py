@@ -86,7 +86,7 @@ from spotckpt.format.manifest import MAX_INT, Manifest, check_manifest_size
 from spotckpt.format.references import FEATURE as REFERENCES
 from spotckpt.format.references import attempt_of, is_reference, object_path
 from spotckpt.format.signing import Keyring
-from spotckpt.retention import KeepLast, RetentionDecision, StepReading
+from spotckpt.policy import RetentionPolicy, RetentionDecision, StepReading
 from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo, check_key
 
 log = logging.getLogger("spotckpt")
@@ -513,7 +513,7 @@ class Catalog:
             )
 
     def read_steps(self) -> list[StepReading]:
-        """Every committed step's `StepReading` (retention's view, `spotckpt.retention`), from
+        """Every committed step's `StepReading` (retention's view, `spotckpt.policy`), from
         one listing in which every manifest was read: a manifest deleted while it is read (by
         retention or gc elsewhere) means a new listing, so that no step that commits meanwhile
         goes unseen. A manifest this catalog read before, unchanged in the listing, is not read
@@ -886,7 +886,7 @@ class Catalog:
 
     def delete_step(self, step: int, *, newest: int | None = None) -> None:
         """Delete a committed checkpoint on request, manifest first (never half-visible), under
-        the retention rule (`spotckpt.retention`): the objects that other steps need outlive it.
+        the retention rule (`spotckpt.policy`): the objects that other steps need outlive it.
 
         Refuses the newest readable committed step (`newest`, if the caller knows it, is taken
         as the newest step). An unreadable step may be deleted this way: it is an explicit
@@ -904,12 +904,12 @@ class Catalog:
                 f"refusing to delete step {step}: it is the newest committed checkpoint at "
                 f"{self.uri}"
             )
-        others = KeepLast(None).decide(r for r in readings if r.step != step)
+        others = RetentionPolicy(None).decide(r for r in readings if r.step != step)
         self.remove_steps([step], others, mine)
 
     def retire(self, keep_last: int) -> list[int]:
         """Delete committed checkpoints beyond the newest `keep_last` readable ones under the
-        retention rule (`spotckpt.retention`); returns their steps.
+        retention rule (`spotckpt.policy`); returns their steps.
 
         Every retired manifest goes first (no checkpoint is ever half-visible), then the objects
         of the retired step folders that no kept step needs, and the folders of earlier steps
@@ -920,7 +920,7 @@ class Catalog:
         that stops past the last of them.
         """
         readings = self.read_steps()
-        decision = KeepLast(keep_last).decide(readings)
+        decision = RetentionPolicy(keep_last).decide(readings)
         for reading in readings:
             if not reading.readable:
                 self._report_unreadable(reading, decision)
@@ -932,7 +932,7 @@ class Catalog:
         self, steps: list[int], decision: RetentionDecision, readings: list[StepReading]
     ) -> None:
         """Delete the manifests of `steps`, then the objects of their folders that `decision`
-        (`spotckpt.retention`) lets go, then the folders of other steps that only they needed
+        (`spotckpt.policy`) lets go, then the folders of other steps that only they needed
         (their `readings`; gc passes none and collects those folders itself)."""
         if not steps:
             return

@@ -52,7 +52,7 @@ from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import collect_garbage
 from spotckpt.goodput import load_stats
 from spotckpt.redact import is_secret_key, printable, redact, secret_values
-from spotckpt.retention import KeepLast
+from spotckpt.policy import RetentionPolicy
 from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, StorageError, UploadInfo
 from spotckpt.storage.registry import open_store, uri_scheme
 from spotckpt.units import human_size
@@ -398,7 +398,7 @@ def _uncommitted_rows(catalog: Catalog, scan: Scan) -> list[dict[str, Any]]:
     """Attempt folders no manifest of their own step holds: an unfinished save's, or (status
     ``referenced``) a retired step's objects that a kept step still references."""
     rows = []
-    held = KeepLast(None).decide(catalog.read_steps()).needed
+    held = RetentionPolicy(None).decide(catalog.read_steps()).needed
     for step, folder in sorted(scan.steps.items()):
         referenced: set[str] = set()
         if folder.has_manifest:

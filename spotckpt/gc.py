@@ -31,7 +31,7 @@ from typing import Any
 from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, may_delete_key, parse_step_folder
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.format.signing import Keyring
-from spotckpt.retention import KeepLast, RetentionDecision
+from spotckpt.policy import RetentionPolicy, RetentionDecision
 from spotckpt.storage.base import ObjectStore, UploadInfo
 from spotckpt.units import human_size
 
@@ -106,7 +106,7 @@ def collect_garbage(
     """
     if safety_age_s < 0:
         raise InvalidArgumentError("safety_age_s must not be negative")
-    policy = KeepLast(keep_last, delete_unreadable)
+    policy = RetentionPolicy(keep_last, delete_unreadable)
     report = GcReport(dry_run=dry_run)
     catalog = Catalog(store, keyring)
     now = _aware(now) if now is not None else catalog.store_time()

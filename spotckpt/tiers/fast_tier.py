@@ -79,7 +79,7 @@ from spotckpt.errors import (
 )
 from spotckpt.format.manifest import Manifest
 from spotckpt.format.signing import Keyring
-from spotckpt.retention import KeepLast, StepReading
+from spotckpt.policy import RetentionPolicy, StepReading
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.local import LocalStore
 from spotckpt.tiers.erasure import data_block, parity_block
@@ -498,7 +498,7 @@ class FastTier:
         uncommitted ones (a rank whose folder is not its node leader's never commits there),
         another job's, stale newer ones. Every rank runs it (deletes are idempotent); no save
         of this job is writing any other step meanwhile, and `newest` is never touched.
-        Which of ours stay is the retention rule's (`spotckpt.retention.KeepLast`); a step
+        Which of ours stay is the retention rule's (`spotckpt.policy.RetentionPolicy`); a step
         whose tier record cannot be read goes here, unlike in the bucket: nothing can restore
         it, and the tier's room is for steps that can be."""
         try:
@@ -508,7 +508,7 @@ class FastTier:
                 if (newest is None or s < newest) and self._job_of(s) == job
             ]
             room = self.keep_last - (newest is not None)
-            keep = set(KeepLast(room).decide(ours).kept) if room > 0 else set()
+            keep = set(RetentionPolicy(room).decide(ours).kept) if room > 0 else set()
             keep.update([newest] if newest is not None else [])
             for step in self._folders():
                 if step not in keep:

@@ -1,4 +1,4 @@
-"""The retention rule (`spotckpt.retention`) where retention, gc and incremental references meet:
+"""The retention rule (`spotckpt.policy`) where retention, gc and incremental references meet:
 gc racing a save that retires, a damaged old manifest, a planted step of an unknown format, and
 an object the store lists under a key spotckpt never writes. Real saves into a local folder,
 real damaged and planted bytes."""
@@ -21,7 +21,7 @@ from spotckpt import CheckpointManager, TrainState
 from spotckpt.catalog import Catalog, manifest_key, step_folder
 from spotckpt.errors import CheckpointError, NoCheckpointError
 from spotckpt.gc import collect_garbage
-from spotckpt.retention import KeepLast, StepReading
+from spotckpt.policy import RetentionPolicy, StepReading
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.memory import _BUCKETS
 from spotckpt.verify import verify_checkpoint
@@ -216,16 +216,16 @@ def test_the_rule_counts_only_readable_steps_and_shields_older_folders() -> None
         _reading(4, "step-000000004/a-z"),
         StepReading(9, None, "from the future"),
     ]
-    decision = KeepLast(1).decide(readings)
+    decision = RetentionPolicy(1).decide(readings)
     assert decision.kept == (4,) and decision.retired == (1, 3) and decision.unreadable == (2, 9)
     assert not decision.may_delete("step-000000003/a-y", 3)  # step 9 may reference it
     assert decision.holds_back(3) is not None
-    forced = KeepLast(1, delete_unreadable=True).decide(readings)
+    forced = RetentionPolicy(1, delete_unreadable=True).decide(readings)
     assert forced.retired == (1, 2, 3, 9) and forced.unreadable == ()
     assert forced.may_delete("step-000000003/a-y", 3)
     assert not forced.may_delete("step-000000004/a-z", 4)
     with pytest.raises(ValueError, match="at least 1"):
-        KeepLast(0)
+        RetentionPolicy(0)
 
 
 def test_delete_step_names_a_missing_step_and_refuses_the_newest_readable(tmp_path: Path) -> None:

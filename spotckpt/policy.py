@@ -1,18 +1,21 @@
-"""The retention rule: which committed steps stay, which go, and which attempt folders may be
-deleted. One rule, shared by the job's retention after each commit (`Catalog.retire`), `gc`
+"""Policies as small values, with no store I/O and no torch, so that every layer that carries one
+out (the catalog, gc, the fast tier, the manager) can import them without reaching upward.
+
+**Retention** (`RetentionPolicy`): which committed steps stay, which go, and which attempt
+folders may be deleted. One rule, shared by the job's retention after each commit (`Catalog.retire`), `gc`
 (`spotckpt.gc`) and the fast tier's pruning (`spotckpt.tiers.fast_tier`).
 
 1. **Only readable steps count.** A step is readable when its manifest (an indexed step's root,
    which names every object the step holds) validates, is signed where a keyring enforces
    signing, and every object it names is there at its size (a manifest copied without its
    objects cannot be restored); a damaged index part or bad bytes are found by restore (which
-   quarantines the step) and `verify`. The newest `KeepLast.count` readable steps are kept;
+   quarantines the step) and `verify`. The newest `RetentionPolicy.count` readable steps are kept;
    older readable steps retire. The newest readable step is never retired.
 2. **An unreadable step is left alone.** A damaged manifest, a format this version does not
    know, a manifest unsigned under a key: such a step takes no slot from readable steps, is
    never retired, and keeps its objects. What it references is unknown, so every folder of an
    older step stays too (its manifest may still retire). Such steps are reported (`ls`,
-   `verify`, gc's report) and removed only on request (`KeepLast.delete_unreadable`, the CLI's
+   `verify`, gc's report) and removed only on request (`RetentionPolicy.delete_unreadable`, the CLI's
    ``gc --delete-unreadable``), and then only the objects that no readable kept step needs.
 3. **An attempt folder goes only with proof.** A folder (``step-N/a-<id>``) may be deleted only
    when no kept step needs it (its own attempt, or one its references point into), as read from
@@ -21,7 +24,7 @@ deleted. One rule, shared by the job's retention after each commit (`Catalog.ret
    step of that listing needed, or its own new attempt, which gc's safety age protects.
 
 The decision is a small value (`RetentionDecision`) computed from `StepReading`s by a policy
-value (`KeepLast`), so that callers only carry it out.
+value (`RetentionPolicy`), so that callers only carry it out.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class StepReading:
 
 @dataclass(frozen=True)
 class RetentionDecision:
-    """The outcome of a `KeepLast` policy over a set of `StepReading`s."""
+    """The outcome of a `RetentionPolicy` policy over a set of `StepReading`s."""
 
     kept: tuple[int, ...]
     retired: tuple[int, ...]
@@ -86,7 +89,7 @@ class RetentionDecision:
 
 
 @dataclass(frozen=True)
-class KeepLast:
+class RetentionPolicy:
     """Keep the newest `count` readable steps (every one when None); see the module docstring.
 
     `delete_unreadable` retires unreadable steps too (never automatic: gc's explicit option).
