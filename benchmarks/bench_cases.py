@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_units import MIB, REGION, Rep, StateSpec, Unit
+from bench_units import MIB, REGION, Rep, StateSpec, Unit, varied_elements
 
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -46,9 +46,10 @@ def build_state(spec: StateSpec, seed: int = 1234) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     if spec.kind == "large":
-        per = min(LARGE_TENSOR_BYTES, max(spec.size_bytes // 4, MIB))
+        per = spec.tensor_bytes or min(LARGE_TENSOR_BYTES, max(spec.size_bytes // 4, MIB))
         count = max(1, spec.size_bytes // per)
-        side = int((per // 4) ** 0.5)
+        # Rows of 1,024 elements when the tensor size is given, so that it is exact (8 MiB).
+        side = 1024 if spec.tensor_bytes else int((per // 4) ** 0.5)
         rows = (per // 4) // side
         base = torch.empty(rows, side).uniform_(generator=gen)
         for i in range(count):
@@ -57,6 +58,12 @@ def build_state(spec: StateSpec, seed: int = 1234) -> dict[str, torch.Tensor]:
         values = torch.empty(spec.count, SMALL_TENSOR_ELEMENTS).uniform_(generator=gen)
         for i in range(spec.count):
             state[f"blocks.{i // 10:05d}.p{i % 10}"] = values[i].clone()
+    elif spec.kind == "varied":
+        # One random buffer, each tensor a prefix of it plus its own offset (as for `large`).
+        sizes = varied_elements(spec.count)
+        base = torch.empty(max(sizes)).uniform_(generator=gen)
+        for i, size in enumerate(sizes):
+            state[f"blocks.{i // 10:05d}.p{i % 10}"] = base[:size] + float(i)
     else:
         raise ValueError(f"unknown state kind {spec.kind!r}")
     return state
@@ -684,6 +691,8 @@ def _run(unit: Unit, conn: Any, entered: float) -> None:
                 f"s3torchconnector is not installed ({error}); "
                 "`pip install s3torchconnector` to include it"
             ) from None
+    import spotckpt
+
     built = time.time()
     ctx = Context(unit)
     conn.send(
@@ -693,6 +702,7 @@ def _run(unit: Unit, conn: Any, entered: float) -> None:
             {
                 "bytes": ctx.nbytes,
                 "tensors": len(ctx.tensors),
+                "spotckpt_file": spotckpt.__file__,
                 "child_entered_at": entered,
                 "state_build_s": time.time() - built,
             },

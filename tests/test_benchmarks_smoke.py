@@ -255,3 +255,22 @@ def test_plan_check_bench_agrees_with_dcp_on_a_small_2d_layout() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "layout=fsdp x tp4 ranks=32 tensors=6 chunks=192" in proc.stdout, proc.stdout
+
+
+@pytest.mark.process
+def test_speed_rows_print_beside_the_committed_baseline(results: dict[str, Any]) -> None:
+    """Issue 48's shapes run on the primary store and print next to benchmarks/baseline.json."""
+    primary = results["meta"]["primary_server"]
+    rows = {row["row"]: row for row in bench_report.shape_rows(results)}
+    for state in ("large-4x8MiB", "varied-500"):
+        for op in ("save", "restore"):
+            row = rows[f"{primary}/{state}/{op}"]
+            assert row["ratio"] is not None and row["ratio"] > 0, row
+    baseline = json.loads((REPO / "benchmarks" / "baseline.json").read_text())
+    assert baseline["commit"] and len(baseline["load_before"]) == 3, baseline
+    for key, row in baseline["rows"].items():
+        assert key.split("/")[1] in ("large-32x8MiB", "varied-20000"), key
+        assert row["ratio"] > 0 and row["reps"] >= 5, row
+    text = bench_report.render(results)
+    assert "SPEED ROWS" in text and "ratio now" in text and "baseline" in text
+    assert results["meta"]["spotckpt_files"] == [str(REPO / "spotckpt" / "__init__.py")]
