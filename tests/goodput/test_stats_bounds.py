@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import EVENT_SUMMARY_KEY
 from spotckpt.cli import main
 from spotckpt.goodput import MAX_COUNT, MAX_EVENT_SECONDS, EventLog
+from spotckpt.layout import EVENT_SUMMARY_KEY
 from spotckpt.storage import open_store
 
 COUNTED = {  # a save as a run on S3 records it: $0.000073 of requests at the default prices

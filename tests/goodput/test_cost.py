@@ -16,7 +16,8 @@ from torch import nn
 from spotckpt import CheckpointManager, TrainState
 from spotckpt.cost import DEFAULT_PRICES, PriceTable, load_prices
 from spotckpt.errors import InvalidArgumentError
-from spotckpt.goodput import EventLog, load_stats, stats_from_totals
+from spotckpt.goodput import EventLog
+from spotckpt.stats import load_stats, stats_from_totals
 from spotckpt.storage import open_store
 from spotckpt.storage.requests import RequestTally, request_class
 

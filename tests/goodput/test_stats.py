@@ -1,9 +1,21 @@
-"""``spotckpt stats`` says what is measured, what is assumed, and when there is too little data
-to say anything (issue 44: a short demo run read as "this library costs 70 %")."""
+"""``spotckpt stats``: what it says is measured, assumed or too little data (issue 44: a short
+demo run read as "this library costs 70 %"), and figures that once broke it.
+"""
 
 from __future__ import annotations
 
-from spotckpt.goodput import MIN_SAVES_FOR_FIGURES, MIN_TRAINING_S_FOR_FIGURES, GoodputStats
+import json
+from pathlib import Path
+
+from spotckpt.stats import (
+    MIN_SAVES_FOR_FIGURES,
+    MIN_TRAINING_S_FOR_FIGURES,
+    GoodputStats,
+    load_stats,
+)
+from spotckpt.storage import open_store
+
+from tests_support import forged_event_key
 
 
 def _short_run() -> GoodputStats:
@@ -51,3 +63,13 @@ def test_enough_data_shows_measured_and_assumed_figures_labelled() -> None:
     stats.evictions_per_hour = (3 + 0.5 * 2) / (6 + 2)
     rate = next(line for line in stats.text().splitlines() if "eviction rate" in line)
     assert "3 evictions observed in 6.00 h" in rate and "assumed" not in rate.split("(")[0]
+
+
+def test_stats_survive_a_vanishing_step_time(tmp_path: Path) -> None:
+    """A recorded step time of 5e-324 s (the smallest float: within an event's range) and a zero
+    stall made the goodput estimate divide by a wall time that underflowed to zero."""
+    store = open_store(str(tmp_path))
+    event = {"kind": "save", "stall_s": 0.0, "train_s": 1.0, "step_time_s": 5e-324}
+    store.put(forged_event_key(1), json.dumps({**event, "interval_steps": 1}).encode())
+    stats = load_stats(store)
+    assert (stats.suggested_interval_steps, stats.estimated_goodput) == (1, 1.0)
