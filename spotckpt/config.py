@@ -12,6 +12,15 @@ Unknown keys, wrong types and bad values are errors that name their source and k
 (``/run/spotckpt.toml: keep_last: must be at least 1, got 0``,
 ``SPOTCKPT_KEEP_LAST: must be int or None, got 'many'``). The value of a setting in
 `SECRET_SETTINGS` is never shown in them, only its type; credentials never appear in them.
+
+What each setting accepts is read from `Settings`' annotations (``int | None``, a ``Literal``
+of words, a ``Callable`` that only code can give) and from its field's metadata (`_Checks`:
+bounds, and the owning feature's own check). A feature owns its setting's values: the
+``Literal`` types and checks come from torch-free modules below this one (the compression
+modes from `spotckpt.format.compression`, the guards' and upload modes from
+`spotckpt.engine.options`, the redundancy spec from `spotckpt.redundancy`), and the variables
+that are not settings from `spotckpt.environment`, so this module imports no tier, preemption
+source or manager.
 """
 
 from __future__ import annotations
@@ -20,17 +29,18 @@ import json
 import math
 import os
 import sys
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Union, cast, get_args, get_origin, get_type_hints
 
+from spotckpt.engine.options import AsyncMode, HealthCheck, HealthCheckName, ReplicaCheck
+from spotckpt.environment import FEATURE_VARIABLES
 from spotckpt.errors import ConfigError, InvalidArgumentError, MissingURIError
-from spotckpt.extras import has_module
-from spotckpt.preemption.azure import AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV
+from spotckpt.format.compression import CompressionMode
 from spotckpt.redact import redact, secret_values
-from spotckpt.tiers.node import NODE_VARIABLE, ZONE_VARIABLE
-from spotckpt.tiers.redundancy import parse_redundancy
+from spotckpt.redundancy import check_redundancy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,16 +49,13 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 ENV_PREFIX = "SPOTCKPT_"
 _CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
-_NOT_SETTINGS = frozenset(
-    {_CONFIG_VARIABLE, NODE_VARIABLE, ZONE_VARIABLE, AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV}
-)
+_NOT_SETTINGS = FEATURE_VARIABLES | {_CONFIG_VARIABLE}
 _MAX_SHOWN = 60
 
 SECRET_SETTINGS = frozenset({"storage_options", "signing_key", "verify_keys"})
 """Settings whose values may be secrets (credentials among the options; the signing key, or PEM
 text given where a path belongs; a private key among the verify keys): an error about one names
 the setting and the value's type, never the value."""
-_KEY_PATHS = frozenset({"signing_key", "verify_keys"})
 _PEM_MARK = "-----BEGIN"
 
 DEFAULT_MAX_INTERVAL_STEPS = 10_000
@@ -64,6 +71,35 @@ means this default rather than no bound, so that no setting leaves the interval 
 """
 
 
+class _Checks(TypedDict, total=False):
+    """A setting's checks beyond its type: its field's metadata (`_range_problem` reads them)."""
+
+    non_empty: str  # what an empty string would fail to be: "string", "path"
+    parse: Callable[[Any], object]  # the owner's check of a value: InvalidArgumentError if bad
+    at_least: int  # the smallest number allowed
+    positive: bool  # a finite number above 0
+    in_code: Callable[[Any], str | None]  # the problem of an object (``Any``) given in code
+
+
+def _path_not_pem(value: str) -> None:
+    """A key setting's check: a path, never the PEM text itself (which is never shown)."""
+    if _PEM_MARK in value or "\n" in value:
+        raise InvalidArgumentError(
+            "holds PEM text (not shown), not a path: put the key in a file (a Kubernetes "
+            "secret mounted as a volume, for instance) and give the file's path"
+        )
+
+
+def _watcher_problem(value: Any) -> str | None:
+    """What is wrong with a `preemption` object given in code, or None for a watcher."""
+    return None if hasattr(value, "preempted") else "must be bool or a PreemptionWatcher"
+
+
+_AT_LEAST_ONE = _Checks(at_least=1)
+_POSITIVE = _Checks(positive=True)
+_KEY_PATH = _Checks(non_empty="path", parse=_path_not_pem)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """The manager's settings: the one declaration of their names, types and defaults.
@@ -74,9 +110,9 @@ class Settings:
     - `keep_last`: committed checkpoints to keep (None: all); the newest is never deleted.
     - `interval_steps`: `maybe_save` saves when ``step % interval_steps == 0`` (None: never);
       ``"auto"`` chooses the interval from the measured step time, save cost and eviction rate
-      (Daly's formula, see `spotckpt.goodput`) and saves when that many steps have passed.
+      (Daly's formula, see `spotckpt.interval`) and saves when that many steps have passed.
     - `eviction_rate_per_hour`: for ``"auto"``: evictions per hour of training (None: the rate
-      observed in the run's events, starting from `spotckpt.goodput.PRIOR_EVICTIONS_PER_HOUR`).
+      observed in the run's events, starting from `spotckpt.interval.PRIOR_EVICTIONS_PER_HOUR`).
     - `min_interval_steps`, `max_interval_steps`: bounds of the ``"auto"`` interval; the
       ceiling defaults to `DEFAULT_MAX_INTERVAL_STEPS` (None means that default, not unbounded).
     - `max_events`: event objects kept under ``events/``; older ones are compacted.
@@ -129,46 +165,45 @@ class Settings:
       key was set); a wrong signature is refused all the same.
     """
 
-    keep_last: int | None = 3
-    interval_steps: int | Literal["auto"] | None = None
-    eviction_rate_per_hour: float | None = None
-    min_interval_steps: int = 1
-    max_interval_steps: int | None = DEFAULT_MAX_INTERVAL_STEPS
-    max_events: int = 500
-    metrics: Any = None
+    keep_last: int | None = field(default=3, metadata=_AT_LEAST_ONE)
+    interval_steps: int | Literal["auto"] | None = field(default=None, metadata=_AT_LEAST_ONE)
+    eviction_rate_per_hour: float | None = field(default=None, metadata=_POSITIVE)
+    min_interval_steps: int = field(default=1, metadata=_AT_LEAST_ONE)
+    max_interval_steps: int | None = field(
+        default=DEFAULT_MAX_INTERVAL_STEPS, metadata=_AT_LEAST_ONE
+    )
+    max_events: int = field(default=500, metadata=_Checks(at_least=4))
+    metrics: Callable[[dict[str, Any]], Any] | None = None
     async_save: bool = False
-    async_mode: Literal["thread", "process"] = "thread"
-    preemption: Any = True
+    async_mode: AsyncMode = "thread"
+    preemption: bool | Any = field(default=True, metadata=_Checks(in_code=_watcher_problem))
     prefix_spread: bool = False
-    collective_timeout_s: float = 300.0
-    agree_every: int = 1
-    save_budget_s: float = 25.0
+    collective_timeout_s: float = field(default=300.0, metadata=_POSITIVE)
+    agree_every: int = field(default=1, metadata=_AT_LEAST_ONE)
+    save_budget_s: float = field(default=25.0, metadata=_POSITIVE)
     storage_options: dict[str, Any] = field(default_factory=dict)
-    local_dir: str | None = None
-    local_interval_steps: int | None = None
-    redundancy: str | None = None
-    local_keep_last: int = 2
-    progress_interval_s: float | None = 5.0
+    local_dir: str | None = field(default=None, metadata=_Checks(non_empty="string"))
+    local_interval_steps: int | None = field(default=None, metadata=_AT_LEAST_ONE)
+    redundancy: str | None = field(default=None, metadata=_Checks(parse=check_redundancy))
+    local_keep_last: int = field(default=2, metadata=_AT_LEAST_ONE)
+    progress_interval_s: float | None = field(default=5.0, metadata=_POSITIVE)
     incremental: bool = False
-    compression: Literal["auto", "on", "off"] = "off"
-    replica_check: Literal["all", "sample", "off"] = "off"
-    health_check: Any = None
-    signing_key: str | None = None
-    verify_keys: str | None = None
-    key_provider: Any = None
+    compression: CompressionMode = "off"
+    replica_check: ReplicaCheck = "off"
+    health_check: HealthCheckName | HealthCheck | None = None
+    signing_key: str | None = field(default=None, metadata=_KEY_PATH)
+    verify_keys: str | None = field(default=None, metadata=_KEY_PATH)
+    key_provider: Callable[[], Any] | None = None
     accept_unsigned: bool = False
 
     def __post_init__(self) -> None:
         for setting in fields(self):
             value = getattr(self, setting.name)
-            if setting.name == "preemption" and not isinstance(value, bool):
-                if not hasattr(value, "preempted"):
-                    raise ConfigError("preemption: must be bool or a PreemptionWatcher")
-                continue
-            if setting.name == "health_check" and callable(value):
-                continue  # a callable gate, given in code
-            if setting.name in _CODE_ONLY:
+            kind = _KINDS[setting.name]
+            if kind.code_only:
                 problem = _code_only_problem(value)
+            elif _code_value(kind, value):
+                problem = _in_code_problem(setting.name, value)
             else:
                 problem = _problem(setting.name, value)
             if problem is not None:
@@ -200,7 +235,7 @@ class Settings:
 class Config(Settings):
     """The checkpoint URI and the manager's `Settings`, from kwargs, env or a TOML file."""
 
-    uri: str
+    uri: str = field(metadata=_Checks(non_empty="string"))
 
     @classmethod
     def load(cls, cwd: str | Path | None = None, **overrides: Any) -> Config:
@@ -221,50 +256,74 @@ class Config(Settings):
         return cls(**merged)
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "uri": (str,),
-    "keep_last": (int, type(None)),
-    "interval_steps": (int, str, type(None)),
-    "eviction_rate_per_hour": (int, float, type(None)),
-    "min_interval_steps": (int,),
-    "max_interval_steps": (int, type(None)),
-    "max_events": (int,),
-    "async_save": (bool,),
-    "async_mode": (str,),
-    "preemption": (bool,),
-    "prefix_spread": (bool,),
-    "collective_timeout_s": (int, float),
-    "agree_every": (int,),
-    "save_budget_s": (int, float),
-    "storage_options": (dict,),
-    "local_dir": (str, type(None)),
-    "local_interval_steps": (int, type(None)),
-    "redundancy": (str, type(None)),
-    "local_keep_last": (int,),
-    "progress_interval_s": (int, float, type(None)),
-    "incremental": (bool,),
-    "compression": (str,),
-    "replica_check": (str,),
-    "health_check": (str, type(None)),
-    "signing_key": (str, type(None)),
-    "verify_keys": (str, type(None)),
-    "accept_unsigned": (bool,),
-}
-_AT_LEAST_ONE = frozenset(
-    {
-        "keep_last",
-        "interval_steps",
-        "agree_every",
-        "min_interval_steps",
-        "max_interval_steps",
-        "local_interval_steps",
-        "local_keep_last",
-    }
-)
-_POSITIVE = frozenset(
-    {"collective_timeout_s", "save_budget_s", "eviction_rate_per_hour", "progress_interval_s"}
-)
-_CODE_ONLY = frozenset({"metrics", "key_provider"})
+_NONE = type(None)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What a setting's annotation accepts (`_kind_of`)."""
+
+    types: tuple[type, ...]  # of a value from a file or the environment (`_NONE` for None)
+    words: tuple[str, ...] = ()  # a Literal's strings: the only ones allowed, when any
+    callables: bool = False  # a callable, given in code
+    anything: bool = False  # an object given in code (``Any``), checked by its ``in_code``
+
+    @property
+    def code_only(self) -> bool:
+        """Only code can give a value other than None (a callable)."""
+        return self.callables and set(self.types) <= {_NONE}
+
+    def expected(self, value: Any) -> str:
+        """What a value must be, as an error says it after "must be ", for the wrong `value`
+        (`_problem`: the type is named before the words, unless a type besides the words' and
+        None is allowed: ``int, None or "auto"``)."""
+        words = [f'"{word}"' for word in self.words]
+        others = [t for t in self.types if t not in {type(w) for w in self.words}]
+        if words and set(others) - {_NONE}:
+            ordered = [t for t in others if t is not _NONE] + [t for t in others if t is _NONE]
+            return _either([_type_name(t) for t in ordered] + words)
+        if not words or not isinstance(value, self.types):
+            return _kind_names(self.types)
+        shown = _either(words + (["None"] if _NONE in self.types else []))
+        return shown + (" here (a callable only in code)" if self.callables else "")
+
+
+def _kind_of(hint: Any) -> _Kind:
+    """The `_Kind` of an annotation: a union of types, Literals, a Callable, Any."""
+    union = get_origin(hint) in (Union, types.UnionType)
+    kinds: list[type] = []
+    words: list[str] = []
+    callables = anything = False
+    for member in get_args(hint) if union else (hint,):
+        origin = get_origin(member)
+        if member is Any:
+            anything = True
+        elif origin is Literal:
+            words += get_args(member)
+            kinds += [type(word) for word in get_args(member)]
+        elif origin is Callable:
+            callables = True
+        elif member is float:
+            kinds += [int, float]  # an int is a fine number of seconds
+        else:
+            kinds.append(origin or member)  # dict[str, Any]: a dict
+    return _Kind(tuple(dict.fromkeys(kinds)), tuple(words), callables, anything)
+
+
+def _type_name(kind: type) -> str:
+    return {_NONE: "None", dict: "a table of options"}.get(kind, kind.__name__)
+
+
+def _either(names: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+_KINDS = {name: _kind_of(hint) for name, hint in get_type_hints(Config).items()}
+_CHECKS = {setting.name: cast(_Checks, setting.metadata) for setting in fields(Config)}
+_CODE_ONLY = frozenset(name for name, kind in _KINDS.items() if kind.code_only)
+_KNOWN = sorted(name for name in _KINDS if name not in _CODE_ONLY)
+"""The settings a file or the environment may give."""
 
 Where = Callable[[str], str]
 """Names a key in its source: ``/run/spotckpt.toml: keep_last``, ``SPOTCKPT_KEEP_LAST``."""
@@ -291,21 +350,26 @@ def _shown(key: str, value: Any) -> str:
 
 
 def _kind_names(kinds: tuple[type, ...]) -> str:
-    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+    return " or ".join(_type_name(k) for k in kinds)
 
 
 def _problem(key: str, value: Any) -> str | None:
     """What is wrong with `value` for setting `key`, or None when it is fine."""
-    kinds = _TYPES[key]
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        if key == "storage_options":
-            return f"must be a table of options, got {_shown(key, value)}"
-        if key == "interval_steps":
-            return f'must be int, None or "auto", got {_shown(key, value)}'
-        return f"must be {_kind_names(kinds)}, got {_shown(key, value)}"
-    if key == "interval_steps" and isinstance(value, str) and value != "auto":
-        return f'must be int, None or "auto", got {_shown(key, value)}'
+    kind = _KINDS[key]
+    wrong_type = not isinstance(value, kind.types) or (
+        isinstance(value, bool) and bool not in kind.types
+    )
+    if wrong_type or (kind.words and isinstance(value, str) and value not in kind.words):
+        return f"must be {kind.expected(value)}, got {_shown(key, value)}"
     return _range_problem(key, value)
+
+
+def _in_code_problem(key: str, value: Any) -> str | None:
+    """What is wrong with a value only code can give (`_code_value`), or None: a callable is
+    fine where the type allows one; an object answers to the setting's ``in_code`` check."""
+    if _KINDS[key].callables and callable(value):
+        return None
+    return _CHECKS[key]["in_code"](value)
 
 
 def _code_only_problem(value: Any) -> str | None:
@@ -315,37 +379,20 @@ def _code_only_problem(value: Any) -> str | None:
 
 
 def _range_problem(key: str, value: Any) -> str | None:
-    """What is wrong with a value of the right type, or None."""
-    if key in ("uri", "local_dir") and value == "":
-        return "must be a non-empty string"
-    if key == "async_mode" and value not in ("thread", "process"):
-        return f'must be "thread" or "process", got {_shown(key, value)}'
-    if key == "compression" and value not in ("auto", "on", "off"):
-        return f'must be "auto", "on" or "off", got {_shown(key, value)}'
-    if key == "replica_check" and value not in ("all", "sample", "off"):
-        return f'must be "all", "sample" or "off", got {_shown(key, value)}'
-    if key == "health_check" and value not in (None, "finite"):
-        return f'must be "finite" or None here (a callable only in code), got {_shown(key, value)}'
-    if key in _KEY_PATHS and value == "":
-        return "must be a non-empty path"
-    if key in _KEY_PATHS and isinstance(value, str) and (_PEM_MARK in value or "\n" in value):
-        return (
-            "holds PEM text (not shown), not a path: put the key in a file (a Kubernetes "
-            "secret mounted as a volume, for instance) and give the file's path"
-        )
-    if key == "redundancy" and value is not None:
+    """What is wrong with a value of the right type (its field's `_Checks`), or None."""
+    checks = _CHECKS[key]
+    if "non_empty" in checks and value == "":
+        return f"must be a non-empty {checks['non_empty']}"
+    if "parse" in checks and value is not None:
         try:
-            if parse_redundancy(value).erasure and not has_module("zfec"):
-                return "ec:K+M needs zfec: pip install 'spotckpt[erasure]'"
+            checks["parse"](value)
         except InvalidArgumentError as error:
-            return str(error).removeprefix("redundancy ")
+            return str(error).removeprefix(f"{key} ")
     if isinstance(value, str) or value is None:
         return None
-    if key in _AT_LEAST_ONE and value < 1:
-        return f"must be at least 1, got {value!r}"
-    if key == "max_events" and value < 4:
-        return f"must be at least 4, got {value!r}"
-    if key in _POSITIVE and not (math.isfinite(value) and value > 0):
+    if "at_least" in checks and value < checks["at_least"]:
+        return f"must be at least {checks['at_least']}, got {value!r}"
+    if "positive" in checks and not (math.isfinite(value) and value > 0):
         return f"must be a positive number, got {value!r}"
     return None
 
@@ -353,16 +400,14 @@ def _range_problem(key: str, value: Any) -> str | None:
 def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
     checked = {}
     for key, value in values.items():
-        if where is _keyword and _code_value(key, value):
+        if where is _keyword and key in _KINDS and _code_value(_KINDS[key], value):
             checked[key] = value  # Settings checks it
             continue
         if key in _CODE_ONLY:
             checked[key] = _code_only(key, value, where)
             continue
-        if key not in _TYPES:
-            raise ConfigError(
-                redact(f"{where(key)}: unknown setting; known: {', '.join(sorted(_TYPES))}")
-            )
+        if key not in _KINDS:
+            raise ConfigError(redact(f"{where(key)}: unknown setting; known: {', '.join(_KNOWN)}"))
         problem = _problem(key, value)
         if problem is not None:
             raise ConfigError(redact(f"{where(key)}: {problem}"))
@@ -370,12 +415,13 @@ def _checked(values: Mapping[str, Any], where: Where) -> dict[str, Any]:
     return checked
 
 
-def _code_value(key: str, value: Any) -> bool:
-    """Whether a keyword argument is a value only code can give: a health-check callable, a
-    `PreemptionWatcher` (Settings checks both)."""
-    if key == "health_check":
-        return callable(value)
-    return key == "preemption" and not isinstance(value, bool)
+def _code_value(kind: _Kind, value: Any) -> bool:
+    """Whether a keyword argument is a value only code can give: a callable where one may be
+    (a health-check callable, a metrics hook), an object where the type says ``Any`` (a
+    `PreemptionWatcher`); Settings checks them."""
+    if kind.callables and callable(value):
+        return True
+    return kind.anything and not isinstance(value, kind.types)
 
 
 def _code_only(key: str, value: Any, where: Where) -> Any:
@@ -458,11 +504,11 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(
                 f"{name}: {key} can only be given in code (a callable), not in the environment"
             )
-        kinds = _TYPES.get(key)
-        if kinds is None:
-            known = ", ".join(_env_name(k) for k in sorted(_TYPES))
+        kind = _KINDS.get(key)
+        if kind is None:
+            known = ", ".join(_env_name(k) for k in _KNOWN)
             raise ConfigError(f"{name}: unknown environment variable; known: {known}")
-        values[key] = _parse_env(name, raw, kinds)
+        values[key] = _parse_env(name, raw, kind.types)
     return values
 
 

@@ -25,7 +25,8 @@ guards look at the state itself, inside DCP's own planning, so a refused save wr
   refusal fails the save on every rank (`HealthCheckError`).
 
 The checks run where DCP plans: for an asynchronous save that is the background upload, on the
-staged copy (what is written), so the training loop does not wait for them.
+staged copy (what is written), so the training loop does not wait for them. The settings' values
+(`ReplicaCheck`, `HealthCheck`) are declared torch-free in `spotckpt.engine.options`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import struct
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from spotckpt.checksum import crc32c
+from spotckpt.engine.options import REPLICA_CHECKS, HealthCheck, ReplicaCheck
 from spotckpt.engine.packing import PackingSavePlanner, members_of
 from spotckpt.errors import (
     HealthCheckError,
@@ -53,10 +55,6 @@ from spotckpt.errors import (
 )
 from spotckpt.format.safetensors_io import tensor_bytes
 
-ReplicaCheck = Literal["all", "sample", "off"]
-REPLICA_CHECKS = ("all", "sample", "off")
-HealthCheck = Callable[[dict[str, Any]], Any]
-"""A callable health gate: receives the state; returning False (or raising) refuses the save."""
 SAMPLE_EVERY = 8
 """``replica_check="sample"`` checks one of this many classes of items per save, in turn."""
 Fingerprints = dict[str, int]

@@ -21,13 +21,12 @@ from email.utils import parsedate_to_datetime
 from http.client import HTTPException
 from typing import Any
 
+from spotckpt.environment import AZURE_ENDPOINT_ENV, AZURE_VM_NAME_ENV
 from spotckpt.errors import MetadataAnswerError
 from spotckpt.preemption.dmi import dmi_value
 from spotckpt.preemption.source import Notice, fetch, log, snippet
 
 AZURE_DEFAULT_ENDPOINT = "http://169.254.169.254"
-AZURE_ENDPOINT_ENV = "SPOTCKPT_AZURE_METADATA_ENDPOINT"
-AZURE_VM_NAME_ENV = "SPOTCKPT_AZURE_VM_NAME"
 AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
 """The chassis asset tag of every Azure VM, by which the DMI data tells Azure from Hyper-V."""
 AZURE_NOTICE_S = 30.0

@@ -21,10 +21,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spotckpt.environment import NODE_VARIABLE, ZONE_VARIABLE
 from spotckpt.errors import InvalidArgumentError
 
-NODE_VARIABLE = "SPOTCKPT_NODE"
-ZONE_VARIABLE = "SPOTCKPT_ZONE"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from spotckpt.config import _CODE_ONLY, ENV_PREFIX, Config, Settings
 
-TABLE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+TABLE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 HEADER = "| setting | env | default | what it does |"
 
 
