@@ -28,10 +28,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spotckpt.catalog import Catalog, ObjectGroup, StepFolder, may_delete_key, parse_step_folder
+from spotckpt.catalog import Catalog, ObjectGroup, StepFolder
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.format.signing import Keyring
-from spotckpt.policy import RetentionPolicy, RetentionDecision
+from spotckpt.layout import parse_step_folder
+from spotckpt.policy import RetentionDecision, RetentionPolicy
+from spotckpt.step_removal import may_delete_key
 from spotckpt.storage.base import ObjectStore, UploadInfo
 from spotckpt.units import human_size
 

@@ -29,22 +29,16 @@ through the collectives, so every rank reaches the same verdict; a peer lost in 
 connection broke) is a `PeerLostError` naming it, on every rank. The tier record and the
 manifest are written to a temporary name, fsynced, renamed and their folder fsynced; objects are
 not fsynced (a restore checks their CRC32Cs). Each node's folder holds this job's steps only:
-retention removes any other step folder (uncommitted, another job's, stale), never the one a
-save is writing.
+retention (`spotckpt.tiers.retention`) removes any other step folder (unreadable, uncommitted,
+another job's, stale), never the one a save is writing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import hashlib
 import logging
-import os
-import re
 import shutil
-import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,42 +47,40 @@ from typing import Any
 
 import torch
 
-from spotckpt.catalog import (
+from spotckpt.catalog import Catalog
+from spotckpt.checksum import crc32c
+from spotckpt.distributed import THIS_RANK, Collective, RankProgress
+from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
+from spotckpt.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    TierSaveError,
+)
+from spotckpt.format.manifest import Manifest
+from spotckpt.format.signing import Keyring
+from spotckpt.layout import (
     MANIFEST_NAME,
     STEP_PREFIX,
-    Catalog,
     parity_object_key,
     parse_step_folder,
     step_folder,
     step_key,
     tier_record_key,
 )
-from spotckpt.checksum import crc32c
-from spotckpt.distributed import THIS_RANK, Collective, RankProgress
-from spotckpt.engine.writer import ObjectStoreWriter
-from spotckpt.errors import (
-    AlreadyExistsError,
-    CheckpointError,
-    CorruptCheckpointError,
-    DiskFullError,
-    InvalidArgumentError,
-    ManifestError,
-    PeerLostError,
-    StorageError,
-    TierSaveError,
-)
-from spotckpt.format.manifest import Manifest
-from spotckpt.format.signing import Keyring
-from spotckpt.policy import RetentionPolicy, StepReading
+from spotckpt.policy import RetentionPolicy
+from spotckpt.redundancy import Redundancy
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.local import LocalStore
-from spotckpt.tiers.erasure import data_block, parity_block
-from spotckpt.tiers.exchange import PIECE_BYTES, Job, Outcome, Piece, pieces_of, run_jobs
+from spotckpt.tiers.copies import Sink, complete_into, parity_jobs, parity_records
+from spotckpt.tiers.exchange import Job, Piece, pieces_of
+from spotckpt.tiers.folder import folder_id, resolve_local_dir
 from spotckpt.tiers.node import NodeIdentity, check_one_folder_per_node, node_identity
-from spotckpt.tiers.record import MAX_RECORD_BYTES, GroupRecord, ParityRecord, TierRecord
+from spotckpt.tiers.peers import Peers
+from spotckpt.tiers.record import GroupRecord, ParityRecord, TierRecord
 from spotckpt.tiers.recovery import (
     Choice,
-    Code,
     Copy,
     HeldStep,
     NodeReport,
@@ -97,96 +89,11 @@ from spotckpt.tiers.recovery import (
     choose_step,
     restore_jobs,
 )
-from spotckpt.tiers.redundancy import Placement, Redundancy
+from spotckpt.tiers.redundancy import Placement
+from spotckpt.tiers.retention import TierReadings, read_record
 
 log = logging.getLogger("spotckpt")
-NODE_FIELD = "{node}"
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-FOLDER_ID_NAME = ".spotckpt-folder-id"
-_FOLDER_ID = re.compile(r"[0-9a-f]{32}")
 SPACE_MARGIN = 1.10  # free space wanted beyond the estimate of what a fast save writes
-
-
-def resolve_local_dir(template: str, node: str) -> Path:
-    """`template` with ``{node}`` replaced, created below its existing part, writable, and with
-    a folder id (`folder_id`).
-
-    The part before ``{node}`` (the whole path without it) must exist: a missing mount is an
-    error at start-up, not a folder quietly created on the root disk.
-    """
-    base = Path(template.partition(NODE_FIELD)[0] or ".") if NODE_FIELD in template else None
-    root = Path(template.replace(NODE_FIELD, node))
-    must_exist = base if base is not None else root
-    if not must_exist.is_dir():
-        raise InvalidArgumentError(
-            f"local_dir {template!r}: {str(must_exist)!r} does not exist or is not a folder"
-        )
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".spotckpt-probe-") as probe:
-            probe.write(uuid.uuid4().hex.encode())
-            probe.flush()
-            with contextlib.suppress(FileExistsError):  # the folder keeps the id it has
-                _place_id(Path(probe.name), root / FOLDER_ID_NAME)
-    except OSError as error:
-        raise InvalidArgumentError(
-            f"local_dir {str(root)!r} is not writable: {error.strerror or error}"
-        ) from None
-    return root
-
-
-_NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK})
-"""What `os.link` raises where a file system has no hard links (vfat, some FUSE mounts)."""
-ID_WAIT_S = 5.0
-"""How long `folder_id` waits for the bytes of an id file another rank is still writing."""
-
-
-def _place_id(written: Path, target: Path) -> None:
-    """Put the id file `written` in place as `target`, whole and first one wins (FileExistsError
-    when another rank's is there): a hard link; where the file system has none, an exclusive
-    create written in one call (`folder_id` waits the moment until its bytes are there)."""
-    try:
-        os.link(written, target)
-        return
-    except OSError as error:
-        if isinstance(error, FileExistsError) or error.errno not in _NO_LINKS:
-            raise
-    fd = os.open(target, _WRITE_FLAGS | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, written.read_bytes())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def folder_id(root: Path) -> str:
-    """The random id of the tier folder `root`: ranks that read the same one see one folder
-    (one machine's disk). It appears whole, first one wins (`_place_id`), so the ranks sharing
-    the folder never read different ones."""
-    path = root / FOLDER_ID_NAME
-    deadline = time.monotonic() + ID_WAIT_S
-    while True:
-        try:
-            fd = os.open(path, _READ_FLAGS)
-            try:
-                data = os.read(fd, 64)
-            finally:
-                os.close(fd)
-        except OSError as error:
-            raise InvalidArgumentError(
-                f"cannot read {str(path)!r}: {error.strerror or error}"
-            ) from None
-        if data or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)  # created, not yet written, by another rank (`_place_id`)
-    text = data.decode("ascii", "replace")
-    if not _FOLDER_ID.fullmatch(text):
-        raise InvalidArgumentError(
-            f"{str(path)!r} is not a folder id written by spotckpt: remove it (a new one is "
-            "written at the next start)"
-        )
-    return text
 
 
 class TierWriter(ObjectStoreWriter):
@@ -203,56 +110,6 @@ class TierWriter(ObjectStoreWriter):
         self.built = self.build_manifest(metadata, results)
 
 
-class _Sink:
-    """Objects this rank's jobs write into its tier: pieces land at their offsets in files
-    sized to the object (sparse where nothing was written), so that a restore brings only the
-    ranges it reads. The CRC32C of an object written front to back (a copy or parity made at a
-    save) is kept for its record."""
-
-    def __init__(self, store: LocalStore, step: int) -> None:
-        self.store = store
-        self.step = step
-        self.files: dict[str, int] = {}
-        self.crcs: dict[str, tuple[int, int]] = {}  # key -> (bytes written in order, CRC32C)
-
-    def write(self, key: str, size: int, offset: int, data: bytes) -> None:
-        try:
-            fd = self.files.get(key)
-            if fd is None:
-                fd = self._open(key, size)
-            view, at = memoryview(data), offset
-            while view:  # a regular file takes it all at once; a short write is continued
-                written = os.pwrite(fd, view, at)
-                view, at = view[written:], at + written
-        except OSError as error:
-            raise _write_failure(self.store, step_key(self.step, key), error) from None
-        done, crc = self.crcs.get(key, (0, 0))
-        if done == offset:
-            self.crcs[key] = (done + len(data), crc32c(data, crc))
-
-    def _open(self, key: str, size: int) -> int:
-        path = step_key(self.step, key)
-        folder = self.store.folder_for_write(path)
-        try:
-            fd = os.open(path.rsplit("/", 1)[-1], _WRITE_FLAGS, 0o644, dir_fd=folder)
-        finally:
-            os.close(folder)
-        os.ftruncate(fd, size)
-        self.files[key] = fd
-        return fd
-
-    def crc(self, key: str, size: int) -> int | None:
-        """The CRC32C of `key` if all its `size` bytes were written front to back."""
-        done, crc = self.crcs.get(key, (0, 0))
-        return crc if done == size else None
-
-    def close(self) -> None:
-        """Close every file (on failure too: what was written is checked before any use)."""
-        for fd in self.files.values():
-            os.close(fd)
-        self.files.clear()
-
-
 @dataclass(frozen=True)
 class FastSave:
     """A fast save after its copy phase: the manifest (and its encoding, what the bucket's
@@ -261,61 +118,6 @@ class FastSave:
     manifest: Manifest
     data: bytes
     failure: str | None = None
-
-
-class _Peers:
-    """The collectives of one tier operation (`what`), with rank markers that name a rank lost
-    on the way: a broken connection (gloo's RuntimeError) becomes a `PeerLostError` on every
-    rank that meets it, never a raw error."""
-
-    def __init__(
-        self, tier: FastTier, collective: Collective, what: str, progress: RankProgress
-    ) -> None:
-        self.tier = tier
-        self.collective = collective
-        self.what = what
-        self.progress = progress
-
-    def gather(self, value: Any) -> list[Any]:
-        """`Collective.gather`, or PeerLostError."""
-        try:
-            return self.collective.gather(value)
-        except RuntimeError as error:
-            raise self.lost(error) from None
-
-    def broadcast(self, value: Any, src: int = 0) -> Any:
-        """`Collective.broadcast`, or PeerLostError."""
-        try:
-            return self.collective.broadcast(value, src=src)
-        except RuntimeError as error:
-            raise self.lost(error) from None
-
-    def walk(self, jobs: list[Job], read: Any, complete: Any) -> Outcome:
-        """This rank's part of `jobs` (`run_jobs`), marked done for the lost-rank markers."""
-        outcome = run_jobs(jobs, self.tier.rank, self.collective.group, read, complete)
-        self.progress.mark_written()
-        return outcome
-
-    def check_lost(self, lost: set[int]) -> None:
-        """After the walk's outcomes were shared: PeerLostError on every rank if any rank lost
-        a peer during its walk; else this rank's marker is no longer needed (cleared)."""
-        if lost:
-            raise self.lost(None, lost)
-        self.progress.clear()
-
-    def lost(self, error: BaseException | None, seen: set[int] | None = None) -> PeerLostError:
-        """The error of a lost peer, naming it: from the rank markers (every rank that is still
-        there leaves one), else from the connections this rank saw break."""
-        silent = self.progress.silent_ranks() if error is not None else None
-        ranks = sorted(silent or seen or ())
-        placement = self.tier.placement
-        named = ", ".join(f"{r} (node {placement.node_of(r)})" for r in ranks)
-        cause = f" ({str(error).splitlines()[0][:200]})" if error is not None else ""
-        return PeerLostError(
-            f"{self.what}: rank(s) {named or '(which could not be told)'} left the job (the "
-            f"process died or stopped answering){cause}; the process group is broken: restart "
-            "the job, which resumes from the newest step that survives"
-        )
 
 
 class FastTier:
@@ -361,13 +163,17 @@ class FastTier:
         # its step, as the bucket's are: a copy on a node's disk is trusted no more than one in
         # the bucket (it is the same bytes when it was written by this job).
         self.keyring = keyring if keyring is not None and keyring.enforcing else None
+        whole_here = len(self.placement.node_ranks) == 1
+        self.readings = TierReadings(self.catalog, self.keyring, whole_here=whole_here)
 
-    def _peers(self, collective: Collective, what: str) -> _Peers:
+    def _peers(self, collective: Collective, what: str) -> Peers:
         """The collectives of one operation, with rank markers of its own (every rank counts
         its operations in the same order, so the names agree)."""
         self._operations += 1
         prefix = f"spotckpt/tier-{self.token}-{self._operations}"
-        return _Peers(self, collective, what, RankProgress(prefix, collective.world_size))
+        return Peers(
+            self.rank, self.placement, collective, what, RankProgress(prefix, collective.world_size)
+        )
 
     # Saving -----------------------------------------------------------------------------------
 
@@ -382,7 +188,9 @@ class FastTier:
         on every rank: deletes are idempotent, and no rank waits on its leader for them)."""
         self._remove_folder(step)
         return TierWriter(  # one manifest document: the tier shares and re-reads it whole
-            self.store, step, prefix_spread=self.prefix_spread, index_parts=False, **options
+            self.store,
+            step,
+            WriterOptions(prefix_spread=self.prefix_spread, index_parts=False, **options),
         )
 
     def complete(self, step: int, writer: TierWriter, collective: Collective, job: str) -> FastSave:
@@ -397,14 +205,14 @@ class FastTier:
         if data is None:
             raise TierSaveError(f"fast save of step {step}: the coordinator built no manifest")
         manifest = Manifest.from_json(data, expected_step=step)
-        sink = _Sink(self.store, step)
+        sink = Sink(self.store, step)
         jobs = self._copy_jobs(manifest)
         try:
-            outcome = peers.walk(jobs, self._read(step), _complete(sink))
+            outcome = peers.walk(jobs, self._read(step), complete_into(sink))
         finally:
             sink.close()
         failure = None if outcome.failure is None else f"rank {self.rank}: {outcome.failure}"
-        records = _parity_records(sink, manifest, jobs, self.rank)
+        records = parity_records(sink, manifest, jobs, self.rank)
         outcomes = peers.gather((failure, outcome.lost, records))
         peers.check_lost({rank for _, lost, _ in outcomes for rank in lost})
         failures = [f for f, _, _ in outcomes if f is not None]
@@ -429,7 +237,7 @@ class FastTier:
             ]
         jobs = []
         for index, group in enumerate(self._groups(manifest)):
-            jobs.extend(_parity_jobs(manifest, index, group, self.placement.groups[index].parity))
+            jobs.extend(parity_jobs(manifest, index, group, self.placement.groups[index].parity))
         return jobs
 
     def _groups(self, manifest: Manifest) -> list[GroupRecord]:
@@ -498,31 +306,30 @@ class FastTier:
         uncommitted ones (a rank whose folder is not its node leader's never commits there),
         another job's, stale newer ones. Every rank runs it (deletes are idempotent); no save
         of this job is writing any other step meanwhile, and `newest` is never touched.
-        Which of ours stay is the retention rule's (`spotckpt.policy.RetentionPolicy`); a step
-        whose tier record cannot be read goes here, unlike in the bucket: nothing can restore
-        it, and the tier's room is for steps that can be."""
+        Which of ours stay is the bucket's retention rule (`spotckpt.policy.RetentionPolicy`)
+        over the steps as `TierReadings` reads them, with ``delete_unreadable``: an unreadable
+        step takes no slot and goes (`spotckpt.tiers.retention`), as under
+        ``gc --delete-unreadable``; a step whose tier record cannot be read goes too."""
         try:
-            ours = [
-                StepReading(s, frozenset())
-                for s in self.catalog.steps()
-                if (newest is None or s < newest) and self._job_of(s) == job
-            ]
+            ours = self.readings.read(job, below=newest)
             room = self.keep_last - (newest is not None)
-            keep = set(RetentionPolicy(room).decide(ours).kept) if room > 0 else set()
+            policy = RetentionPolicy(room, delete_unreadable=True) if room > 0 else None
+            keep = set(policy.decide(ours).kept) if policy is not None else set()
             keep.update([newest] if newest is not None else [])
+            for reading in ours:
+                if not reading.readable:
+                    log.warning(
+                        "fast-tier step %d on node %s cannot be read and is removed: %s",
+                        reading.step,
+                        self.identity.node,
+                        reading.problem,
+                        extra=THIS_RANK,
+                    )
             for step in self._folders():
                 if step not in keep:
                     self._remove_folder(step)
         except (CheckpointError, OSError) as error:
             log.warning("fast-tier retention on node %s failed: %s", self.identity.node, error)
-
-    def _job_of(self, step: int) -> str | None:
-        """The job id in the tier record of committed `step` here (the manifest, which may be
-        large, is not parsed); None if it cannot be told."""
-        try:
-            return self._read_record(step, None).job
-        except (CheckpointError, OSError):
-            return None
 
     def discard(self, step: int) -> None:
         """Remove this node's folder of a fast save that did not commit in the tier."""
@@ -605,7 +412,7 @@ class FastTier:
         moved = self._gather_objects(choice, [w for _, w in shared], reports, peers)
         return (manifest, moved) if moved is not None else None
 
-    def _choose(self, peers: _Peers, scope: Scope) -> tuple[Choice | None, list[NodeReport]]:
+    def _choose(self, peers: Peers, scope: Scope) -> tuple[Choice | None, list[NodeReport]]:
         """The newest step whose surviving copies are intact, checked lazily: every node lists
         what it holds (by size), and only the step chosen from that is read back for its CRC32Cs;
         when that rules it out, the next candidate is checked, and so on."""
@@ -650,7 +457,7 @@ class FastTier:
         choice: Choice,
         wanted: list[dict[str, Ranges]],
         reports: list[NodeReport],
-        peers: _Peers,
+        peers: Peers,
     ) -> int | None:
         node_needs: dict[int, dict[str, Ranges]] = {}
         for rank, ranges in enumerate(wanted):
@@ -662,9 +469,9 @@ class FastTier:
             for r in reports
         }
         jobs = restore_jobs(choice, node_needs, held)
-        sink = _Sink(self.store, choice.step)
+        sink = Sink(self.store, choice.step)
         try:
-            outcome = peers.walk(jobs, self._read(choice.step), _complete(sink))
+            outcome = peers.walk(jobs, self._read(choice.step), complete_into(sink))
         finally:
             sink.close()
         failure = None if outcome.failure is None else f"rank {self.rank}: {outcome.failure}"
@@ -729,7 +536,7 @@ class FastTier:
         if self.keyring is not None:  # a SignatureError: damaged, as the bucket treats it
             self.keyring.check(data, step=step, job=scope.job, what=f"tier step {step}'s manifest")
         manifest = Manifest.from_json(data, expected_step=step)
-        record = self._read_record(step, manifest.attempt)
+        record = read_record(self.store, step, manifest.attempt)
         record.check({k: r.size for k, r in manifest.objects.items()})
         refusal = scope.refusal(step, manifest.attempt, record.job)
         if refusal is not None:
@@ -748,18 +555,6 @@ class FastTier:
             record,
             {k: crc for k, (_, crc) in expected.items()},
             {k: size for k, (size, _) in expected.items()},
-        )
-
-    def _read_record(self, step: int, attempt: str | None) -> TierRecord:
-        """The tier record of `step`, size-checked before the read (ManifestError if damaged)."""
-        key = tier_record_key(step)
-        info = self.store.head(key)
-        if info is None:
-            raise ManifestError(f"tier record of step {step} is missing")
-        if info.size > MAX_RECORD_BYTES:
-            raise ManifestError(f"tier record of step {step} is {info.size} bytes: too large")
-        return TierRecord.from_json(
-            self.store.get_range(key, 0, info.size), step=step, attempt=attempt
         )
 
     def _whole(self, step: int, key: str, size: int) -> bool:
@@ -832,90 +627,6 @@ class FastTier:
         self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
         for upload in self.store.list_uploads(f"{folder}/"):
             self.store.abort_upload(upload)
-
-
-def _write_failure(store: LocalStore, key: str, error: OSError) -> StorageError:
-    """A failed write into the tier, as an error that says what to do."""
-    where = f"{store.uri}/{key}"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError(
-            f"disk full while writing {where}: free space under local_dir, or keep fewer steps "
-            "there (local_keep_last)"
-        )
-    return StorageError(f"writing {where} failed: {error.strerror or error}")
-
-
-def _complete(sink: _Sink) -> Any:
-    """What a job's target does with the pieces it gathered."""
-
-    def complete(job: Job, pieces: list[bytes]) -> None:
-        action = job.action
-        if isinstance(action, Copy):
-            sink.write(action.key, action.size, job.inputs[0].offset, pieces[0])
-        elif isinstance(action, Code):
-            sink.write(action.key, action.size, action.offset, _code(action, pieces))
-        else:
-            raise CorruptCheckpointError(f"unknown fast-tier job {action!r}")
-
-    return complete
-
-
-def _code(action: Code, pieces: list[bytes]) -> bytes:
-    """The output block of a parity or rebuild job, from its inputs and known-zero blocks."""
-    blocks = {n: p.ljust(action.length, b"\0") for n, p in zip(action.numbers, pieces, strict=True)}
-    blocks.update({n: bytes(action.length) for n in action.zeros})
-    if action.parity:
-        data = [blocks[n] for n in range(action.data)]
-        return parity_block(data, action.parity_count, action.index)[: action.keep]
-    return data_block(blocks, action.data, action.parity_count, action.index)[: action.keep]
-
-
-def _parity_jobs(
-    manifest: Manifest, index: int, group: GroupRecord, holders: tuple[int, ...]
-) -> list[Job]:
-    """For each parity holder of group `index`, one job per stripe bringing it the data."""
-    ranks = {record.key: record.rank for record in manifest.objects.values()}
-    sizes = {record.key: record.size for record in manifest.objects.values()}
-    jobs = []
-    for j, holder in enumerate(holders):
-        for offset in range(0, max(group.block_size, 1), PIECE_BYTES):
-            length = max(0, min(PIECE_BYTES, group.block_size - offset))
-            inputs, numbers, zeros = [], [], []
-            for n, key in enumerate(group.data):
-                if key and sizes[key] > offset:
-                    inputs.append(Piece(ranks[key], key, offset, min(length, sizes[key] - offset)))
-                    numbers.append(n)
-                else:
-                    zeros.append(n)
-            code = Code(
-                group.parity[j].key,
-                group.block_size,
-                offset,
-                j,
-                len(group.data),
-                len(holders),
-                tuple(numbers),
-                tuple(zeros),
-                length,
-                length,
-                parity=True,
-            )
-            jobs.append(Job(holder, tuple(inputs), code))
-    return jobs
-
-
-def _parity_records(
-    sink: _Sink, manifest: Manifest, jobs: list[Job], rank: int
-) -> list[ParityRecord]:
-    """The parity objects this rank wrote, with their sizes and CRC32Cs (None if unfinished)."""
-    records = []
-    for job in jobs:
-        action = job.action
-        if job.target == rank and isinstance(action, Code) and action.offset == 0:
-            crc = sink.crc(action.key, action.size)
-            if crc is not None:
-                records.append(ParityRecord(action.key, action.size, crc))
-    return records
 
 
 def state_bytes(value: Any) -> int:

@@ -17,12 +17,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spotckpt.catalog import is_job_id, parity_object_key
 from spotckpt.errors import BoundedJSONError, InvalidArgumentError, ManifestError
 from spotckpt.format.bounded_json import loads
 from spotckpt.format.manifest import MAX_INT
+from spotckpt.layout import is_job_id, parity_object_key
+from spotckpt.redundancy import MAX_PIECES, parse_redundancy
 from spotckpt.storage.base import InvalidKeyError, check_key
-from spotckpt.tiers.redundancy import MAX_PIECES, parse_redundancy
 
 RECORD_FORMAT = "spotckpt-tier/1"
 MAX_RECORD_BYTES = 64 << 20

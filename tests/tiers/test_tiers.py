@@ -29,13 +29,14 @@ import torch
 from spotckpt import CheckpointManager, Config
 from spotckpt.catalog import Catalog
 from spotckpt.errors import IncompleteRestoreError, InvalidArgumentError, ManifestError
+from spotckpt.redundancy import parse_redundancy
 from spotckpt.storage import open_store
 from spotckpt.tiers.erasure import data_block, parity_block
-from spotckpt.tiers.fast_tier import folder_id, resolve_local_dir
+from spotckpt.tiers.folder import folder_id, resolve_local_dir
 from spotckpt.tiers.node import NodeIdentity, node_identity
 from spotckpt.tiers.record import GroupRecord, ParityRecord, TierRecord
 from spotckpt.tiers.recovery import HeldStep, NodeReport, Scope, choose_step, merge_ranges
-from spotckpt.tiers.redundancy import Placement, parse_redundancy
+from spotckpt.tiers.redundancy import Placement
 
 from tests_support import corrupt_keeping_crc32c
 from tier_worker import finish, launch_nodes, node_folder, run_nodes

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -18,12 +19,18 @@ import torch
 from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import Catalog, manifest_key, step_folder
+from spotckpt.catalog import Catalog
+from spotckpt.distributed import Collective
 from spotckpt.errors import CheckpointError, NoCheckpointError
 from spotckpt.gc import collect_garbage
+from spotckpt.layout import TIER_RECORD_NAME, manifest_key, step_folder, tier_record_key
 from spotckpt.policy import RetentionPolicy, StepReading
+from spotckpt.redundancy import NO_REDUNDANCY
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.memory import _BUCKETS
+from spotckpt.tiers.fast_tier import FastTier
+from spotckpt.tiers.record import TierRecord
+from spotckpt.tiers.retention import TierReadings
 from spotckpt.verify import verify_checkpoint
 
 from tests_support import FailingStore, assert_equal
@@ -269,3 +276,129 @@ def test_a_copied_manifest_without_its_objects_takes_no_slot(tmp_path: Path, whe
     got, state = _restored(tmp_path)
     assert got == newest
     assert_equal(states[newest], state)
+
+
+# Retention, gc and the fast tier agree ------------------------------------------------------------
+
+HISTORIES = ("full", "referenced", "unreadable", "missing-object")
+"""Four saved steps each: full saves; incremental saves that reference step 1's attempt; the
+same with step 3's manifest damaged; the same with an object of step 2's own attempt deleted."""
+
+
+@pytest.fixture(scope="module")
+def histories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each history of `HISTORIES`, saved once into a folder of its own (copied by each case)."""
+    roots = {}
+    for history in HISTORIES:
+        root = tmp_path_factory.mktemp(history)
+        model = _model()
+        with _manager(root, incremental=history != "full") as mgr:
+            for step in range(1, 5):
+                _save(mgr, step, model)
+        if history == "unreadable":
+            _damage(root, 3)
+        if history == "missing-object":
+            own = Catalog(open_store(str(root))).read_manifest(2).attempt
+            next((root / step_folder(2) / f"a-{own}").rglob("*.safetensors")).unlink()
+        roots[history] = root
+    return roots
+
+
+def _objects(root: Path) -> set[str]:
+    """Every file under the step folders, relative to the root (tier records aside)."""
+    return {
+        str(p.relative_to(root))
+        for p in root.glob("step-*/**/*")
+        if p.is_file() and p.name != TIER_RECORD_NAME
+    }
+
+
+def _as_tier(root: Path) -> str:
+    """`root` made into a node's fast-tier folder of the same steps: a tier record for each, tied
+    to the root's job. Returns the job id."""
+    store = open_store(str(root))
+    job = Catalog(store).job()
+    assert job is not None
+    for step in Catalog(store).steps():
+        attempt = next(p.name for p in (root / step_folder(step)).iterdir() if p.name[:2] == "a-")
+        record = TierRecord(step, attempt.removeprefix("a-"), str(NO_REDUNDANCY), (), job.id)
+        store.put(tier_record_key(step), record.to_json())
+    return job.id
+
+
+def _pruned(
+    histories: dict[str, Path], tmp_path: Path, history: str, keep_last: int
+) -> dict[str, Path]:
+    """Copies of `history` after `Catalog.retire`, `collect_garbage` (safety age 0; also with
+    ``delete_unreadable``) and the fast tier's pruning, each with `keep_last`."""
+    copies = {}
+    for name in ("retire", "gc", "gc-unreadable", "tier"):
+        copies[name] = tmp_path / name
+        shutil.copytree(histories[history], copies[name])
+    Catalog(open_store(str(copies["retire"]))).retire(keep_last)
+    collect_garbage(open_store(str(copies["gc"])), keep_last=keep_last, safety_age_s=0)
+    collect_garbage(
+        open_store(str(copies["gc-unreadable"])),
+        keep_last=keep_last,
+        safety_age_s=0,
+        delete_unreadable=True,
+    )
+    job = _as_tier(copies["tier"])
+    tier = FastTier(
+        str(copies["tier"]),
+        redundancy=NO_REDUNDANCY,
+        keep_last=keep_last,
+        collective=Collective(60.0),
+    )
+    tier.prune(job)
+    return copies
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3])
+@pytest.mark.parametrize("history", HISTORIES)
+def test_retention_and_gc_agree_on_which_steps_and_objects_go(
+    histories: dict[str, Path], tmp_path: Path, history: str, keep_last: int
+) -> None:
+    """One rule (`spotckpt.policy.RetentionPolicy`): `Catalog.retire` and `collect_garbage`
+    keep the same steps of equivalent histories and delete the same objects; every readable
+    step they keep still verifies."""
+    copies = _pruned(histories, tmp_path, history, keep_last)
+    kept = {name: Catalog(open_store(str(root))).steps() for name, root in copies.items()}
+    assert kept["retire"] == kept["gc"], kept
+    assert _objects(copies["retire"]) == _objects(copies["gc"])
+    readings = Catalog(open_store(str(copies["retire"]))).read_steps()
+    for reading in readings:
+        if reading.readable:
+            assert verify_checkpoint(open_store(str(copies["retire"])), reading.step).ok
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3])
+@pytest.mark.parametrize("history", HISTORIES)
+def test_the_tier_keeps_the_steps_retention_keeps(
+    histories: dict[str, Path], tmp_path: Path, history: str, keep_last: int
+) -> None:
+    """The fast tier's pruning (a node that is the whole tier) keeps the same steps of an
+    equivalent history as ``gc --delete-unreadable``, and the readable steps `Catalog.retire`
+    keeps: an unreadable step takes no slot and, the tier being a cache, goes (the tier's steps
+    never reference others: a retired tier step's folder goes whole)."""
+    copies = _pruned(histories, tmp_path, history, keep_last)
+    kept = {name: Catalog(open_store(str(root))).steps() for name, root in copies.items()}
+    assert kept["tier"] == kept["gc-unreadable"], kept
+    readings = Catalog(open_store(str(copies["retire"]))).read_steps()
+    assert kept["tier"] == [r.step for r in readings if r.readable], kept
+
+
+def test_a_node_that_is_not_the_whole_tier_keeps_a_step_whose_objects_are_elsewhere(
+    histories: dict[str, Path], tmp_path: Path
+) -> None:
+    """A node holds only its part of a step saved over several nodes: an object it lacks makes
+    the step unreadable only where the node is the whole tier (a restore judges the union)."""
+    root = tmp_path / "tier"
+    shutil.copytree(histories["missing-object"], root)
+    job = _as_tier(root)
+    catalog = Catalog(open_store(str(root)))
+    whole = TierReadings(catalog, None, whole_here=True).read(job)
+    part = TierReadings(catalog, None, whole_here=False).read(job, below=4)
+    assert [r.step for r in whole if not r.readable] == [2]
+    assert [r.step for r in part] == [1, 2, 3] and all(r.readable for r in part)
+    assert TierReadings(catalog, None, whole_here=False).read("another-job") == []
