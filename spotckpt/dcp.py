@@ -15,7 +15,7 @@ import torch
 
 from spotckpt.catalog import Catalog
 from spotckpt.engine.reader import ObjectStoreReader
-from spotckpt.engine.writer import ObjectStoreWriter
+from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
 from spotckpt.storage import open_store
 from spotckpt.version import __version__
 
@@ -27,7 +27,7 @@ def dcp_writer(uri: str, step: int, **storage_options: Any) -> ObjectStoreWriter
     return ObjectStoreWriter(
         open_store(uri, **storage_options),
         step,
-        versions={"spotckpt": __version__, "torch": torch.__version__},
+        WriterOptions(versions={"spotckpt": __version__, "torch": torch.__version__}),
     )
 
 

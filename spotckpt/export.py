@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from spotckpt.catalog import Catalog, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.engine.chunks import ChunkReader, strong_hashes
 from spotckpt.errors import (
     InvalidArgumentError,
@@ -91,6 +91,7 @@ from spotckpt.format.safetensors_io import (
     tensor_bytes,
 )
 from spotckpt.format.signing import Keyring
+from spotckpt.layout import step_folder
 from spotckpt.redact import printable
 from spotckpt.storage.base import AlreadyExistsError, ObjectStore, check_key
 from spotckpt.storage.registry import open_store

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spotckpt.catalog import Catalog, manifest_key, referenced_folders, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.checksum import crc32c
 from spotckpt.digest import step_digest
 from spotckpt.engine.chunks import BlockCheck, ChunkReader, StoredBlockCheck, block_check, describe
@@ -37,6 +37,7 @@ from spotckpt.errors import (
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.references import object_path
 from spotckpt.format.signing import SIGNED, Keyring, key_id, new_hasher
+from spotckpt.layout import manifest_key, referenced_folders, step_folder
 from spotckpt.storage.base import ObjectInfo, ObjectStore
 from spotckpt.values import load_plain
 

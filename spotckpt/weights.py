@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spotckpt.catalog import Catalog, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.engine.chunks import ChunkReader, strong_hashes
 from spotckpt.errors import (
     InvalidArgumentError,
@@ -50,6 +50,7 @@ from spotckpt.format.dtypes import BY_NAME, DType
 from spotckpt.format.features import parse_format
 from spotckpt.format.index import INDEXED_FORMAT
 from spotckpt.format.manifest import FORMAT_VERSION, Manifest, TensorChunk, TensorRecord
+from spotckpt.layout import step_folder
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.registry import open_store
 

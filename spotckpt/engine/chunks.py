@@ -38,11 +38,12 @@ from dataclasses import dataclass
 from spotckpt.checksum import Buffer, chunk_hash, crc32c
 from spotckpt.errors import (
     ChecksumMismatchError,
+    CorruptBlockError,
     InvalidArgumentError,
     ObjectMissingError,
     ObjectSizeError,
 )
-from spotckpt.format.compression import CorruptBlockError, decode_block_into, plane_count
+from spotckpt.format.codecs import encoding_of
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.references import object_path
 from spotckpt.format.signing import SIGNED, new_hasher
@@ -117,15 +118,16 @@ class BlockCheck:
 
 
 class StoredBlockCheck:
-    """`BlockCheck` for a compressed chunk fed its stored bytes (as ``verify`` streams objects):
-    each stored block is compared with its stored CRC32C, decoded, and the decoded bytes with
-    the raw CRC32Cs. `finish` gives the first bad block, whichever check found it."""
+    """`BlockCheck` for an encoded chunk fed its stored bytes (as ``verify`` streams objects):
+    each stored block is compared with its stored CRC32C, decoded by the chunk's encoding
+    (`spotckpt.format.codecs`), and the decoded bytes with the raw CRC32Cs. `finish` gives the
+    first bad block, whichever check found it."""
 
     def __init__(self, location: ChunkLocation, block_size: int) -> None:
         self.location = location
         self.block_size = block_size
         self.raw = BlockCheck(location, block_size)
-        self.planes = plane_count(location.codec)
+        self.encoding = encoding_of(location.codec)
         self.block = 0
         self.pending = bytearray()
         self.bad: int | None = None
@@ -158,7 +160,8 @@ class StoredBlockCheck:
         intact = crc32c(self.pending) == self.location.stored_crc32c[number]
         if intact:
             try:
-                decode_block_into(memoryview(self.pending), memoryview(out), self.planes)
+                stored = memoryview(self.pending)
+                self.encoding.decode_block_into(stored, memoryview(out), self.location.codec)
             except CorruptBlockError:
                 intact = False
         if not intact and self.bad is None:
@@ -310,7 +313,7 @@ class ChunkReader:
         self, location: ChunkLocation, first_block: int, out: memoryview, names: Iterable[str]
     ) -> None:
         """The chunk's raw bytes from block `first_block` on into `out` (whole blocks, or up to
-        the chunk's end), decoded if it is compressed; not yet checked (`verify`)."""
+        the chunk's end), decoded if it is stored encoded; not yet checked (`verify`)."""
         if location.codec:
             self.read_decoded_into(location, first_block, out, names)
         else:
@@ -321,10 +324,10 @@ class ChunkReader:
     def read_decoded_into(
         self, location: ChunkLocation, first_block: int, out: memoryview, names: Iterable[str]
     ) -> None:
-        """Fill `out` with the raw bytes of a compressed chunk from block `first_block` on
+        """Fill `out` with the raw bytes of an encoded chunk from block `first_block` on
         (whole blocks, or up to the chunk's end): its stored blocks are read in one ranged read,
-        each checked against its stored CRC32C and decoded (`spotckpt.format.compression`). The
-        caller checks the raw bytes (`verify`) as for any chunk."""
+        each checked against its stored CRC32C and decoded (`decode_into`). The caller checks
+        the raw bytes (`verify`) as for any chunk."""
         names = list(names)
         end_block = first_block + -(-out.nbytes // self.block_size)
         start, end = location.stored_span(first_block, end_block, self.block_size)
@@ -340,13 +343,14 @@ class ChunkReader:
         out: memoryview,
         name: str,
     ) -> None:
-        """Decode blocks of a compressed chunk from block `first_block` on into `out` (whole
+        """Decode blocks of an encoded chunk from block `first_block` on into `out` (whole
         blocks, or up to the chunk's end), from `stored`: bytes of its object read from
-        `stored_start` on that hold them. Each stored block is checked against its stored
-        CRC32C before it is decoded; ChecksumMismatchError names the first bad one."""
+        `stored_start` on that hold them, by the chunk's encoding (`spotckpt.format.codecs`).
+        Each stored block is checked against its stored CRC32C before it is decoded;
+        ChecksumMismatchError names the first bad one."""
         end_block = first_block + -(-out.nbytes // self.block_size)
         at = location.stored_span(first_block, end_block, self.block_size)[0] - stored_start
-        planes = plane_count(location.codec)
+        encoding = encoding_of(location.codec)
         for number in range(first_block, end_block):
             length = location.stored_lengths[number]
             block = stored[at : at + length]
@@ -359,7 +363,8 @@ class ChunkReader:
                     "data is corrupt"
                 )
             try:
-                decode_block_into(block, out[raw_at : raw_at + self.block_size], planes)
+                piece = out[raw_at : raw_at + self.block_size]
+                encoding.decode_block_into(block, piece, location.codec)
             except CorruptBlockError as error:
                 raise ChecksumMismatchError(
                     f"{where} (block {number} of {name}) does not decode: {error}"

@@ -41,13 +41,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from spotckpt.engine.plan_check import tensor_errors
-from spotckpt.errors import CheckpointError
+from spotckpt.errors import PlanningError
 
 _TYPES = (WriteItemType.TENSOR, WriteItemType.SHARD, WriteItemType.BYTE_IO)
-
-
-class PlanningError(CheckpointError):
-    """The coordinator cannot make the global plan from what the ranks sent."""
 
 
 @dataclass(frozen=True)

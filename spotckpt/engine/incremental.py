@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from spotckpt.catalog import Catalog, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.checksum import chunk_hash, crc32c
 from spotckpt.errors import CheckpointError
 from spotckpt.format.manifest import (
@@ -40,6 +40,7 @@ from spotckpt.format.manifest import (
 )
 from spotckpt.format.references import FEATURE, is_reference, object_path
 from spotckpt.format.signing import SIGNED
+from spotckpt.layout import step_folder
 
 FULL_REWRITE_AFTER = 16
 """Incremental saves in a row (saves that referenced something) after which the next save

@@ -15,9 +15,10 @@ a chunk is then read whole, however little of it is wanted, and one read in plac
 hashed once its last piece landed, before it is committed. Smaller pieces (and those
 needing a strided copy or another device) are widened to CRC block boundaries, coalesced with
 their neighbours into one ranged read each, verified (`spotckpt.engine.chunks`), and copied out.
-A compressed chunk (`spotckpt.format.compression`) is read by its stored blocks, neighbours
-coalesced into one ranged read, and decoded in the reading thread, straight into its destination
-when that can take the bytes as they are; stored and raw CRC32Cs are both checked. Non-tensor
+A chunk stored encoded (compressed: `spotckpt.format.encodings`) is read by its stored blocks,
+neighbours coalesced into one ranged read, and decoded by its encoding in the reading thread
+(`spotckpt.engine.chunks`), straight into its destination when that can take the bytes as they
+are; stored and raw CRC32Cs are both checked. Non-tensor
 values are unpickled only with ``torch.load(weights_only=True)``, whatever planner is in use.
 """
 
@@ -46,13 +47,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from spotckpt.catalog import step_folder
 from spotckpt.engine.chunks import ChunkReader, strong_hashes
 from spotckpt.engine.packing import Run, small_runs
 from spotckpt.engine.shared_reads import SharedReads, exchange, plan_shared_reads
 from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import ChunkLocation, Manifest
+from spotckpt.layout import step_folder
 from spotckpt.storage.base import ObjectStore
 from spotckpt.values import load_plain
 
@@ -79,7 +80,7 @@ class _Need:
     contiguous: bool = False
     """Whether the wanted bytes are exactly the destination's memory (then copied as bytes)."""
     into: memoryview | None = None
-    """A piece of a compressed chunk decoded in place: its slice of the destination's memory."""
+    """A piece of an encoded chunk decoded in place: its slice of the destination's memory."""
 
 
 @dataclass
@@ -96,7 +97,7 @@ class _Fetch:
     needs: list[_Need]
     into: memoryview | None = None
     decode: bool = False
-    """A piece of one compressed chunk (one need): `start`..`end` are its stored bytes."""
+    """Pieces of encoded chunks (one need each): `start`..`end` are their stored bytes."""
 
 
 @dataclass
@@ -268,15 +269,15 @@ class ObjectStoreReader(StorageReader):
         the thread that read it, and tensors are committed here, in the calling thread."""
         fetches: list[_Fetch] = []
         buffered: list[_Need] = []
-        compressed: list[_Need] = []
+        encoded: list[_Need] = []
         landing: dict[int, _Landing] = {}  # by id() of the read item
         for need in (self._need(item) for item in plan.items):
             target = self._in_place_target(need, planner)
             if need.location.codec:
-                to_decode = self._compressed_pieces(need, target)
+                to_decode = self._encoded_pieces(need, target)
                 if target is not None:
                     landing[id(need.request)] = _Landing(target, need, len(to_decode))
-                compressed += to_decode
+                encoded += to_decode
                 continue
             if target is None:
                 buffered.append(need)
@@ -285,8 +286,8 @@ class ObjectStoreReader(StorageReader):
             landing[id(need.request)] = _Landing(target, need, len(pieces))
             fetches += pieces
         fetches += self._plan_fetches(buffered)
-        compressed.sort(key=lambda n: (n.location.key, n.location.offset, n.first_block))
-        fetches += self._compressed_fetches(compressed)
+        encoded.sort(key=lambda n: (n.location.key, n.location.offset, n.first_block))
+        fetches += self._encoded_fetches(encoded)
         fetches.sort(key=lambda fetch: (fetch.key, fetch.start))
         self._planned += sum(fetch.end - fetch.start for fetch in fetches)
         with ThreadPoolExecutor(
@@ -294,7 +295,7 @@ class ObjectStoreReader(StorageReader):
         ) as pool:
             self._check_objects(fetches, pool)
             pending: dict[PoolFuture[Any], _Fetch] = {
-                pool.submit(self._fetch_compressed if fetch.decode else self._fetch, fetch): fetch
+                pool.submit(self._fetch_decoded if fetch.decode else self._fetch, fetch): fetch
                 for fetch in fetches
             }
             try:
@@ -382,8 +383,8 @@ class ObjectStoreReader(StorageReader):
             fetches.append(_Fetch(need.location.key, offset + start, offset + end, [piece], into))
         return fetches
 
-    def _compressed_pieces(self, need: _Need, target: torch.Tensor | None) -> list[_Need]:
-        """A need in a compressed chunk as pieces to decode: straight into the destination's
+    def _encoded_pieces(self, need: _Need, target: torch.Tensor | None) -> list[_Need]:
+        """A need in an encoded chunk as pieces to decode: straight into the destination's
         memory when it can take the bytes as they are (`target`), in pieces of about
         `max_read_bytes` (decoded in parallel); else whole, into a buffer of its own."""
         if target is None:
@@ -398,10 +399,10 @@ class ObjectStoreReader(StorageReader):
             )
         return pieces
 
-    def _compressed_fetches(self, pieces: list[_Need]) -> list[_Fetch]:
-        """Pieces of compressed chunks as ranged reads of their stored blocks, neighbours in an
+    def _encoded_fetches(self, pieces: list[_Need]) -> list[_Fetch]:
+        """Pieces of encoded chunks as ranged reads of their stored blocks, neighbours in an
         object coalesced (as `_plan_fetches` does for raw bytes): a request of its own per
-        compressed tensor would cost a first-byte latency each."""
+        encoded tensor would cost a first-byte latency each."""
         block = self.chunks.block_size
         fetches: list[_Fetch] = []
         for piece in pieces:
@@ -485,7 +486,7 @@ class ObjectStoreReader(StorageReader):
             self.stats.requests += 1
         return view
 
-    def _fetch_compressed(self, fetch: _Fetch) -> list[memoryview]:
+    def _fetch_decoded(self, fetch: _Fetch) -> list[memoryview]:
         """Read one fetch of stored blocks and decode each need it serves (into its slice of
         the destination, or a buffer of its own), checking stored and raw CRC32Cs; runs in a
         reader thread."""

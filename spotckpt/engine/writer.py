@@ -10,9 +10,10 @@ of its own) -> ``finish`` (coordinator, after every rank succeeded: builds the m
 `spotckpt.engine.manifests`, and commits it through the catalog, which first checks that every
 object it references is there, then writes it create-only: the commit point).
 
-With `compression` (``"on"``, or ``"auto"`` when `spotckpt.format.compression.pays_off` says so
-for this rank's link), a rank writes its object without a safetensors header, its tensor chunks
-(and pack members) of a block or more compressed block by block (`spotckpt.format.compression`).
+Each rank's object goes through transforms chosen once for it (`spotckpt.engine.transforms`):
+its encoding (`WriterOptions.encodings`: raw safetensors, or, with compression, chunks of a block
+or more compressed block by block in an object without a header, `spotckpt.format.encodings`),
+the unchanged-chunk filter and the strong hasher; the manifest records each chunk's codec.
 
 A value (non-tensor state) is refused at save time unless it loads back with
 ``torch.load(weights_only=True)``.
@@ -32,8 +33,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,16 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotckpt.catalog import (
-    Catalog,
-    compressed_object_key,
-    index_part_key,
-    new_attempt_id,
-    rank_object_key,
-    step_folder,
-    step_key,
-)
-from spotckpt.checksum import chunk_hash
+from spotckpt.catalog import Catalog
 from spotckpt.digest import step_digest
 from spotckpt.engine.global_plan import PlanCache
 from spotckpt.engine.guards import (
@@ -72,38 +64,37 @@ from spotckpt.engine.manifests import (
 )
 from spotckpt.engine.packing import PackedMember, PackingSavePlanner, members_of
 from spotckpt.engine.planners import ScalingSavePlanner
+from spotckpt.engine.transforms import (
+    ChunkHashing,
+    EncodingChoice,
+    ObjectTransforms,
+    Unchanged,
+    UnchangedFilter,
+    resolved_bytes,
+)
 from spotckpt.errors import (
-    InvalidArgumentError,
     InvalidTypeError,
     SaveFailedError,
     UnsupportedValueError,
     ValueLoadError,
 )
-from spotckpt.format.compression import (
-    COMPRESS_THREADS,
-    COMPRESSION_MODES,
-    MIN_CHUNK_BYTES,
-    SAMPLE_BYTES,
-    CompressedRange,
-    CompressedStreamWriter,
-    LinkRate,
-    measure,
-    pays_off,
-)
-from spotckpt.format.compression import FEATURE as COMPRESSED
+from spotckpt.format.compression import Compression
 from spotckpt.format.dtypes import BY_NAME, dtype_of
+from spotckpt.format.encodings import FEATURE as ENCODED
+from spotckpt.format.encodings import Encoding, ObjectStream
 from spotckpt.format.features import format_string
 from spotckpt.format.index import INDEXED_FORMAT
 from spotckpt.format.manifest import FORMAT_VERSION, ChunkLocation, Manifest, ObjectRecord
-from spotckpt.format.safetensors_io import (
-    DEFAULT_BLOCK_SIZE,
-    SafetensorsStreamWriter,
-    StoredRange,
-    TensorSpec,
-    block_crcs,
-    tensor_bytes,
+from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, StoredRange, TensorSpec
+from spotckpt.format.signing import Keyring
+from spotckpt.layout import (
+    compressed_object_key,
+    index_part_key,
+    new_attempt_id,
+    rank_object_key,
+    step_folder,
+    step_key,
 )
-from spotckpt.format.signing import Keyring, new_hasher
 from spotckpt.storage.base import ObjectStore
 from spotckpt.values import load_plain
 
@@ -125,6 +116,23 @@ class RankAssignment:
     base: int | None = None
 
 
+@dataclass(frozen=True)
+class _Object:
+    """One rank's object to upload: its key, its items in order (and their header entries),
+    where their bytes come from, and what the unchanged-chunk filter made of them."""
+
+    key: str
+    items: list[WriteItem]
+    specs: list[TensorSpec]
+    planner: SavePlanner
+    values: dict[MetadataIndex, memoryview]
+    unchanged: Unchanged
+
+
+_Placed = tuple[MetadataIndex, ChunkLocation, PackedMember | None]
+"""Where one item (or member of a pack) lies."""
+
+
 def _item_name(item: WriteItem) -> str:
     if item.type == WriteItemType.BYTE_IO:
         return VALUE_PREFIX + item.index.fqn
@@ -134,69 +142,72 @@ def _item_name(item: WriteItem) -> str:
     return item.index.fqn
 
 
+@dataclass(frozen=True)
+class WriterOptions:
+    """How `ObjectStoreWriter` writes a step, besides its store and step number.
+
+    `attempt` is the attempt id the coordinator uses instead of drawing one, given by a caller
+    that must know it without hearing back from a child process (to discard the attempt after a
+    failure). `incremental` references unchanged chunks of the newest committed step of job
+    `job` (the root's `spotckpt.catalog.JobIdentity` id; without it every chunk is written, with
+    hashes). `encodings` picks each object's encoding (`spotckpt.engine.transforms`; by default
+    `spotckpt.format.compression.Compression` ``"off"``: raw). `index_parts` forces (or, False,
+    prevents) index parts; None: from `INDEX_MIN_RANKS` ranks on.
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prefix_spread: bool = False
+    user_metadata: dict[str, Any] | None = None
+    versions: dict[str, str] | None = None
+    on_written: Callable[[], None] | None = None
+    index_parts: bool | None = None
+    attempt: str | None = None
+    incremental: bool = False
+    guard: Guard | None = None
+    keyring: Keyring | None = None
+    job: str | None = None
+    encodings: EncodingChoice = field(default_factory=Compression)
+
+
 class ObjectStoreWriter(StorageWriter):
-    """Writes one checkpoint step into `store` through DCP; see the module docstring.
+    """Writes one checkpoint step into `store` through DCP, as `options` say; see the module
+    docstring.
 
     It pickles with its store, which rebuilds itself where it is unpickled (DCP's process-mode
     async save runs the writer in a child process; the caller's copy then keeps ``manifest`` at
-    None and ``attempt`` at what it was given: read the outcome back from the store). `attempt`
-    is the attempt id the coordinator uses instead of drawing one, given by a caller that must
-    know it without hearing back from that child (to discard the attempt after a failure).
-    `incremental` references unchanged chunks of the newest committed step of job `job` (the
-    root's `spotckpt.catalog.JobIdentity` id; without it every chunk is written, with hashes).
+    None and ``attempt`` at what it was given: read the outcome back from the store).
     """
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        step: int,
-        *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        prefix_spread: bool = False,
-        user_metadata: dict[str, Any] | None = None,
-        versions: dict[str, str] | None = None,
-        on_written: Callable[[], None] | None = None,
-        index_parts: bool | None = None,
-        attempt: str | None = None,
-        incremental: bool = False,
-        guard: Guard | None = None,
-        keyring: Keyring | None = None,
-        job: str | None = None,
-        compression: str = "off",
-        link: LinkRate | None = None,
-    ) -> None:
+    def __init__(self, store: ObjectStore, step: int, options: WriterOptions | None = None) -> None:
         super().__init__()
-        if compression not in COMPRESSION_MODES:
-            raise InvalidArgumentError(
-                f"compression must be one of {COMPRESSION_MODES}, got {compression!r}"
-            )
-        self.compression = compression
-        self.link = link if link is not None else LinkRate()
-        self.incremental = incremental
-        self.base: Base | None = None
-        self.guard = guard
+        options = options if options is not None else WriterOptions()
+        keyring = options.keyring
         self.keyring = keyring if keyring is not None and keyring.signer is not None else None
-        if self.keyring is not None and job is None:
+        if self.keyring is not None and options.job is None:
             raise SaveFailedError(
                 f"save of step {step} refused: a signing key is configured, but the root has no "
                 "readable job identity (job.json) to sign the manifest for"
             )
-        self.job = job
-        self.index_parts = index_parts
+        self.encodings = options.encodings
+        self.incremental = options.incremental
+        self.base: Base | None = None
+        self.guard = options.guard
+        self.job = options.job
+        self.index_parts = options.index_parts
         self.store = store
         self.catalog = Catalog(store, keyring)  # a base is read under the job's keyring
         self.step = step
-        self.block_size = block_size
-        self.prefix_spread = prefix_spread
-        self.user_metadata = dict(user_metadata or {})
-        self.versions = dict(versions or {})
-        self.on_written = on_written
+        self.block_size = options.block_size
+        self.prefix_spread = options.prefix_spread
+        self.user_metadata = dict(options.user_metadata or {})
+        self.versions = dict(options.versions or {})
+        self.on_written = options.on_written
         self.is_coordinator = False
         self.rank = 0
-        self.planned_attempt = attempt
-        self.attempt: str | None = attempt
+        self.planned_attempt = options.attempt
+        self.attempt: str | None = options.attempt
         self.manifest: Manifest | None = None
-        self._stream: SafetensorsStreamWriter | CompressedStreamWriter | None = None
+        self._stream: ObjectStream | None = None
         self.digest: str | None = None
         """The committed step's digest (`spotckpt.digest`), for its save event."""
 
@@ -268,14 +279,9 @@ class ObjectStoreWriter(StorageWriter):
                 "ObjectStoreWriter.write_data needs a plan from prepare_global_plan"
             )
         self.attempt = assignment.attempt
-        hashing = self.incremental and not assignment.indexed
-        signing = self.keyring is not None
-        self.base = (
-            load_base(self.catalog, assignment.base, self.job, signing=signing) if hashing else None
-        )
-        compressing = self.compression != "off" and not assignment.indexed
+        transforms = self._transforms(assignment)
         results = (
-            self._write_object(plan.items, planner, assignment.key, hashing, compressing)
+            self._write_object(plan.items, planner, assignment.key, transforms)
             if plan.items
             else []
         )
@@ -286,214 +292,109 @@ class ObjectStoreWriter(StorageWriter):
         future.set_result(results)
         return future
 
+    def _transforms(self, assignment: RankAssignment) -> ObjectTransforms:
+        """This rank's object's transforms (`spotckpt.engine.transforms`): an incremental save
+        (one-document manifests only) compares with its base; an indexed one stores raw."""
+        hashing = self.incremental and not assignment.indexed
+        signing = self.keyring is not None
+        self.base = (
+            load_base(self.catalog, assignment.base, self.job, signing=signing) if hashing else None
+        )
+        return ObjectTransforms(
+            self.encodings,
+            None if self.base is None else UnchangedFilter(self.base),
+            ChunkHashing(signing=signing, chunks=hashing),
+            encodable=not assignment.indexed,
+        )
+
     def _write_object(
         self,
         items: list[WriteItem],
         planner: SavePlanner,
         key: str,
-        hashing: bool,
-        compressing: bool,
+        transforms: ObjectTransforms,
     ) -> list[WriteResult]:
         values = {
             item.index: _value_bytes(planner.resolve_data(item), item.index.fqn)
             for item in items
             if item.type == WriteItemType.BYTE_IO
         }
-        tensors: dict[MetadataIndex, memoryview] = {}
-        digests: dict[MetadataIndex, tuple[str, ...]] = {}
-        reused: list[WriteResult] = []
-        skipped: set[MetadataIndex] = set()
-        if self.base is not None:  # compare every chunk first: what is unchanged never uploads
-            for item in items:
-                if item.type != WriteItemType.BYTE_IO:
-                    data = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
-                    found = self._unchanged(item, planner, data, digests)
-                    if found is None:
-                        tensors[item.index] = data
-                    else:
-                        reused += found
-                        skipped.add(item.index)
+        unchanged = transforms.split(items, planner)
         ordered = sorted(
-            (item for item in items if item.index not in skipped),
+            (item for item in items if item.index not in unchanged.skipped),
             key=lambda i: i.type != WriteItemType.BYTE_IO,
         )
         if not ordered:
-            return reused
+            return unchanged.reused
         specs = [self._spec(item, values) for item in ordered]
-        if compressing:
-            compressing = self._compresses(ordered, specs, planner, values, tensors)
-        if compressing:
+        samples = _samples(ordered, specs, planner, values, unchanged.resolved)
+        encoding = transforms.encoding(samples, self.block_size)
+        if not encoding.plain:
             key = compressed_object_key(key)
-        metadata = {"format": "pt", "spotckpt.step": str(self.step)}
-        writer = self.store.open_writer(step_key(self.step, key))
-        placed: list[tuple[MetadataIndex, ChunkLocation, PackedMember | None]] = []
-        signing = self.keyring is not None  # every chunk's BLAKE3 too: reads check them
-        hasher = new_hasher() if signing else None
-        started = time.monotonic()
-        with writer:
-            stream: SafetensorsStreamWriter | CompressedStreamWriter
-            if compressing:
-                total = sum(spec.nbytes for spec in specs)
-                stream = CompressedStreamWriter(writer, self.block_size, hasher, total=total)
-            else:
-                stream = SafetensorsStreamWriter(writer, specs, metadata, self.block_size, hasher)
-            self._stream = stream
-            try:
-                for item, spec in zip(ordered, specs, strict=True):
-                    data = self._bytes_of(item, planner, values, tensors)
-                    members = members_of(planner, item.index.fqn)
-                    pieces: list[StoredRange | CompressedRange]
-                    if isinstance(stream, CompressedStreamWriter):
-                        pieces = list(_write_compressing(stream, item, spec, data, members))
-                    else:
-                        pieces = [stream.write_tensor(spec.name, data)]
-                    # While the object's last parts upload: where each item (or member) lies.
-                    hashes = digests.get(item.index, ())
-                    if not hashes and (signing or (hashing and item.index not in values)):
-                        hashes = _hashes(data, members)
-                    if members is None:
-                        location = _location(key, pieces[0], hashes[0] if hashes else "")
-                        placed.append((item.index, location, None))
-                    elif isinstance(stream, CompressedStreamWriter):  # members stored one by one
-                        for number, (member, piece) in enumerate(zip(members, pieces, strict=True)):
-                            digest = hashes[number] if hashes else ""
-                            index = MetadataIndex(member.fqn, torch.Size([0] * len(member.shape)))
-                            placed.append((index, _location(key, piece, digest), member))
-                    else:
-                        placed += self._member_locations(members, pieces[0], data, key, hashes)
-                size, crc = stream.finish()
-            finally:
-                if isinstance(stream, CompressedStreamWriter):
-                    stream.close()
-        if not compressing:  # a compressed upload's time says more of the codec than the link
-            self.link.observe(size, time.monotonic() - started)
-        strong = hasher.hexdigest() if hasher is not None else None
-        record = ObjectRecord(key=key, size=size, crc32c=crc, rank=self.rank, blake3=strong)
-        return reused + [
+        written = _Object(key, ordered, specs, planner, values, unchanged)
+        placed, record = self._upload(written, encoding, transforms)
+        return unchanged.reused + [
             WriteResult(index, location.length, WrittenItem(location, record, member))
             for index, location, member in placed
         ]
 
-    def _compresses(
-        self,
-        ordered: list[WriteItem],
-        specs: list[TensorSpec],
-        planner: SavePlanner,
-        values: dict[MetadataIndex, memoryview],
-        resolved: dict[MetadataIndex, memoryview],
-    ) -> bool:
-        """Whether this rank's object holds compressed chunks: always with ``"on"``; with
-        ``"auto"`` when a sample of its tensors says that compressing makes the save faster on
-        the link its earlier saves measured (`spotckpt.format.compression.pays_off`)."""
-        if self.compression == "on":
-            return True
-        if self.link.rate is None:
-            return False
-        samples: list[tuple[memoryview, int]] = []
-        for item, spec in zip(ordered, specs, strict=True):
-            if item.index in values:
-                continue
-            data = resolved.get(item.index)
-            if data is None:
-                data = resolved[item.index] = tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
-            members = members_of(planner, item.index.fqn)
-            if members is None:
-                samples.append((data, spec.dtype.itemsize))
-            else:
-                samples += [
-                    (data[m.offset : m.offset + m.nbytes], BY_NAME[m.dtype].itemsize)
-                    for m in members
-                ]
-            samples = [(data, size) for data, size in samples if data.nbytes >= MIN_CHUNK_BYTES]
-            if sum(data.nbytes for data, _ in samples) >= SAMPLE_BYTES:
-                break
-        if not samples:
-            return False
-        ratio, rate = measure(samples, self.block_size, COMPRESS_THREADS)
-        return pays_off(ratio, rate, self.link.rate)
+    def _upload(
+        self, written: _Object, encoding: Encoding, transforms: ObjectTransforms
+    ) -> tuple[list[_Placed], ObjectRecord]:
+        """Stream the object's items through `encoding`; where each item (or member) lies, and
+        the object's record."""
+        metadata = {"format": "pt", "spotckpt.step": str(self.step)}
+        writer = self.store.open_writer(step_key(self.step, written.key))
+        hasher = transforms.hashing.object_hasher()
+        placed: list[_Placed] = []
+        started = time.monotonic()
+        with writer:
+            stream = encoding.open(writer, written.specs, metadata, self.block_size, hasher)
+            self._stream = stream
+            try:
+                for item, spec in zip(written.items, written.specs, strict=True):
+                    placed += self._place(stream, written, item, spec, transforms.hashing)
+                size, crc = stream.finish()
+            finally:
+                stream.close()
+        transforms.uploaded(encoding, size, time.monotonic() - started)
+        strong = hasher.hexdigest() if hasher is not None else None
+        record = ObjectRecord(key=written.key, size=size, crc32c=crc, rank=self.rank, blake3=strong)
+        return placed, record
 
     @staticmethod
-    def _bytes_of(
+    def _place(
+        stream: ObjectStream,
+        written: _Object,
         item: WriteItem,
-        planner: SavePlanner,
-        values: dict[MetadataIndex, memoryview],
-        hashed: dict[MetadataIndex, memoryview],
-    ) -> memoryview:
-        """An item's bytes: a value's, a hashed tensor's (resolved once), else resolved now."""
-        if item.index in values:
-            return values[item.index]
-        if item.index in hashed:
-            return hashed.pop(item.index)
-        return tensor_bytes(_cpu_tensor(planner.resolve_data(item)))
-
-    def _unchanged(
-        self,
-        item: WriteItem,
-        planner: SavePlanner,
-        data: memoryview,
-        digests: dict[MetadataIndex, tuple[str, ...]],
-    ) -> list[WriteResult] | None:
-        """The results that reference the base step's bytes instead of a tensor item (every
-        member of a pack) when all of them are unchanged there, else None; the hashes computed
-        on the way go into `digests` (the others are computed while the item uploads)."""
-        base = self.base
-        if base is None:
-            return None
-        members = members_of(planner, item.index.fqn)
+        spec: TensorSpec,
+        hashing: ChunkHashing,
+    ) -> list[_Placed]:
+        """Store one item (a value, a tensor chunk or a pack of small tensors); where it (each
+        member of a pack) lies, with the hashes the save keeps."""
+        value = item.index in written.values
+        data = _bytes_of(item, written.planner, written.values, written.unchanged.resolved)
+        members = members_of(written.planner, item.index.fqn)
+        pieces: list[StoredRange]
+        if value:
+            pieces = [stream.write_value(spec.name, data)]
+        elif members is None:
+            pieces = [stream.write_chunk(spec.name, data, spec.dtype.itemsize)]
+        else:
+            parts = [(m.offset, m.nbytes, BY_NAME[m.dtype].itemsize) for m in members]
+            pieces = stream.write_members(spec.name, data, parts)
+        # While the object's last parts upload: where each item (or member) lies.
+        hashes = written.unchanged.digests.get(item.index, ()) or hashing.of(data, members, value)
         if members is None:
-            tensor = item.tensor_data
-            if tensor is None:
-                raise InvalidTypeError(f"write item {item.index.fqn!r} has no tensor data")
-            stored, digest = base.find(
-                (item.index.fqn, tuple(tensor.chunk.offsets)),
-                dtype_of(tensor.properties.dtype).name,
-                tuple(tensor.size),
-                tuple(tensor.chunk.sizes),
-                data,
+            return [(item.index, _location(written.key, pieces[0], hashes), None)]
+        return [
+            (
+                MetadataIndex(member.fqn, torch.Size([0] * len(member.shape))),
+                _location(written.key, piece, hashes[number : number + 1]),
+                member,
             )
-            if digest:
-                digests[item.index] = (digest,)
-            if stored is None:
-                return None
-            written = WrittenItem(stored.location, stored.record)
-            return [WriteResult(item.index, stored.location.length, written)]
-        found = []
-        for member in members:
-            zeros = (0,) * len(member.shape)
-            piece = data[member.offset : member.offset + member.nbytes]
-            stored, _digest = base.find(
-                (member.fqn, zeros), member.dtype, member.shape, member.shape, piece
-            )
-            if stored is None:
-                return None
-            index = MetadataIndex(member.fqn, torch.Size(zeros))
-            written = WrittenItem(stored.location, stored.record, member)
-            found.append(WriteResult(index, stored.location.length, written))
-        return found
-
-    def _member_locations(
-        self,
-        members: tuple[PackedMember, ...],
-        stored: StoredRange | CompressedRange,
-        data: memoryview,
-        key: str,
-        hashes: tuple[str, ...],
-    ) -> list[tuple[MetadataIndex, ChunkLocation, PackedMember]]:
-        """Where each member of a pack lies in object `key`, with its own block CRC32Cs (and
-        hashes, when the save hashed them), as if it had been written alone."""
-        located = []
-        for number, member in enumerate(members):
-            piece = data[member.offset : member.offset + member.nbytes]
-            location = ChunkLocation(
-                key=key,
-                offset=stored.offset + member.offset,
-                length=member.nbytes,
-                block_crc32c=block_crcs(piece, self.block_size),
-                blake3=hashes[number] if hashes else "",
-            )
-            index = MetadataIndex(member.fqn, torch.Size([0] * len(member.shape)))
-            located.append((index, location, member))
-        return located
+            for number, (member, piece) in enumerate(zip(members, pieces, strict=True))
+        ]
 
     def _write_index_part(self, results: list[WriteResult], items: list[WriteItem]) -> WriteResult:
         """Store this rank's index part (indexed saves) and return its `RankSummary` result."""
@@ -533,7 +434,7 @@ class ObjectStoreWriter(StorageWriter):
             manifest.incremental = record_of(manifest, self.job or "", self.base)
             features |= features_of(manifest)
         if any(location.codec for location in manifest.locations()):
-            features.add(COMPRESSED)
+            features.add(ENCODED)
         manifest.format = format_string(FORMAT_VERSION, features)
         if self.keyring is not None and (missing := unhashed(manifest)):
             raise SaveFailedError(
@@ -569,52 +470,53 @@ class ObjectStoreWriter(StorageWriter):
         return False
 
 
-def _write_compressing(
-    stream: CompressedStreamWriter,
-    item: WriteItem,
-    spec: TensorSpec,
-    data: memoryview,
-    members: tuple[PackedMember, ...] | None,
-) -> list[CompressedRange]:
-    """Store one item in a compressing rank's object: a value raw; a tensor chunk of a block or
-    more compressed; a pack member by member (each compressed or raw by its own size and
-    dtype), so that every member keeps a location of its own."""
-    if item.type == WriteItemType.BYTE_IO:
-        return [stream.write_tensor(spec.name, data)]
-    if members is None:
-        return [_write_piece(stream, data, spec.dtype.itemsize)]
-    return [
-        _write_piece(stream, data[m.offset : m.offset + m.nbytes], BY_NAME[m.dtype].itemsize)
-        for m in members
-    ]
-
-
-def _write_piece(
-    stream: CompressedStreamWriter, data: memoryview, itemsize: int
-) -> CompressedRange:
-    if data.nbytes >= MIN_CHUNK_BYTES:
-        return stream.write_compressed(data, itemsize)
-    return stream.write_tensor("", data)
-
-
-def _location(key: str, stored: StoredRange | CompressedRange, digest: str) -> ChunkLocation:
-    """The manifest location of bytes stored at `stored` in object `key`."""
-    codec = stored.codec_fields() if isinstance(stored, CompressedRange) else {}
+def _location(key: str, stored: StoredRange, hashes: tuple[str, ...]) -> ChunkLocation:
+    """The manifest location of bytes stored at `stored` in object `key`, with their hash."""
     return ChunkLocation(
         key=key,
         offset=stored.offset,
         length=stored.length,
         block_crc32c=stored.block_crc32c,
-        blake3=digest,
-        **codec,
+        blake3=hashes[0] if hashes else "",
+        **stored.codec_fields(),
     )
 
 
-def _hashes(data: memoryview, members: tuple[PackedMember, ...] | None) -> tuple[str, ...]:
-    """The hash of an item's bytes, or of each member's of a pack."""
-    if members is None:
-        return (chunk_hash(data),)
-    return tuple(chunk_hash(data[m.offset : m.offset + m.nbytes]) for m in members)
+def _bytes_of(
+    item: WriteItem,
+    planner: SavePlanner,
+    values: dict[MetadataIndex, memoryview],
+    resolved: dict[MetadataIndex, memoryview],
+) -> memoryview:
+    """An item's bytes: a value's, a tensor's resolved earlier (once), else resolved now."""
+    if item.index in values:
+        return values[item.index]
+    if item.index in resolved:
+        return resolved.pop(item.index)
+    return resolved_bytes(planner, item)
+
+
+def _samples(
+    items: list[WriteItem],
+    specs: list[TensorSpec],
+    planner: SavePlanner,
+    values: dict[MetadataIndex, memoryview],
+    resolved: dict[MetadataIndex, memoryview],
+) -> Iterator[tuple[memoryview, int]]:
+    """The object's tensor bytes (each member of a pack on its own) with their element sizes,
+    resolved as they are asked for, and kept in `resolved` for the upload."""
+    for item, spec in zip(items, specs, strict=True):
+        if item.index in values:
+            continue
+        data = resolved.get(item.index)
+        if data is None:
+            data = resolved[item.index] = resolved_bytes(planner, item)
+        members = members_of(planner, item.index.fqn)
+        if members is None:
+            yield data, spec.dtype.itemsize
+        else:
+            for m in members:
+                yield data[m.offset : m.offset + m.nbytes], BY_NAME[m.dtype].itemsize
 
 
 def _value_bytes(data: Any, fqn: str) -> memoryview:
@@ -629,9 +531,3 @@ def _value_bytes(data: Any, fqn: str) -> memoryview:
             f"value {fqn!r} would not restore, so the save is refused: {error}"
         ) from None
     return view
-
-
-def _cpu_tensor(data: Any) -> torch.Tensor:
-    if not isinstance(data, torch.Tensor):
-        raise InvalidTypeError(f"DCP resolved a tensor item to {type(data).__name__}")
-    return data.detach().cpu() if data.device.type != "cpu" else data.detach()

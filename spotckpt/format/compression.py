@@ -7,12 +7,9 @@ compressed on its own (Zstandard, level 1) and kept raw where that does not pay.
 weights this gives about 1.45x, on AdamW's fp32 moments 1.15-1.25x (``benchmarks/
 compression_bench.py``); zstd on the bytes as they are gives 1.3x and 1.07x.
 
-Each ``block_size`` block of a chunk (the unit of its CRC32Cs) is compressed alone, so a reader
-that wants part of a chunk (resharding, lazy reads) still fetches and decodes only the blocks
-that hold it. A compressed chunk's location says which codec wrote it (``zstd-planes-K``, K the
-element size), the stored length of every block and a CRC32C of each block's stored bytes, next
-to the CRC32Cs of its raw bytes: a restore checks the stored bytes before decoding them and the
-decoded bytes after (`spotckpt.engine.chunks`).
+A compressed chunk's location says which codec wrote it (``zstd-planes-K``, K the element
+size); it is stored block by block as every `spotckpt.format.encodings.BlockEncoding` chunk is
+(`ZSTD_PLANES`, registered in `spotckpt.format.codecs`).
 
 A stored block is either the raw block, when compression would not make it shorter (the stored
 length then equals the raw length), or: K little-endian uint32 plane lengths, then each plane
@@ -28,32 +25,30 @@ the declared window); a frame without a declared size is decoded into at most th
 length. Whatever does not decode is a `CorruptBlockError`, which readers report as corrupt data
 (a `ChecksumMismatchError`), as they do a CRC32C mismatch.
 
-Objects that hold compressed chunks have no safetensors header (the header must come first and
-give every tensor's stored size, unknown until compressed): the manifest is their only index.
-Steps that use them name the ``compressed`` manifest feature (`spotckpt.format.features`), which
-an older spotckpt refuses instead of reading wrong bytes.
+This module also owns the `compression` setting: its values (`COMPRESSION_MODES`, read by
+`parse_compression_mode`) and `Compression`, which picks each object's encoding from it, with
+what ``"auto"`` decides from (the upload rate that earlier raw saves measured).
 """
 
 from __future__ import annotations
 
-import os
 import struct
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
 
 import numpy as np
 import zstandard
 
-from spotckpt.checksum import crc32c
-from spotckpt.errors import ChecksumMismatchError, InvalidArgumentError
-from spotckpt.storage.base import ObjectWriter
-
-FEATURE = "compressed"
-"""The manifest feature (`spotckpt.format.features`) of a step holding compressed chunks."""
+from spotckpt.errors import CorruptBlockError, InvalidArgumentError
+from spotckpt.format.encodings import (
+    ENCODE_THREADS,
+    RAW,
+    BlockEncoder,
+    BlockEncoding,
+    Encoding,
+    encode_window,
+)
 
 CODECS: dict[str, int] = {f"zstd-planes-{size}": size for size in (1, 2, 4, 8)}
 """Every codec this spotckpt reads, by name, with its plane count (the element size)."""
@@ -61,36 +56,27 @@ CODECS: dict[str, int] = {f"zstd-planes-{size}": size for size in (1, 2, 4, 8)}
 LEVEL = 1
 """Zstandard level: higher levels gain about 1 % here at a third of the speed."""
 
-COMPRESSION_MODES = ("auto", "on", "off")
+CompressionMode = Literal["auto", "on", "off"]
+"""The `compression` setting's type (`spotckpt.config.Settings` is annotated with it)."""
+COMPRESSION_MODES: tuple[str, ...] = get_args(CompressionMode)
 """The values of the `compression` setting."""
-
-COMPRESS_THREADS = min(4, os.cpu_count() or 1)
-"""Threads that compress one rank's chunks."""
 
 MIN_CHUNK_BYTES = 64 << 10
 """Chunks smaller than this (one CRC block) are stored raw: too little to gain."""
 
-_WINDOW = 4 << 20
-"""Bytes of a chunk handed to one compressing thread at a time."""
 
-
-class CorruptBlockError(ChecksumMismatchError):
-    """A stored block that does not decode to its raw length (only after its stored CRC32C
-    matched: a forged manifest, or a bug); readers report it with the object and tensor."""
+def parse_compression_mode(value: object) -> str:
+    """`value` as a `compression` setting; InvalidArgumentError unless it is one of
+    `COMPRESSION_MODES`."""
+    if value not in COMPRESSION_MODES:
+        raise InvalidArgumentError(f"compression must be one of {COMPRESSION_MODES}, got {value!r}")
+    return str(value)
 
 
 def codec_for(itemsize: int) -> str:
     """The codec for elements of `itemsize` bytes (anything else: one plane)."""
     name = f"zstd-planes-{itemsize}"
     return name if name in CODECS else "zstd-planes-1"
-
-
-def plane_count(codec: str) -> int:
-    """The number of byte planes of `codec`; InvalidArgumentError for an unknown one."""
-    planes = CODECS.get(codec)
-    if planes is None:
-        raise InvalidArgumentError(f"unknown chunk codec {codec[:40]!r}; known: {sorted(CODECS)}")
-    return planes
 
 
 def encode_block(block: memoryview, planes: int, compressor: Any) -> bytes:
@@ -197,152 +183,49 @@ def _join(planes: list[np.ndarray[Any, Any]], out: np.ndarray[Any, Any]) -> None
         words |= plane.astype(word) << (8 * k)
 
 
-@dataclass(frozen=True)
-class CompressedRange:
-    """Where a chunk's stored bytes lie in its object, and what a reader needs to check and
-    decode them."""
+class ZstdPlanes(BlockEncoding):
+    """Each block's byte planes compressed on their own (see the module docstring)."""
 
-    offset: int
-    length: int
-    block_crc32c: tuple[int, ...]
-    codec: str = ""
-    stored_lengths: tuple[int, ...] = ()
-    stored_crc32c: tuple[int, ...] = ()
+    name = "zstd-planes"
+    codecs = frozenset(CODECS)
+    min_bytes = MIN_CHUNK_BYTES
 
-    def codec_fields(self) -> dict[str, Any]:
-        """The `ChunkLocation` fields that say how a compressed chunk is stored (none: raw)."""
-        if not self.codec:
-            return {}
-        return {
-            "codec": self.codec,
-            "stored_lengths": self.stored_lengths,
-            "stored_crc32c": self.stored_crc32c,
-        }
+    def codec_for(self, itemsize: int) -> str:
+        return codec_for(itemsize)
 
-
-_Encoded = list[tuple[bytes, int, int]]
-"""A window's blocks: stored bytes, CRC32C of the raw block, CRC32C of the stored bytes."""
-
-
-def _encode_window(window: memoryview, block_size: int, planes: int) -> _Encoded:
-    compressor = zstandard.ZstdCompressor(
-        level=LEVEL, write_content_size=False, write_checksum=False
-    )
-    encoded = []
-    for start in range(0, window.nbytes, block_size):
-        block = window[start : start + block_size]
-        stored = encode_block(block, planes, compressor)
-        encoded.append((stored, crc32c(block), crc32c(stored)))
-    return encoded
-
-
-class CompressedStreamWriter:
-    """Streams one object of stored chunks, compressed or raw, with no header: the manifest is
-    its index. Compression runs on a few threads (Zstandard releases the GIL), a bounded number
-    of windows ahead of the upload, in order."""
-
-    def __init__(
-        self,
-        writer: ObjectWriter,
-        block_size: int,
-        hasher: Any = None,
-        threads: int | None = None,
-        total: int = 0,
-    ) -> None:
-        """`hasher` (anything with ``update``) sees every stored byte; `total` is the raw size
-        of everything to be written (progress only)."""
-        self._writer = writer
-        self._block_size = block_size
-        self._hasher = hasher
-        self._position = 0
-        self._crc = 0
-        self._threads = threads or COMPRESS_THREADS
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="spotckpt-compress")
-        self.total = total
-        self.written = 0  # raw bytes handled so far (`spotckpt.progress`)
-
-    def _emit(self, data: bytes | memoryview) -> None:
-        self._crc = crc32c(data, self._crc)
-        if self._hasher is not None:
-            self._hasher.update(data)
-        self._writer.write(data)
-        self._position += len(data)
-
-    def write_tensor(self, name: str, data: memoryview) -> CompressedRange:
-        """Store bytes as they are (values, packs, small chunks: `name` is not stored), with
-        their block CRC32Cs, as `spotckpt.format.safetensors_io.SafetensorsStreamWriter` does."""
-        offset = self._position
-        self._emit(data)
-        self.written += data.nbytes
-        crcs = tuple(
-            crc32c(data[start : start + self._block_size])
-            for start in range(0, data.nbytes, self._block_size)
-        )
-        return CompressedRange(offset, data.nbytes, crcs or (0,))
-
-    def write_compressed(self, data: memoryview, itemsize: int) -> CompressedRange:
-        """Store a chunk block by block through its codec; returns where and how it lies."""
-        codec = codec_for(itemsize)
+    def block_encoder(self, codec: str) -> BlockEncoder:
         planes = CODECS[codec]
-        offset = self._position
-        raw_crcs: list[int] = []
-        lengths: list[int] = []
-        crcs: list[int] = []
-        for raw_bytes, blocks in self._encoded(data, planes):
-            for stored, raw_crc, stored_crc in blocks:
-                raw_crcs.append(raw_crc)
-                lengths.append(len(stored))
-                crcs.append(stored_crc)
-                self._emit(stored)
-            self.written += raw_bytes
-        if not data.nbytes:
-            raw_crcs, lengths, crcs = [0], [0], [0]
-        return CompressedRange(
-            offset, data.nbytes, tuple(raw_crcs), codec, tuple(lengths), tuple(crcs)
+        compressor = zstandard.ZstdCompressor(
+            level=LEVEL, write_content_size=False, write_checksum=False
         )
+        return lambda block: encode_block(block, planes, compressor)
 
-    def _encoded(self, data: memoryview, planes: int) -> Iterator[tuple[int, _Encoded]]:
-        """Each window's raw size and encoded blocks, in order, with at most two windows per
-        thread in flight (bounded memory)."""
-        window = _WINDOW - _WINDOW % self._block_size or self._block_size
-        pending: deque[tuple[int, Future[_Encoded]]] = deque()
-        for start in range(0, data.nbytes, window):
-            piece = data[start : start + window]
-            encoding = self._pool.submit(_encode_window, piece, self._block_size, planes)
-            pending.append((piece.nbytes, encoding))
-            if len(pending) >= 2 * self._threads:
-                size, done = pending.popleft()
-                yield size, done.result()
-        while pending:
-            size, done = pending.popleft()
-            yield size, done.result()
+    def decode_block_into(self, stored: memoryview, out: memoryview, codec: str) -> None:
+        decode_block_into(stored, out, CODECS[codec])
 
-    def finish(self) -> tuple[int, int]:
-        """The object's size and CRC32C, once everything is written."""
-        self._pool.shutdown()
-        return self._position, self._crc
 
-    def close(self) -> None:
-        """Stop the compressing threads (after a failure too)."""
-        self._pool.shutdown(cancel_futures=True)
-
+ZSTD_PLANES = ZstdPlanes()
+"""The compression encoding (the `compression` setting's ``"on"``)."""
 
 SAMPLE_BYTES = 2 << 20
 """Bytes of a save's tensors that ``"auto"`` compresses first to measure ratio and speed."""
 
 OBSERVED_BYTES = 32 << 20
-"""The smallest upload whose rate `LinkRate` believes."""
+"""The smallest upload whose rate `Compression` believes."""
 
 GAIN = 0.9
 """``"auto"`` compresses when the model says a save takes at most this share of its raw time."""
 
 
-class LinkRate:
-    """The upload rate of a rank's recent bucket saves (bytes per second of its object's
-    upload), which ``compression="auto"`` weighs compression against; shared by the writers of
-    one manager. Unknown (None) until a save has measured it."""
+class Compression:
+    """The `compression` setting of one manager's saves, as the encoding each object gets
+    (`spotckpt.engine.transforms.EncodingChoice`): none with ``"off"``, `ZSTD_PLANES` with
+    ``"on"``, and with ``"auto"`` compression when a sample of the object's tensors says that it
+    makes the save faster on the upload rate (bytes per second of a rank's object upload) that
+    its earlier raw saves measured (`pays_off`). The rate is unknown (None) until measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "off") -> None:
+        self.mode = parse_compression_mode(mode)
         self.rate: float | None = None
 
     def observe(self, nbytes: int, seconds: float) -> None:
@@ -350,6 +233,32 @@ class LinkRate:
         is not counted (its time is mostly latency, and compressing it would gain little)."""
         if nbytes >= OBSERVED_BYTES and seconds > 0:
             self.rate = nbytes / seconds
+
+    def choose(self, samples: Iterable[tuple[memoryview, int]], block_size: int) -> Encoding:
+        """The encoding of an object whose tensor bytes (and element sizes) `samples` yields,
+        lazily: only ``"auto"`` with a measured link reads them."""
+        if self.mode == "on":
+            return ZSTD_PLANES
+        if self.mode == "off" or self.rate is None:
+            return RAW
+        taken: list[tuple[memoryview, int]] = []
+        sampled = 0
+        for data, itemsize in samples:
+            if data.nbytes >= MIN_CHUNK_BYTES:
+                taken.append((data, itemsize))
+                sampled += data.nbytes
+                if sampled >= SAMPLE_BYTES:
+                    break
+        if not taken:
+            return RAW
+        ratio, rate = measure(taken, block_size, ENCODE_THREADS)
+        return ZSTD_PLANES if pays_off(ratio, rate, self.rate) else RAW
+
+    def uploaded(self, encoding: Encoding, nbytes: int, seconds: float) -> None:
+        """An object of `nbytes` went up in `seconds`: the link's rate, when it was stored raw
+        (a compressed upload's time says more of the codec than of the link)."""
+        if encoding is RAW:
+            self.observe(nbytes, seconds)
 
 
 def pays_off(ratio: float, compress_rate: float, link_rate: float | None) -> bool:
@@ -371,7 +280,7 @@ def measure(
     started = time.perf_counter()
     for data, itemsize in samples:
         piece = data[: max(0, SAMPLE_BYTES - raw)]
-        blocks = _encode_window(piece, block_size, CODECS[codec_for(itemsize)])
+        blocks = encode_window(ZSTD_PLANES.block_encoder(codec_for(itemsize)), piece, block_size)
         raw += piece.nbytes
         stored += sum(len(block) for block, _raw_crc, _stored_crc in blocks)
         if raw >= SAMPLE_BYTES:

@@ -16,6 +16,9 @@ from spotckpt.errors import InvalidArgumentError
 if TYPE_CHECKING:
     import torch
 
+MAX_DIMS = 64
+"""The most dimensions a stored tensor may have (manifests and safetensors headers alike)."""
+
 
 @dataclass(frozen=True)
 class DType:

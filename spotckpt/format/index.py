@@ -42,10 +42,9 @@ import numpy as np
 from spotckpt.checksum import crc32c
 from spotckpt.errors import CorruptCheckpointError, ManifestError
 from spotckpt.format import bounded_json
-from spotckpt.format.dtypes import BY_NAME
+from spotckpt.format.dtypes import BY_NAME, MAX_DIMS
 from spotckpt.format.features import format_string, parse_format
 from spotckpt.format.manifest import (
-    MAX_DIMS,
     MAX_INT,
     ChunkLocation,
     Manifest,

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from spotckpt.errors import ManifestError
 from spotckpt.format import bounded_json
-from spotckpt.format.compression import CODECS
-from spotckpt.format.compression import FEATURE as COMPRESSED
-from spotckpt.format.dtypes import BY_NAME
+from spotckpt.format.codecs import ENCODINGS
+from spotckpt.format.dtypes import BY_NAME, MAX_DIMS
+from spotckpt.format.encodings import FEATURE as ENCODED
 from spotckpt.format.features import parse_format
 from spotckpt.format.references import FEATURE as REFERENCES
 from spotckpt.format.references import is_reference, referenced_step
@@ -37,7 +37,6 @@ MAX_OBJECTS = 1_000_000
 MAX_ENTRIES = 5_000_000
 MAX_BLOCK_SIZE = 1 << 30
 MAX_INT = (1 << 63) - 1  # sizes, offsets, steps and element counts must fit an int64
-MAX_DIMS = 64
 MAX_TILING_CORNERS = 1 << 24  # work bound of the tiling check, summed over all chunks
 _HEX = frozenset("0123456789abcdef")
 
@@ -68,7 +67,7 @@ class ChunkLocation:
     `blake3` (hex, incremental saves only) is the hash of the chunk's bytes that a later save
     compares with to reference them instead of uploading them again.
 
-    A compressed chunk (`codec` set, `spotckpt.format.compression`) has `length` raw bytes, and
+    An encoded chunk (`codec` set, `spotckpt.format.encodings`) has `length` raw bytes, and
     its blocks are stored one after another from `offset`, `stored_lengths` bytes each, with the
     CRC32Cs `stored_crc32c` of the stored bytes."""
 
@@ -354,12 +353,12 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     if both:
         raise _fail(f"manifest lists {sorted(both)[0]!r} both as a tensor and as a value")
     tensors = {
-        fqn: _parse_tensor(fqn, entry, objects, block_size, COMPRESSED in features)
+        fqn: _parse_tensor(fqn, entry, objects, block_size, ENCODED in features)
         for fqn, entry in tensors_json.items()
     }
     _check_tilings(tensors)
     values = {
-        fqn: parse_location(entry, objects, block_size, f"value {fqn!r}", COMPRESSED in features)
+        fqn: parse_location(entry, objects, block_size, f"value {fqn!r}", ENCODED in features)
         for fqn, entry in values_json.items()
     }
     check_disjoint(itertools.chain(stored_chunks(tensors.items()), stored_values(values.items())))
@@ -479,8 +478,8 @@ def _compressed_location(
     """`location` with its codec and stored blocks, checked: a known codec, and one stored
     length (no longer than its raw block) and one CRC32C per block."""
     codec = _get(entry, "codec", str, where)
-    if codec not in CODECS:
-        raise _fail(f"{where}: unknown codec {codec[:40]!r}; known: {sorted(CODECS)}")
+    if not ENCODINGS.knows(codec):
+        raise _fail(f"{where}: unknown codec {codec[:40]!r}; known: {ENCODINGS.known()}")
     lengths = _ints(_get(entry, "stored_lengths", list, where), where)
     crcs = _ints(_get(entry, "stored_crc32c", list, where), where)
     blocks = len(location.block_crc32c)

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 from spotckpt.checksum import crc32c
 from spotckpt.errors import InvalidArgumentError, SafetensorsFormatError
 from spotckpt.format import bounded_json
-from spotckpt.format.dtypes import BY_CODE, DType
-from spotckpt.format.manifest import MAX_DIMS
+from spotckpt.format.dtypes import BY_CODE, MAX_DIMS, DType
 from spotckpt.storage.base import ObjectStore, ObjectWriter
 
 if TYPE_CHECKING:  # torch loads only where tensors are made or read
@@ -51,11 +50,25 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class StoredRange:
-    """Where a tensor's bytes lie in the object, with their per-block CRC32Cs."""
+    """Where a tensor's bytes lie in the object, with their per-block CRC32Cs; for a chunk stored
+    encoded (`spotckpt.format.encodings`), its codec and each stored block's length and CRC32C."""
 
     offset: int
     length: int
     block_crc32c: tuple[int, ...]
+    codec: str = ""
+    stored_lengths: tuple[int, ...] = ()
+    stored_crc32c: tuple[int, ...] = ()
+
+    def codec_fields(self) -> dict[str, Any]:
+        """The `ChunkLocation` fields that say how the chunk is stored (none: as it is)."""
+        if not self.codec:
+            return {}
+        return {
+            "codec": self.codec,
+            "stored_lengths": self.stored_lengths,
+            "stored_crc32c": self.stored_crc32c,
+        }
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from spotckpt import CheckpointManager, CorruptCheckpointError
-from spotckpt.catalog import manifest_key, step_folder
 from spotckpt.engine.chunks import BlockCheck, ChunkReader
 from spotckpt.errors import ChecksumMismatchError, ObjectSizeError
 from spotckpt.export import export_hf
 from spotckpt.format.manifest import ChunkLocation, Manifest
 from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, block_crcs
+from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.verify import verify_checkpoint
 

@@ -31,7 +31,6 @@ from spotckpt.catalog import Catalog
 from spotckpt.engine.global_plan import (
     Kept,
     PlanCache,
-    PlanningError,
     Unchanged,
     apply_global,
     plan_global,
@@ -39,7 +38,8 @@ from spotckpt.engine.global_plan import (
 )
 from spotckpt.engine.planners import ScalingSavePlanner
 from spotckpt.engine.reader import ObjectStoreReader
-from spotckpt.engine.writer import ObjectStoreWriter
+from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
+from spotckpt.errors import PlanningError
 from spotckpt.storage.memory import MemoryStore
 
 VALUES = ("step", "rng")
@@ -184,7 +184,7 @@ def test_saves_and_restores_through_dcp_twice_with_one_cache() -> None:
     cache = PlanCache()
     for step in (1, 2):
         state = {"w": torch.arange(12.0).reshape(3, 4) * step, "b": torch.ones(5) * step}
-        writer = ObjectStoreWriter(store, step, index_parts=True)
+        writer = ObjectStoreWriter(store, step, WriterOptions(index_parts=True))
         planner = writer.save_planner(1, cache)
         assert isinstance(planner, ScalingSavePlanner)
         dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)

@@ -17,11 +17,12 @@ from torch import nn
 import spotckpt.engine.incremental
 import spotckpt.format.features
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import Catalog, manifest_key, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.errors import ManifestError, UnknownFormatError
 from spotckpt.format.manifest import Manifest
 from spotckpt.format.references import is_reference
 from spotckpt.gc import collect_garbage
+from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 
@@ -418,13 +419,15 @@ def test_verify_and_export_hf_read_referenced_chunks(tmp_path: Path) -> None:
 def test_an_indexed_save_writes_everything_in_its_own_format(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from spotckpt.engine.writer import ObjectStoreWriter
+    from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
     from spotckpt.format.index import INDEXED_FORMAT
 
     store = open_store(str(tmp_path))
     job = Catalog(store).ensure_job().id
     for step in (1, 2):
-        writer = ObjectStoreWriter(store, step, index_parts=True, incremental=True, job=job)
+        writer = ObjectStoreWriter(
+            store, step, WriterOptions(index_parts=True, incremental=True, job=job)
+        )
         state = {"w": torch.arange(300_000.0)}
         dcp.save(state, storage_writer=writer, planner=writer.save_planner(1), no_dist=True)
     second = Catalog(store).read_manifest(2)

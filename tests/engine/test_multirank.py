@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import Catalog, manifest_key, rank_object_key
+from spotckpt.catalog import Catalog
 from spotckpt.format.manifest import Manifest
+from spotckpt.layout import manifest_key, rank_object_key
 from spotckpt.storage import open_store
 
 from dist_worker import launch_ranks, make_model, run_ranks

@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 
 import spotckpt.engine.packing as packing
 from spotckpt import CheckpointManager, CorruptCheckpointError
-from spotckpt.catalog import manifest_key, step_folder
 from spotckpt.engine.packing import PACK_PREFIX, PackingSavePlanner, pack_small_tensors
 from spotckpt.export import export_hf
 from spotckpt.format.manifest import Manifest
+from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 

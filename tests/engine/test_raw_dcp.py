@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import spotckpt
 from spotckpt import CheckpointAlreadyCommittedError, NoCheckpointError
-from spotckpt.catalog import Catalog, manifest_key
+from spotckpt.catalog import Catalog
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 
 from dist_worker import run_ranks

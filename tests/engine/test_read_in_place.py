@@ -19,9 +19,9 @@ import torch
 
 import spotckpt.restore
 from spotckpt import CheckpointManager, CorruptCheckpointError
-from spotckpt.catalog import step_folder
 from spotckpt.engine.reader import IN_PLACE_SHARE
 from spotckpt.format.manifest import Manifest
+from spotckpt.layout import step_folder
 from spotckpt.storage import ObjectStore, open_store
 
 MIB = 1 << 20

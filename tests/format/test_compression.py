@@ -19,12 +19,13 @@ from torch import nn
 import spotckpt
 import spotckpt.format.features
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import Catalog, manifest_key
+from spotckpt.catalog import Catalog
 from spotckpt.config import Config
 from spotckpt.engine.chunks import ChunkReader
 from spotckpt.errors import (
     ChecksumMismatchError,
     ConfigError,
+    CorruptBlockError,
     InvalidArgumentError,
     ManifestError,
     UnknownFormatError,
@@ -32,12 +33,13 @@ from spotckpt.errors import (
 from spotckpt.export import export_hf
 from spotckpt.format.compression import (
     CODECS,
-    CorruptBlockError,
+    Compression,
     decode_block_into,
     encode_block,
     pays_off,
 )
 from spotckpt.format.manifest import Manifest
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 
@@ -393,7 +395,7 @@ def test_the_setting_comes_from_the_environment_and_is_checked(
     with pytest.raises(ConfigError, match="compression"):
         CheckpointManager(str(tmp_path), compression="zstd", preemption=False)
     with pytest.raises(InvalidArgumentError, match="compression must be one of"):
-        spotckpt.engine.writer.ObjectStoreWriter(open_store(str(tmp_path)), 1, compression="x")
+        spotckpt.engine.writer.WriterOptions(encodings=Compression("x"))
 
 
 def test_a_chunk_reader_refuses_an_unknown_codec(tmp_path: Path) -> None:

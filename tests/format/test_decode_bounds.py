@@ -24,11 +24,12 @@ import zstandard
 
 import spotckpt
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import Catalog, manifest_key
+from spotckpt.catalog import Catalog
 from spotckpt.checksum import crc32c
-from spotckpt.errors import ChecksumMismatchError
+from spotckpt.errors import ChecksumMismatchError, CorruptBlockError
 from spotckpt.export import export_hf
-from spotckpt.format.compression import CorruptBlockError, decode_block_into
+from spotckpt.format.compression import decode_block_into
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 
@@ -124,7 +125,8 @@ def test_no_bomb_allocates_beyond_a_low_address_space_limit(tmp_path: Path) -> N
     script = textwrap.dedent(
         f"""
         import json, resource
-        from spotckpt.format.compression import CorruptBlockError, decode_block_into
+        from spotckpt.errors import CorruptBlockError
+        from spotckpt.format.compression import decode_block_into
         blocks = json.load(open({str(blocks)!r}))
         with open("/proc/self/status") as status:
             size = next(int(l.split()[1]) for l in status if l.startswith("VmSize:")) << 10

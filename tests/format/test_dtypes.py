@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from spotckpt import CheckpointManager, SaveFailedError
-from spotckpt.catalog import manifest_key
 from spotckpt.export import export_hf
 from spotckpt.format.dtypes import BY_NAME
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 
 

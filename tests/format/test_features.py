@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from spotckpt.catalog import Catalog, manifest_key
-from spotckpt.engine.writer import ObjectStoreWriter
+from spotckpt.catalog import Catalog
+from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
 from spotckpt.errors import UnknownFormatError
 from spotckpt.format import features
 from spotckpt.format.features import format_string, parse_format
 from spotckpt.format.index import INDEXED_FORMAT
 from spotckpt.format.manifest import FORMAT_VERSION, Manifest
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 
 LAYOUTS = (FORMAT_VERSION, INDEXED_FORMAT)
@@ -77,7 +78,7 @@ def _flat(root: Path) -> None:
 
 
 def _indexed(root: Path) -> None:
-    writer = ObjectStoreWriter(open_store(str(root)), 1, index_parts=True)
+    writer = ObjectStoreWriter(open_store(str(root)), 1, WriterOptions(index_parts=True))
     dcp.save(
         {"w": torch.arange(8.0)},
         storage_writer=writer,

@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import Catalog, manifest_key
+from spotckpt.catalog import Catalog
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 

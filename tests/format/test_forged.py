@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from spotckpt import CheckpointManager, SaveFailedError
-from spotckpt.catalog import Catalog, manifest_key, parse_step_folder, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.format import manifest as manifest_module
 from spotckpt.format.bounded_json import MAX_DEPTH, MAX_NUMBER_DIGITS
 from spotckpt.format.manifest import (
@@ -34,6 +34,7 @@ from spotckpt.format.manifest import (
     TensorRecord,
 )
 from spotckpt.format.safetensors_io import SafetensorsFormatError, block_crcs, read_header
+from spotckpt.layout import manifest_key, parse_step_folder, step_folder
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.verify import verify_checkpoint
 

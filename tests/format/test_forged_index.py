@@ -27,10 +27,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import manifest_key, step_folder
 from spotckpt.checksum import crc32c
 from spotckpt.format.index import MAX_PART_BYTES
 from spotckpt.format.safetensors_io import block_crcs
+from spotckpt.layout import manifest_key, step_folder
 
 from tests_support import SCRIPT, free_port
 

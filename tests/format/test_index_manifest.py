@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from spotckpt.catalog import Catalog, index_part_key, manifest_key, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.checksum import crc32c
 from spotckpt.errors import CorruptCheckpointError, ManifestError
 from spotckpt.format.index import (
@@ -26,6 +26,7 @@ from spotckpt.format.index import (
     tiling_of,
 )
 from spotckpt.format.manifest import ChunkLocation, ObjectRecord
+from spotckpt.layout import index_part_key, manifest_key, step_folder
 from spotckpt.storage import open_store
 from spotckpt.storage.memory import MemoryStore
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError
-from spotckpt.catalog import manifest_key
 from spotckpt.format.manifest import Manifest, ManifestError
 from spotckpt.format.safetensors_io import SafetensorsFormatError, read_header
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 
 

@@ -26,13 +26,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import spotckpt.engine.writer
 from spotckpt import CheckpointManager, open_checkpoint
-from spotckpt.catalog import Catalog, manifest_key, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.errors import ChecksumMismatchError
 from spotckpt.export import export_hf
 from spotckpt.format.manifest import ChunkLocation
 from spotckpt.format.references import object_path
 from spotckpt.format.signing import Keyring
+from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import open_store
 
 from tests_support import flip_keeping_crc32c, write_signing_key

@@ -16,9 +16,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import Catalog, manifest_key
+from spotckpt.catalog import Catalog
 from spotckpt.errors import ConfigError, CorruptCheckpointError, SignatureError
 from spotckpt.format.signing import Keyring
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 
