@@ -101,6 +101,11 @@ class ChecksumMismatchError(CorruptCheckpointError):
     """A block of a stored chunk does not match its CRC32C in the manifest."""
 
 
+class CorruptBlockError(ChecksumMismatchError):
+    """A stored block that does not decode to its raw length (only after its stored CRC32C
+    matched: a forged manifest, or a bug); readers report it with the object and tensor."""
+
+
 class TiedWeightsMismatchError(CheckpointError):
     """Two tensors the manifest shows as tied copies (equal CRC32Cs) hold different bytes."""
 
@@ -127,6 +132,10 @@ class UnknownFormatError(ManifestError):
 
 class NoCheckpointError(CheckpointError, LookupError):
     """The requested step has no committed checkpoint."""
+
+
+class PlanningError(CheckpointError):
+    """The coordinator cannot make the global plan from what the ranks sent."""
 
 
 class SaveFailedError(CheckpointError):
@@ -193,3 +202,13 @@ class MetadataAnswerError(CheckpointError):
     def __init__(self, kind: str, detail: str = "") -> None:
         super().__init__(f"{kind} {detail}".strip())
         self.kind = kind
+
+
+class CommandFailedError(CheckpointError):
+    """A command ran and printed its result, and that result is a failure (``spotckpt verify``
+    found problems): the command line exits 1 without printing the result again."""
+
+
+class RootMissingError(StorageError):
+    """The checkpoint root (a local folder, a bucket) does not exist: a wrong URI, told apart
+    from a root that exists but holds no checkpoint."""

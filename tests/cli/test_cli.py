@@ -23,11 +23,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import EVENT_SUMMARY_KEY, manifest_key, step_folder
 from spotckpt.cli import parse_duration, parse_size
 from spotckpt.config import DEFAULT_MAX_INTERVAL_STEPS
 from spotckpt.format.manifest import Manifest
 from spotckpt.goodput import EventLog
+from spotckpt.layout import EVENT_SUMMARY_KEY, manifest_key, step_folder
 from spotckpt.storage import open_store
 
 from fsdp_checkpoints import (

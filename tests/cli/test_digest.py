@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import EVENTS_PREFIX, parse_event_key
 from spotckpt.cli import cli
 from spotckpt.digest import merkle_root
+from spotckpt.layout import EVENTS_PREFIX, parse_event_key
 
 from tests_support import write_signing_key
 

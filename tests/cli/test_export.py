@@ -21,7 +21,6 @@ from safetensors.torch import load, load_file
 from torch import nn
 
 from spotckpt import CheckpointManager, CorruptCheckpointError, NoCheckpointError, TrainState
-from spotckpt.catalog import manifest_key
 from spotckpt.checksum import crc32c
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.export import (
@@ -34,6 +33,7 @@ from spotckpt.export import (
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import Manifest
 from spotckpt.format.safetensors_io import TensorSpec
+from spotckpt.layout import manifest_key
 from spotckpt.storage import AlreadyExistsError, open_store
 
 from fsdp_checkpoints import (

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from spotckpt import CheckpointManager, NoCheckpointError, TrainState
-from spotckpt.catalog import CLOCK_PROBE_PREFIX, manifest_key, step_folder
 from spotckpt.errors import PermissionDeniedError, StoreClockError
 from spotckpt.format.manifest import Manifest
 from spotckpt.gc import collect_garbage
+from spotckpt.layout import CLOCK_PROBE_PREFIX, manifest_key, step_folder
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.local import TEMP_MARKER
 from spotckpt.verify import verify_checkpoint

@@ -19,7 +19,7 @@ from torch import nn
 
 import spotckpt
 from spotckpt import CheckpointManager, TrainState
-from spotckpt.catalog import Catalog, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -28,6 +28,7 @@ from spotckpt.errors import (
     NoCheckpointError,
 )
 from spotckpt.format.index import INDEXED_FORMAT
+from spotckpt.layout import step_folder
 from spotckpt.storage import open_store
 from spotckpt.storage.base import ObjectStore
 
