@@ -1,9 +1,14 @@
 """Policies as small values, with no store I/O and no torch, so that every layer that carries one
 out (the catalog, gc, the fast tier, the manager) can import them without reaching upward.
 
+**Saves** (`SaveDecisionPolicy`): when `CheckpointManager.maybe_save` saves, and where to (the
+fixed or ``"auto"`` interval, a preemption notice, the fast tier's cadence), and whether a save
+still fits before a preemption deadline. The figures (the interval model's choice, the predicted
+save time, the clock) are arguments; `spotckpt.save` carries the decisions out.
+
 **Retention** (`RetentionPolicy`): which committed steps stay, which go, and which attempt
-folders may be deleted. One rule, shared by the job's retention after each commit (`Catalog.retire`), `gc`
-(`spotckpt.gc`) and the fast tier's pruning (`spotckpt.tiers.fast_tier`).
+folders may be deleted. One rule, shared by the job's retention after each commit
+(`Catalog.retire`), `gc` (`spotckpt.gc`) and the fast tier's pruning (`spotckpt.tiers.fast_tier`).
 
 1. **Only readable steps count.** A step is readable when its manifest (an indexed step's root,
    which names every object the step holds) validates, is signed where a keyring enforces
@@ -15,8 +20,9 @@ folders may be deleted. One rule, shared by the job's retention after each commi
    know, a manifest unsigned under a key: such a step takes no slot from readable steps, is
    never retired, and keeps its objects. What it references is unknown, so every folder of an
    older step stays too (its manifest may still retire). Such steps are reported (`ls`,
-   `verify`, gc's report) and removed only on request (`RetentionPolicy.delete_unreadable`, the CLI's
-   ``gc --delete-unreadable``), and then only the objects that no readable kept step needs.
+   `verify`, gc's report) and removed only on request (`RetentionPolicy.delete_unreadable`, the
+   CLI's ``gc --delete-unreadable``), and then only the objects that no readable kept step needs;
+   the fast tier, a cache, always removes its own (`spotckpt.tiers.retention`).
 3. **An attempt folder goes only with proof.** A folder (``step-N/a-<id>``) may be deleted only
    when no kept step needs it (its own attempt, or one its references point into), as read from
    a listing taken after the deletion candidates were chosen, in which every manifest was read
@@ -31,6 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
 
 from spotckpt.errors import InvalidArgumentError
 
@@ -116,3 +124,85 @@ class RetentionPolicy:
             retired, unreadable = tuple(sorted(retired + unreadable)), ()
         needed = frozenset(folder for r in kept for folder in r.needs or ())
         return RetentionDecision(tuple(r.step for r in kept), retired, unreadable, needed)
+
+
+SAVE_TIME_MARGIN = 1.2
+"""A save predicted to take ``t`` seconds is started before a deadline only if ``1.2 * t`` fit."""
+
+
+class SaveKind(Enum):
+    """What `SaveDecisionPolicy.decide` asks `maybe_save` to do at a step."""
+
+    NONE = "none"
+    EMERGENCY = "emergency"
+    """A preemption notice: save at once (blocking) if it fits before the deadline, then stop."""
+    DURABLE = "durable"
+    """The interval: a save committed in the bucket (through the fast tier when it has room)."""
+    FAST = "fast"
+    """The fast tier's cadence: a save to the fast tier only."""
+
+
+@dataclass(frozen=True)
+class SaveDecisionPolicy:
+    """When to save: the one home of the decision `maybe_save` carries out (**saves**).
+
+    `interval_steps` is the fixed interval (``step % interval_steps == 0``; None: never), or
+    ``"auto"``: a save once the interval model's current choice of steps passed since the last
+    save started (the model, `spotckpt.interval`, gives that figure to `decide`). A preemption
+    notice comes first; the fast tier's cadence (`fast_interval_steps`, None without a tier)
+    last. With several ranks the preemption flag is agreed on every `agree_every` steps. Before a
+    deadline, a save is started only when its predicted time, times `margin`, fits (`fits`).
+    """
+
+    interval_steps: int | Literal["auto"] | None = None
+    fast_interval_steps: int | None = None
+    agree_every: int = 1
+    margin: float = SAVE_TIME_MARGIN
+
+    @property
+    def auto(self) -> bool:
+        """Whether the interval is the interval model's choice."""
+        return self.interval_steps == "auto"
+
+    def agrees_at(self, step: int) -> bool:
+        """Whether the ranks agree on the preemption flag at `step`."""
+        return step % self.agree_every == 0
+
+    def due(self, step: int, *, auto_interval_steps: int | None, last_started_step: int) -> bool:
+        """Whether the interval saves `step` (`auto_interval_steps`: the model's current choice,
+        used for ``"auto"`` only; `last_started_step`: the step of the last save, or the
+        restored one)."""
+        if self.interval_steps == "auto":
+            if auto_interval_steps is None:
+                return False
+            return step - last_started_step >= auto_interval_steps
+        if self.interval_steps is None:
+            return False
+        return step % self.interval_steps == 0
+
+    def decide(
+        self,
+        step: int,
+        *,
+        preempted: bool,
+        auto_interval_steps: int | None = None,
+        last_started_step: int = 0,
+    ) -> SaveKind:
+        """What to do at `step`: `preempted` is the flag every rank agreed on."""
+        if preempted:
+            return SaveKind.EMERGENCY
+        if self.due(
+            step, auto_interval_steps=auto_interval_steps, last_started_step=last_started_step
+        ):
+            return SaveKind.DURABLE
+        fast = self.fast_interval_steps
+        if fast is not None and step % fast == 0:
+            return SaveKind.FAST
+        return SaveKind.NONE
+
+    def fits(self, seconds: float | None, *, now: float, deadline: float | None) -> bool:
+        """Whether a save predicted to take `seconds`, times `margin`, ends before `deadline`
+        (both `time.monotonic()` values); an unknown deadline or prediction: yes."""
+        if deadline is None or seconds is None:
+            return True
+        return now + self.margin * seconds < deadline

@@ -636,6 +636,10 @@ class TrainState:
         self.values.step = step
 
 
+State = TrainState | Mapping[str, Any]
+"""What a manager saves and restores: a `TrainState`, or a plain dict of state."""
+
+
 def _splits_by_rank(loader: Any) -> bool:
     """Whether the loader's sampler is a DistributedSampler, whose share of an epoch depends on
     the number of ranks (its position on one world size means other samples on another)."""

@@ -57,8 +57,8 @@ def test_upload_error_is_raised_on_next_call_and_at_close(uri: str) -> None:
     store = FailingStore(open_store(uri, **_options(uri)), fail_after_bytes=MIB)
     mgr = CheckpointManager(uri, async_save=True, preemption=False, store=store, interval_steps=100)
     mgr.save(1, {"w": torch.randn(2 * MIB)})
-    if mgr._pending is not None:
-        mgr._pending.upload.exception()  # let the background upload fail before the next call
+    if mgr._saver.pending is not None:
+        mgr._saver.pending.upload.exception()  # let the background upload fail before the next call
     with pytest.raises(SaveFailedError, match="injected"):
         mgr.maybe_save(2, {"w": torch.randn(2 * MIB)})
     assert mgr.steps() == []

@@ -29,17 +29,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, SaveFailedError
-from spotckpt.catalog import (
-    LISTED_FROM,
-    QUARANTINE_PREFIX,
-    Catalog,
-    manifest_key,
-    rank_object_key,
-    step_folder,
-    step_key,
-)
-from spotckpt.engine.writer import ObjectStoreWriter
+from spotckpt.catalog import Catalog
+from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
 from spotckpt.gc import collect_garbage
+from spotckpt.layout import QUARANTINE_PREFIX, manifest_key, rank_object_key, step_folder, step_key
+from spotckpt.step_readings import LISTED_FROM
 from spotckpt.storage import ObjectInfo, ObjectStore, RetryPolicy, StorageError, open_store
 
 from dist_worker import launch_ranks
@@ -184,7 +178,7 @@ def test_an_object_gone_before_the_commit_fails_the_save(
 def test_an_indexed_root_is_not_committed_over_a_missing_object(tmp_path: Path) -> None:
     inner = open_store(str(tmp_path))
     store = AfterWrite(inner, ".safetensors", _damage(inner, "deleted"))
-    writer = ObjectStoreWriter(store, 1, index_parts=True)  # type: ignore[arg-type]
+    writer = ObjectStoreWriter(store, 1, WriterOptions(index_parts=True))  # type: ignore[arg-type]
     with pytest.raises(CheckpointException) as failed:
         dcp.save(_state(1), storage_writer=writer, planner=writer.save_planner(1), no_dist=True)
     causes = [f[0] if isinstance(f, tuple) else f for f in failed.value.failures.values()]

@@ -19,8 +19,8 @@ from spotckpt import (
     CheckpointManager,
     CorruptCheckpointError,
 )
-from spotckpt.catalog import manifest_key, step_folder
 from spotckpt.format.manifest import Manifest
+from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import ObjectNotFoundError, RetryPolicy, open_store
 
 from fault_proxy import FaultProxy

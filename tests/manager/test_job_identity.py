@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import JOB_KEY, MAX_JOB_BYTES, Catalog, JobIdentity, is_job_id
+from spotckpt.catalog import Catalog
 from spotckpt.errors import ManifestError
+from spotckpt.layout import JOB_KEY, MAX_JOB_BYTES, JobIdentity, is_job_id
 from spotckpt.storage import open_store
 
 

@@ -18,8 +18,8 @@ from spotckpt import (
     NoCheckpointError,
     SaveFailedError,
 )
-from spotckpt.catalog import manifest_key
 from spotckpt.format.manifest import Manifest
+from spotckpt.layout import manifest_key
 from spotckpt.storage import ObjectStore, open_store
 
 from tests_support import FailingStore
