@@ -32,7 +32,7 @@ help:
 	@echo "                  (SPOTCKPT_URI=s3://... or a folder: use that store instead)"
 	@echo "make test         the test suite, without the slow campaigns"
 	@echo "make test-all     the test suite with the slow campaigns"
-	@echo "make lint         ruff format --check, ruff check, mypy"
+	@echo "make lint         ruff format --check, ruff check, mypy, lint-imports (the layers)"
 	@echo "make check        make lint, then the tests that start no process (under 2 minutes)"
 	@echo "make bench        side-by-side benchmarks (about 20 minutes)"
 	@echo "make bench-smoke  the benchmarks at small sizes, one repetition (about a minute)"
@@ -105,6 +105,7 @@ lint: setup
 	$(PY) -m ruff format --check spotckpt tests benchmarks examples
 	$(PY) -m ruff check spotckpt tests benchmarks examples
 	$(PY) -m mypy spotckpt
+	$(dir $(PY))lint-imports --no-cache
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_servers import BUCKET, MotoServer, Server, WeedServer, apply_fake_env, weed_binary
 from cloud_model import CloudProxy, Profile, profile
 
-from spotckpt.catalog import index_part_key, rank_object_key
+from spotckpt.layout import index_part_key, rank_object_key
 from spotckpt.storage.s3 import S3Store, open_s3_store
 
 MIB = 1 << 20

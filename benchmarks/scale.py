@@ -66,16 +66,17 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from spotckpt.catalog import Catalog, index_part_key, manifest_key, rank_object_key, step_key
+from spotckpt.catalog import Catalog
 from spotckpt.engine.global_plan import PlanCache, apply_global, summarize
 from spotckpt.engine.manifests import WrittenItem, build_root, index_part, indexed_references
 from spotckpt.engine.planners import ScalingSavePlanner, wanted_boxes
 from spotckpt.engine.reader import ObjectStoreReader
-from spotckpt.engine.writer import ObjectStoreWriter, RankAssignment, _item_name
+from spotckpt.engine.writer import ObjectStoreWriter, RankAssignment, WriterOptions, _item_name
 from spotckpt.errors import AlreadyExistsError, CheckpointError, ObjectNotFoundError
 from spotckpt.format.dtypes import dtype_of
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, TensorSpec, encode_header
+from spotckpt.layout import index_part_key, manifest_key, rank_object_key, step_key
 from spotckpt.storage.base import (
     Listing,
     ObjectInfo,
@@ -139,7 +140,8 @@ class ListingOutcome:
 def key_assignment_phase(store: ObjectStore, step: int, plans: list[SavePlan]) -> list[SavePlan]:
     """spotckpt's part of the global save plan on the coordinator: refuse a committed step,
     draw the attempt, give each rank its object key; an indexed manifest (as from 32 ranks on)."""
-    return ObjectStoreWriter(store, step, index_parts=True).prepare_global_plan(plans)
+    writer = ObjectStoreWriter(store, step, WriterOptions(index_parts=True))
+    return writer.prepare_global_plan(plans)
 
 
 def rank_phase(

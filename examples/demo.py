@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from spotckpt.goodput import load_stats
+from spotckpt.stats import load_stats
 from spotckpt.storage import open_store
 from spotckpt.units import human_size
 

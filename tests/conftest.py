@@ -165,7 +165,7 @@ LONGEST_FIRST = (
     "integrations/test_lightning.py",  # 172
     "integrations/test_transformers_integration.py",  # 166
     "tiers/test_tiers.py",  # 163
-    "test_benchmarks_smoke.py",  # 150
+    "benchmarks/test_benchmarks_smoke.py",  # 150
 )
 
 

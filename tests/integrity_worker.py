@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager, TrainState
-from spotckpt.catalog import EVENTS_PREFIX, parse_event_key
 from spotckpt.errors import HealthCheckError, ReplicaMismatchError
+from spotckpt.layout import EVENTS_PREFIX, parse_event_key
 
 from dist_worker import launch_ranks, make_model
 
@@ -147,7 +147,7 @@ def signed_indexed(rank: int, world: int, args: dict[str, Any]) -> None:
     dist.barrier()
     if rank == 0:
         import spotckpt.format.signing as signing
-        from spotckpt.catalog import index_part_key, step_key
+        from spotckpt.layout import index_part_key, step_key
 
         root = manager.catalog._parse(manager.catalog.manifest_bytes(2), 2)
         part = step_key(2, index_part_key(root.attempt, 1))

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from spotckpt.catalog import EVENT_SUMMARY_KEY, event_key, event_stamp, manifest_key
 from spotckpt.checksum import crc32c
 from spotckpt.format.safetensors_io import block_crcs
+from spotckpt.layout import EVENT_SUMMARY_KEY, event_key, event_stamp, manifest_key
 from spotckpt.storage import ObjectInfo, ObjectStore, ObjectWriter, UploadInfo
 from spotckpt.storage.base import Listing
 

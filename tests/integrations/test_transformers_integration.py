@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from spotckpt import PREEMPTED_EXIT_CODE, CheckpointManager
-from spotckpt.catalog import QUARANTINE_PREFIX, step_folder
 from spotckpt.integrations.transformers import TRAINER_STATE_KEY
+from spotckpt.layout import QUARANTINE_PREFIX, step_folder
 
 from framework_runs import child_env, committed_steps, digest, run, run_preempted, tail
 

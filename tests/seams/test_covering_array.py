@@ -29,10 +29,11 @@ from seam_cells import Cell, covering_array, table, wide_cell
 from seam_run import NEXT, phase, same, state
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import Catalog, manifest_key, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.errors import CheckpointError, ConfigError
 from spotckpt.export import export_hf
 from spotckpt.format.references import object_path
+from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import open_store
 from spotckpt.verify import verify_checkpoint
 

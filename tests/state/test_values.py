@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from spotckpt import CheckpointError, CheckpointManager, CorruptCheckpointError, TrainState
-from spotckpt.catalog import manifest_key
 from spotckpt.engine.writer import ObjectStoreWriter
+from spotckpt.layout import manifest_key
 from spotckpt.storage import open_store
 from spotckpt.values import ALLOWED_ENUMS, UnsupportedValueError, ValueLoadError, allow_enum
 from spotckpt.verify import verify_checkpoint

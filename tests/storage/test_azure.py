@@ -32,10 +32,11 @@ from azure.storage.blob import (
 )
 
 from spotckpt import CheckpointManager
-from spotckpt.catalog import Catalog, manifest_key
+from spotckpt.catalog import Catalog
 from spotckpt.errors import DeadlineExceededError, InvalidArgumentError
 from spotckpt.format.manifest import ManifestError
 from spotckpt.gc import collect_garbage
+from spotckpt.layout import manifest_key
 from spotckpt.storage import AlreadyExistsError, PermissionDeniedError, StorageError, open_store
 from spotckpt.storage.azure import AzureStore, block_id, block_size_for
 from spotckpt.storage.base import UploadInfo

@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import pytest
 
-from spotckpt.catalog import manifest_key
+from spotckpt.layout import manifest_key
 from spotckpt.storage import (
     AlreadyExistsError,
     ObjectInfo,

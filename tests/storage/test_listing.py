@@ -20,8 +20,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
 
-from spotckpt.catalog import RETIRE_FOLDER_LISTINGS, Catalog, manifest_key, step_folder
+from spotckpt.catalog import Catalog
 from spotckpt.format.manifest import Manifest
+from spotckpt.layout import manifest_key, step_folder
+from spotckpt.step_removal import RETIRE_FOLDER_LISTINGS
 from spotckpt.storage import ObjectInfo, ObjectStore, open_store
 from spotckpt.storage.base import DelimiterNotHonouredError, ListingPages
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from spotckpt.catalog import index_part_key, rank_object_key
+from spotckpt.layout import index_part_key, rank_object_key
 from spotckpt.storage.requests import RequestTally
 from spotckpt.storage.retry import Deadline
 from spotckpt.storage.s3 import S3Store, open_s3_store
