@@ -28,7 +28,8 @@ from spotckpt.checksum import chunk_hash
 from spotckpt.engine.incremental import Base
 from spotckpt.engine.manifests import WrittenItem
 from spotckpt.engine.packing import PackedMember, members_of
-from spotckpt.errors import InvalidTypeError
+from spotckpt.errors import InvalidArgumentError, InvalidTypeError
+from spotckpt.format.codecs import ENCODINGS
 from spotckpt.format.dtypes import dtype_of
 from spotckpt.format.encodings import RAW, Encoding
 from spotckpt.format.safetensors_io import tensor_bytes
@@ -176,8 +177,16 @@ class ObjectTransforms:
         return Unchanged() if self.unchanged is None else self.unchanged.split(items, planner)
 
     def encoding(self, samples: Iterable[tuple[memoryview, int]], block_size: int) -> Encoding:
-        """The object's encoding (`EncodingChoice.choose`)."""
-        return self.encodings.choose(samples, block_size) if self.encodable else RAW
+        """The object's encoding (`EncodingChoice.choose`); one that no registered encoding
+        reads is refused before anything is written (its manifest would not parse)."""
+        if not self.encodable:
+            return RAW
+        encoding = self.encodings.choose(samples, block_size)
+        if encoding is not RAW and not all(
+            ENCODINGS.knows(c) and ENCODINGS.of(c) is encoding for c in encoding.codecs
+        ):
+            raise InvalidArgumentError(f"encoding {encoding.name!r} is not registered")
+        return encoding
 
     def uploaded(self, encoding: Encoding, nbytes: int, seconds: float) -> None:
         """Tell the encoding choice how the object's upload went."""

@@ -20,6 +20,7 @@ of reading wrong bytes (its name is that of the first such encoding, compression
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -242,11 +243,7 @@ class BlockStreamWriter:
         offset = self._position
         self._emit(data)
         self.written += data.nbytes
-        crcs = tuple(
-            crc32c(data[start : start + self._block_size])
-            for start in range(0, data.nbytes, self._block_size)
-        )
-        return StoredRange(offset, data.nbytes, crcs or (0,))
+        return StoredRange(offset, data.nbytes, block_crcs(data, self._block_size))
 
     def write_chunk(self, name: str, data: memoryview, itemsize: int) -> StoredRange:
         """A chunk of `min_bytes` or more encoded, a smaller one as it is."""
@@ -315,27 +312,33 @@ class EncodingRegistry:
     """The encodings a spotckpt reads, by codec (DCP's ``ExtensionRegistry`` is the model)."""
 
     def __init__(self, encodings: Iterable[Encoding] = ()) -> None:
+        # Replaced whole on each change (under `_changing`), so readers need no lock.
         self._by_codec: dict[str, Encoding] = {}
+        self._changing = threading.Lock()
         for encoding in encodings:
             self.register(encoding)
 
     def register(self, encoding: Encoding) -> None:
         """Read (and allow writing) `encoding`'s codecs; InvalidArgumentError for a codec that
-        another encoding holds, or none at all."""
+        an encoding already holds (this one included: a registration is undone by one
+        `unregister`, so it must not stack), or none at all."""
         if not encoding.codecs or "" in encoding.codecs:
             raise InvalidArgumentError(f"encoding {encoding.name!r} names no codec of its own")
-        held = self._by_codec
-        taken = sorted(c for c in encoding.codecs if held.get(c, encoding) is not encoding)
-        if taken:
-            raise InvalidArgumentError(f"codecs {taken} are registered to another encoding")
-        for codec in encoding.codecs:
-            self._by_codec[codec] = encoding
+        with self._changing:
+            held = self._by_codec
+            if any(held.get(codec) is encoding for codec in encoding.codecs):
+                raise InvalidArgumentError(f"encoding {encoding.name!r} is already registered")
+            taken = sorted(codec for codec in encoding.codecs if codec in held)
+            if taken:
+                raise InvalidArgumentError(f"codecs {taken} are registered to another encoding")
+            self._by_codec = {**self._by_codec, **dict.fromkeys(encoding.codecs, encoding)}
 
     def unregister(self, encoding: Encoding) -> None:
         """Forget `encoding`'s codecs (a test's, or a plug-in's being unloaded)."""
-        for codec in encoding.codecs:
-            if self._by_codec.get(codec) is encoding:
-                del self._by_codec[codec]
+        with self._changing:
+            self._by_codec = {
+                codec: held for codec, held in self._by_codec.items() if held is not encoding
+            }
 
     def knows(self, codec: str) -> bool:
         """Whether chunks stored with `codec` can be read."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import spotckpt
 from spotckpt.catalog import Catalog
@@ -160,3 +161,29 @@ def test_the_toy_manifest_is_plain_json(tmp_path: Path, xor: XorEncoding) -> Non
     entry = document["tensors"]["model.w"]["chunks"][0]
     fields = {"offsets", "sizes", "key", "offset", "length", "block_crc32c"}
     assert set(entry) == fields | {"codec", "stored_lengths", "stored_crc32c"}
+
+
+def test_an_encoding_is_registered_once_and_a_scope_removes_only_what_it_added() -> None:
+    """A scope around an encoding already there (the built-in zstd) is refused: leaving it
+    must not take away what every compressed checkpoint needs."""
+    with pytest.raises(InvalidArgumentError, match="already registered"), registered(ZSTD_PLANES):
+        pass
+    assert ENCODINGS.of("zstd-planes-2") is ZSTD_PLANES
+    with registered(XOR):
+        with pytest.raises(InvalidArgumentError, match="already registered"):
+            ENCODINGS.register(XOR)
+        assert ENCODINGS.knows(CODEC)
+    assert not ENCODINGS.knows(CODEC)
+
+
+def test_a_save_with_an_unregistered_encoding_is_refused_before_it_commits(
+    tmp_path: Path,
+) -> None:
+    """Its manifest would name a codec no reader knows: the save fails, nothing commits."""
+    root = tmp_path / "ckpt"
+    with pytest.raises(CheckpointException) as failure:
+        _save(root)
+    [(error, _trace)] = failure.value.failures.values()
+    assert isinstance(error, InvalidArgumentError)
+    assert "encoding 'xor' is not registered" in str(error)
+    assert Catalog(open_store(str(root))).steps() == []
