@@ -623,6 +623,7 @@ class FastTier:
         """Delete a tier step, manifest first (never half-visible), then everything else in its
         folder, temporary files of interrupted writes included."""
         folder = step_folder(step)
+        self.readings.forget(step)
         self.store.delete_many([f"{folder}/{MANIFEST_NAME}"])
         self.store.delete_many([info.key for info in self.store.list(f"{folder}/")])
         for upload in self.store.list_uploads(f"{folder}/"):

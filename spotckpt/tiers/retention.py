@@ -20,9 +20,7 @@ from datetime import datetime
 
 from spotckpt.catalog import Catalog
 from spotckpt.errors import (
-    BoundedJSONError,
     CheckpointError,
-    CorruptCheckpointError,
     ManifestError,
     NoCheckpointError,
 )
@@ -46,7 +44,6 @@ from spotckpt.tiers.record import MAX_RECORD_BYTES, TierRecord
 
 Listed = tuple[str, ObjectInfo, ObjectInfo | None]
 """What a reading is known by: the job asked for, the manifest and the tier record as listed."""
-_READ_FAILURES = (ManifestError, CorruptCheckpointError, BoundedJSONError)
 
 
 def read_record(store: ObjectStore, step: int, attempt: str | None) -> TierRecord:
@@ -96,20 +93,24 @@ class TierReadings:
         self._known = known
         return [reading for _, reading in known.values() if reading is not None]
 
+    def forget(self, step: int) -> None:
+        """Read `step` again next time (its folder was removed: a new save may reuse its name
+        with the same sizes within the listing's time resolution)."""
+        self._known.pop(step, None)
+
     def _reading(self, step: int, job: str) -> StepReading | None:
         """Retention's view of tier `step` of `job`; None when it is not `job`'s or vanished."""
         manifest: Manifest | None = None
-        try:
-            data = self.catalog.manifest_bytes(step)
-        except NoCheckpointError:
-            return None  # removed meanwhile (another rank of this node prunes too)
         problem = ""
         try:
+            data = self.catalog.manifest_bytes(step)
             if self.keyring is not None:
                 what = f"tier step {step}'s manifest"
                 self.keyring.check(data, step=step, job=job, what=what)
             manifest = Manifest.from_json(data, expected_step=step)
-        except _READ_FAILURES as error:
+        except NoCheckpointError:
+            return None  # removed meanwhile (another rank of this node prunes too)
+        except (CheckpointError, OSError) as error:  # one bad step never stops the pruning
             problem = f"{type(error).__name__}: {error}"
         try:
             record = read_record(self.catalog.store, step, manifest.attempt if manifest else None)
@@ -124,7 +125,10 @@ class TierReadings:
             record.check(sizes)
         except ManifestError as error:
             return StepReading(step, None, f"{type(error).__name__}: {error}")
-        missing = missing_objects(self.catalog.store, step, sizes) if self.whole_here else []
+        try:
+            missing = missing_objects(self.catalog.store, step, sizes) if self.whole_here else []
+        except (CheckpointError, OSError) as error:
+            return StepReading(step, None, f"{type(error).__name__}: {error}")
         if missing:  # this node is the tier: the step cannot be restored
             return StepReading(step, None, f"{len(missing)} object(s) not whole: {missing[0]}")
         own = {f"{step_folder(step)}/{name}" for name in attempt_folders(manifest)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from spotckpt import CheckpointManager, TrainState
 from spotckpt.catalog import Catalog
 from spotckpt.distributed import Collective
 from spotckpt.errors import CheckpointError, NoCheckpointError
+from spotckpt.format.manifest import MAX_MANIFEST_BYTES
 from spotckpt.gc import collect_garbage
 from spotckpt.layout import TIER_RECORD_NAME, manifest_key, step_folder, tier_record_key
 from spotckpt.policy import RetentionPolicy, StepReading
@@ -402,3 +404,17 @@ def test_a_node_that_is_not_the_whole_tier_keeps_a_step_whose_objects_are_elsewh
     assert [r.step for r in whole if not r.readable] == [2]
     assert [r.step for r in part] == [1, 2, 3] and all(r.readable for r in part)
     assert TierReadings(catalog, None, whole_here=False).read("another-job") == []
+
+
+def test_one_tier_step_that_cannot_be_read_never_stops_the_pruning(
+    histories: dict[str, Path], tmp_path: Path
+) -> None:
+    """A tier manifest beyond the size bound (refused before it is read) makes its step
+    unreadable: it goes, and every other step is still pruned by the rule."""
+    root = tmp_path / "tier"
+    shutil.copytree(histories["full"], root)
+    job = _as_tier(root)
+    os.truncate(root / manifest_key(2), MAX_MANIFEST_BYTES + 1)  # sparse: no real bytes
+    tier = FastTier(str(root), redundancy=NO_REDUNDANCY, keep_last=1, collective=Collective(60.0))
+    tier.prune(job)
+    assert Catalog(open_store(str(root))).steps() == [4]
