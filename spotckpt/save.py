@@ -540,7 +540,7 @@ class TierTarget:
             finish()
 
         if save.durable:
-            committer.run_save(step, writer, run, save.progress)
+            committer.run_save(step, writer, run, save.progress, save.emergency)
             committer.blocking_commit(step, writer, started, save.emergency)
         else:
             committer.run_fast(step, run, save.progress)

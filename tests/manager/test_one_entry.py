@@ -23,6 +23,7 @@ import spotckpt.manager
 from spotckpt import CheckpointManager, PreemptionWatcher
 
 MANAGER = spotckpt.manager.__file__
+PACKAGE = str(Path(MANAGER).parent)
 HERE = __file__
 
 
@@ -31,10 +32,18 @@ class _Entries:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.threads: set[str] = set()  # background threads seen running spotckpt's code
         self._lock = threading.Lock()
 
     def profile(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or frame.f_code.co_filename != MANAGER:
+        if event != "call":
+            return
+        filename = frame.f_code.co_filename
+        thread = threading.current_thread()
+        if filename.startswith(PACKAGE) and thread is not threading.main_thread():
+            with self._lock:
+                self.threads.add(thread.name)
+        if filename != MANAGER:
             return
         caller = frame.f_back
         where = caller.f_code.co_filename if caller is not None else "<no caller>"
@@ -112,7 +121,9 @@ def test_a_blocking_save_enters_the_manager_once(tmp_path: Path) -> None:
 
 
 def test_an_asynchronous_save_enters_the_manager_once(tmp_path: Path) -> None:
-    assert _run(tmp_path, async_save=True, tier=False).callbacks() == []
+    entries = _run(tmp_path, async_save=True, tier=False)
+    assert entries.threads, "the profiler saw no background upload: nothing was checked there"
+    assert entries.callbacks() == []
 
 
 def test_a_save_through_the_fast_tier_enters_the_manager_once(tmp_path: Path) -> None:
@@ -122,4 +133,6 @@ def test_a_save_through_the_fast_tier_enters_the_manager_once(tmp_path: Path) ->
 def test_an_asynchronous_save_through_the_fast_tier_enters_the_manager_once(
     tmp_path: Path,
 ) -> None:
-    assert _run(tmp_path, async_save=True, tier=True).callbacks() == []
+    entries = _run(tmp_path, async_save=True, tier=True)
+    assert entries.threads, "the profiler saw no background upload: nothing was checked there"
+    assert entries.callbacks() == []
