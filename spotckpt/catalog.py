@@ -377,8 +377,20 @@ class Catalog:
         put whose first answer was lost, or an error after the request may have reached the
         store), the manifest is read back: if it names this attempt the save is committed. Raises
         CheckpointAlreadyCommittedError when another writer's manifest is there.
+
+        Once written, the objects are checked again: something that deleted them between the
+        first check and the put (a gc with a short safety age, which saw no manifest yet) makes
+        the manifest be deleted again and the save fail, rather than stay committed over
+        missing objects. A gc that runs after the put finds the manifest and keeps them.
         """
         self.check_referenced(step, referenced)
+        self._put_manifest(step, attempt, data)
+        wrong = self.missing_objects(step, referenced)
+        if wrong:
+            self.store.delete_many([manifest_key(step)])
+            raise self._missing_error(step, wrong, "was withdrawn right after it was written")
+
+    def _put_manifest(self, step: int, attempt: str, data: bytes) -> None:
         key = manifest_key(step)
         try:
             self.store.put(key, data, create_only=True)
@@ -408,13 +420,16 @@ class Catalog:
         """
         wrong = self.missing_objects(step, referenced)
         if wrong:
-            more = f" and {len(wrong) - MISSING_NAMED} more" if len(wrong) > MISSING_NAMED else ""
-            raise SaveFailedError(
-                f"the manifest of step {step} is not written: {'; '.join(wrong[:MISSING_NAMED])}"
-                f"{more} under {self.uri} (deleted or rewritten after its rank wrote it); save "
-                "again, and look for what deletes objects under the root (a gc with a short "
-                "--safety-age, a bucket lifecycle rule)"
-            )
+            raise self._missing_error(step, wrong, "is not written")
+
+    def _missing_error(self, step: int, wrong: list[str], what: str) -> SaveFailedError:
+        more = f" and {len(wrong) - MISSING_NAMED} more" if len(wrong) > MISSING_NAMED else ""
+        return SaveFailedError(
+            f"the manifest of step {step} {what}: {'; '.join(wrong[:MISSING_NAMED])}"
+            f"{more} under {self.uri} (deleted or rewritten after its rank wrote it); save "
+            "again, and look for what deletes objects under the root (a gc with a short "
+            "--safety-age, a bucket lifecycle rule)"
+        )
 
     def missing_objects(self, step: int, expected: Mapping[str, int]) -> list[str]:
         """The objects of `expected` (key relative to the step folder, and size) that are
