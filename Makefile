@@ -22,7 +22,7 @@ PYTEST_ARGS ?= -m "not slow" -n 3 --dist loadfile --durations=25
 # fails one that does), in one process, after make lint: the inner loop, under two minutes.
 CHECK_ARGS ?= -m "not process and not slow" --no-processes -q
 
-.PHONY: help setup test-deps demo test test-all check lint bench bench-smoke faketime azurite
+.PHONY: help setup test-deps demo test test-all check lint bench bench-smoke faketime azurite crash
 
 help:
 	@echo "make setup        create .venv (unless a virtual environment is active), install"
@@ -34,6 +34,7 @@ help:
 	@echo "make test-all     the test suite with the slow campaigns"
 	@echo "make lint         ruff format --check, ruff check, mypy, lint-imports (the layers)"
 	@echo "make check        make lint, then the tests that start no process (under 2 minutes)"
+	@echo "make crash        every store call of every scenario as a crash point (SAMPLE=N: N of them)"
 	@echo "make bench        side-by-side benchmarks (about 20 minutes)"
 	@echo "make bench-smoke  the benchmarks at small sizes, one repetition (about a minute)"
 	@echo "make azurite      install Azurite (the Azure Storage emulator, npm) into .azurite"
@@ -96,7 +97,16 @@ test: test-deps
 	CHECKOV=$(CURDIR)/$(CHECKOV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: PYTEST_ARGS :=
-test-all: test
+test-all: test crash
+
+# The crash explorer (docs/guarantees.md): every recorded store call is a fault point, on the
+# local folder, S3 (moto), the GCS fake and Azurite (each skipped, with a line, where missing),
+# and seeded samples of points SIGKILLed in a child process and on one of two gloo ranks, and
+# of points in the upload process of async_mode="process" saves.
+CRASH_ARGS ?= --backend local --backend s3 --backend gcs --backend azure --kill-sample 20 \
+	--kill-ranks-sample 2 --upload-sample 30
+crash: setup
+	$(PY) tests/crash/explore.py $(CRASH_ARGS) $(if $(SAMPLE),--sample $(SAMPLE))
 
 check: lint
 	$(PY) -m pytest $(CHECK_ARGS)

@@ -34,13 +34,19 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.pop("AWS_PROFILE", None)
 
 
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    """URL of a moto S3 server running on 127.0.0.1 for the whole test session."""
+def start_moto() -> tuple[str, ThreadedMotoServer]:
+    """Start a moto S3 server on 127.0.0.1 and a free port; returns its URL and the server."""
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
+    return f"http://{host}:{port}", server
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """URL of a moto S3 server running on 127.0.0.1 for the whole test session."""
+    endpoint, server = start_moto()
+    yield endpoint
     server.stop()
 
 

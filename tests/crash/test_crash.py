@@ -1,0 +1,122 @@
+"""The crash explorer in `make test`: a seeded sample of trace-derived crash points over the
+scenarios, the points where violations were found (kept as regressions), and planted bugs that
+the explorer must catch (so that "no violations" means something).
+
+The whole exploration is `make crash` (`python tests/crash/explore.py`); `SPOTCKPT_CRASH_SEED`
+picks this sample (default 46).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from explore import Plan, Verdict, Workspace, explore, explore_point, plan, record, report
+from recorder import CRASH_KINDS
+from scenarios import Scenario, scenarios
+
+import spotckpt.policy
+from spotckpt.catalog import Catalog
+
+SEED = int(os.environ.get("SPOTCKPT_CRASH_SEED", "46"))
+SAMPLE_POINTS = 300
+SAMPLE_SCENARIOS = 10
+
+
+@pytest.fixture
+def space(tmp_path: Path) -> Iterator[Workspace]:
+    yield Workspace.create(tmp_path / "crash")
+
+
+def _only(verdicts: list[Verdict]) -> list[str]:
+    return [f"{v.scenario} {v.point} {v.kind}: {v.violations}" for v in verdicts if v.violations]
+
+
+@pytest.mark.timeout(300)
+def test_a_sample_of_crash_points_keeps_every_invariant(space: Workspace) -> None:
+    """At least 300 trace-derived points (a crash before a call, or after it with the answer
+    lost) on scenarios drawn from every operation; each state recovered and checked."""
+    rng = random.Random(SEED)
+    rebuilt = [s for s in scenarios() if not s.tier]
+    chosen = [rng.choice([s for s in rebuilt if s.op == op]) for op in ("saves", "gc")]
+    chosen += rng.sample([s for s in rebuilt if s not in chosen], SAMPLE_SCENARIOS - len(chosen))
+    todo = plan(chosen, CRASH_KINDS, space, SAMPLE_POINTS, SEED)
+    verdicts = explore(todo, space)
+    lines = list(report(verdicts))
+    print("\n".join(lines))
+    assert len(verdicts) >= SAMPLE_POINTS
+    assert lines[-1] == f"crash points explored: {len(verdicts)}, violations: 0", _only(verdicts)
+
+
+REGRESSIONS = [
+    # gc (safety age 0) between the commit's existence check and the manifest's put: the
+    # manifest was committed over deleted objects; now the commit checks again and withdraws it.
+    ("saves-plain-local", "0:put:step-000000002/manifest.json#0", "gc"),
+    ("saves-incremental-local", "0:put:step-000000003/manifest.json#0", "gc"),
+    ("saves-incremental-local", "0:head:step-000000001/a-~0/r00000-000.safetensors#3", "gc"),
+]
+
+
+@pytest.mark.parametrize(("scenario", "point", "kind"), REGRESSIONS)
+@pytest.mark.timeout(120)
+def test_points_that_broke_before(scenario: str, point: str, kind: str, space: Workspace) -> None:
+    (verdict,) = _at(Scenario.parse(scenario), point, kind, space)
+    assert verdict.violations == []
+
+
+def _at(scenario: Scenario, point: str, kind: str, space: Workspace) -> list[Verdict]:
+    recorded = record(scenario, space)
+    calls = [call for call in recorded.points() if call.name == point]
+    assert calls, f"{point} is not a point of {scenario.id}: {[c.name for c in recorded.points()]}"
+    return [explore_point(recorded, calls[0], kind, space, {})]
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_without_its_existence_checks_is_caught(
+    space: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bug: the commit no longer checks that its objects exist; gc before the put."""
+    monkeypatch.setattr(Catalog, "missing_objects", lambda self, step, expected: [])
+    (verdict,) = _at(Scenario.parse(REGRESSIONS[0][0]), REGRESSIONS[0][1], "gc", space)
+    assert any("does not verify" in text for text in verdict.violations), verdict
+
+
+@pytest.mark.timeout(180)
+def test_retention_that_ignores_references_is_caught(
+    space: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bug: retention deletes a retired step's folders although a kept incremental
+    step still references them; crashes anywhere in the saves find it."""
+
+    def careless(self: spotckpt.policy.RetentionDecision, folder: str, step: int) -> bool:
+        return step in self.retired
+
+    monkeypatch.setattr(spotckpt.policy.RetentionDecision, "may_delete", careless)
+    todo = plan([Scenario.parse("saves-incremental-local")], ("crash",), space, None, SEED)
+    verdicts = explore(Plan(todo.items[-20:]), space)
+    lines = list(report(verdicts))
+    assert not lines[-1].endswith("violations: 0"), lines
+    assert any("reproduce: python tests/crash/explore.py" in line for line in lines)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(240)
+def test_the_commands_in_the_docs_run() -> None:
+    """docs/guarantees.md's commands: a sample, and a violation's reproducer for one point."""
+    explorer = Path(__file__).with_name("explore.py")
+    scenario, point, kind = REGRESSIONS[1]
+    for args in (
+        ["--sample", "30", "--kind", "crash", "--kind", "lost"],
+        ["--scenario", scenario, "--point", point, "--kind", kind],
+    ):
+        done = subprocess.run(
+            [sys.executable, str(explorer), *args], capture_output=True, text=True, timeout=200
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        last = done.stdout.splitlines()[-1]
+        assert last.startswith("crash points explored: ") and last.endswith(", violations: 0")
