@@ -105,8 +105,10 @@ test-all: test crash
 # of points in the upload process of async_mode="process" saves.
 CRASH_ARGS ?= --backend local --backend s3 --backend gcs --backend azure --kill-sample 20 \
 	--kill-ranks-sample 2 --upload-sample 30
-crash: setup
-	$(PY) tests/crash/explore.py $(CRASH_ARGS) $(if $(SAMPLE),--sample $(SAMPLE))
+# SAMPLE=N explores a seeded sample of N trace points, without the process samples.
+crash: setup $(AZURITE)
+	$(PY) tests/crash/explore.py $(CRASH_ARGS) $(if $(SAMPLE),--sample $(SAMPLE) --kill-sample 0 \
+		--kill-ranks-sample 0 --upload-sample 0)
 
 check: lint
 	$(PY) -m pytest $(CHECK_ARGS)

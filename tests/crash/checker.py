@@ -7,7 +7,8 @@ would (a new manager on the root, `restore`, `ls`, `verify`, `gc`, then a second
 - nothing uncommitted is listed or exported (`export-hf`); no listed step misses an object
   (`verify`);
 - `restore` takes the newest listed step that is intact (a step damaged by the fault itself
-  may be refused, and the older one restored), bit-exact, never an older one;
+  may be refused, and the older one restored), bit-exact, never an older one; every other
+  intact step still listed restores bit-exact when asked for by number;
 - a fast-tier-only step restores bit-exact or not at all (its data is not fsynced);
 - no raw exception: only spotckpt's own errors;
 - `gc` (safety age 0) leaves only the committed steps' objects, no unfinished upload, and
@@ -140,6 +141,9 @@ def _check_root(
     second = _restore(manager_settings, expect | seen.suspect, newest, seen, "second restore")
     if second != first:
         seen.fail(f"a second recovery restored step {second}, the first {first}")
+    # Last: a restore of an older step lets the fast tier drop its newer (now stale) steps.
+    for step in sorted(set(intact) & set(after) - {first}):
+        _restore_step(manager_settings, step, seen)
 
 
 def _refused_export(store: ObjectStore, keyring: Keyring | None, step: int, seen: Recovery) -> None:
@@ -208,6 +212,17 @@ def _restore(
     if step > floor and step not in expect.tier_only:
         seen.fail(f"{what} took step {step}, which is not an intact committed step")
     return step
+
+
+def _restore_step(manager_settings: dict[str, Any], step: int, seen: Recovery) -> None:
+    """An older kept step, asked for by number, restores bit-exact."""
+    into = seam_run.blank()
+    with CheckpointManager(**manager_settings) as manager:
+        got = manager.restore(into, step=step)
+    if got != step:
+        seen.fail(f"restore of step {step} by number gave {got}")
+    elif not seam_run.same(into, seam_run.state(step)):
+        seen.fail(f"restore of step {step} by number is not bit-exact")
 
 
 def _gc(store: ObjectStore, keyring: Keyring | None, listed: list[int], seen: Recovery) -> None:

@@ -46,7 +46,7 @@ import seam_run  # noqa: E402
 from backends import NAMES, Backends, usable  # noqa: E402
 from checker import Expectation, Recovery, check  # noqa: E402
 from recorder import CRASH_KINDS, MUTATING, TIER, Call, Fault, Trace  # noqa: E402
-from scenarios import KEEP_LAST, Root, Scenario, run, scenarios, settings  # noqa: E402
+from scenarios import KEEP_LAST, Root, Scenario, features_on, run, scenarios, settings  # noqa: E402
 
 from spotckpt.catalog import Catalog  # noqa: E402
 from spotckpt.format.references import is_reference, object_path  # noqa: E402
@@ -156,14 +156,8 @@ def recover(scenario: Scenario, root: Root, expect: Expectation) -> Recovery:
     chosen = settings(scenario, root, keep_last=None)
     chosen["preemption"] = False
     keys = seam_run.keyring(scenario.cell, root.paths)
-    with _features(scenario):
+    with features_on(scenario):
         return check(root.opened, {"uri": root.uri, **chosen}, keys, expect)
-
-
-def _features(scenario: Scenario):  # type: ignore[no-untyped-def]
-    from scenarios import features_on
-
-    return features_on(scenario)
 
 
 def rebuild(recorded: Recorded, call: Call, applied: bool, space: Workspace) -> Root:
@@ -285,7 +279,7 @@ def kinds_for(scenario: Scenario, kinds: tuple[str, ...]) -> list[str]:
     for kind in kinds:
         if kind in CRASH_KINDS and scenario.tier:
             kind = {"crash": "replay-crash", "lost": "host"}[kind]
-        if kind in TIER_CRASH_KINDS and not scenario.tier:
+        if (kind in TIER_CRASH_KINDS and not scenario.tier) or kind in chosen:
             continue
         chosen.append(kind)
     return chosen
@@ -364,6 +358,8 @@ def report(verdicts: list[Verdict]) -> Iterator[str]:
 
 
 ALL_KINDS = (*CRASH_KINDS, *REPLAYED_KINDS)
+POINT_KINDS = (*ALL_KINDS, *TIER_CRASH_KINDS)
+"""The kinds explored in this process (a tier scenario's crashes are its own two kinds)."""
 
 
 def _killed_at(
@@ -435,9 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=46)
     parser.add_argument("--scenario", action="append", help="scenario id (repeatable)")
     parser.add_argument("--point", help="one point's name (with --scenario and --kind)")
-    parser.add_argument(
-        "--kind", action="append", choices=(*ALL_KINDS, *TIER_CRASH_KINDS, "kill", "kill-ranks")
-    )
+    parser.add_argument("--kind", action="append", choices=(*POINT_KINDS, "kill", "kill-ranks"))
     parser.add_argument("--workdir", help="where roots are built (default: a temporary folder)")
     parser.add_argument("--json", help="write every verdict to this file")
     parser.add_argument(
@@ -471,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             verdicts = _killed_at(chosen, args.point, kinds, space)
         else:
             todo = plan(
-                chosen, tuple(k for k in kinds if k in ALL_KINDS), space, args.sample, args.seed
+                chosen, tuple(k for k in kinds if k in POINT_KINDS), space, args.sample, args.seed
             )
             if args.point:
                 todo.items = [item for item in todo.items if item[1].name == args.point]

@@ -27,7 +27,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,19 +66,17 @@ class Call:
     seq: int
     """Order in which the run's calls started, over every rank and thread of this process."""
     rank: int
-    index: int
-    """This rank's call index."""
     op: str
     key: str
     nth: int
+    """How many calls of this rank made the same `op` on the same (aliased) key before it: a
+    rank's own order of calls on one key is stable where concurrent uploads reorder between
+    keys, so a name picks the same call on a replay."""
 
     @property
     def name(self) -> str:
+        """``rank:op:key#nth``, the point's name in reports and reproducers."""
         return f"{self.rank}:{self.op}:{self.key}#{self.nth}"
-
-    @property
-    def mutates(self) -> bool:
-        return self.op in MUTATING
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,8 @@ class Mark:
 
 @dataclass
 class Fault:
-    """A fault applied at the call named `point`: `kind` is one of `FAULT_KINDS`."""
+    """A fault applied at the call named `point`, of one of the kinds below (or the fast
+    tier's ``replay-crash`` and ``host``, or ``kill``)."""
 
     point: str
     kind: str
@@ -117,9 +116,6 @@ ERROR_KINDS = ("transient", "denied")
 ACTOR_KINDS = ("gc", "damaged", "forged")
 """Replayed: right before the call, gc runs, a committed object is damaged, or a manifest of a
 higher step is forged."""
-KILL_KINDS = ("kill",)
-"""Replayed in a child process that SIGKILLs itself at the call."""
-FAULT_KINDS = (*CRASH_KINDS, *ERROR_KINDS, *ACTOR_KINDS, *KILL_KINDS, "replay-crash", "host")
 
 
 class Trace:
@@ -135,7 +131,6 @@ class Trace:
         """Calls before this `seq` belong to the scenario's set-up: not points."""
         self._lock = threading.Lock()
         self._seen: dict[tuple[int, str, str], int] = {}
-        self._per_rank: dict[int, int] = {}
         self._aliases: dict[str, dict[str, str]] = {}
 
     # Recording ---------------------------------------------------------------------------------
@@ -148,9 +143,7 @@ class Trace:
             key = self._alias(key)
             nth = self._seen.get((rank, op, key), 0)
             self._seen[(rank, op, key)] = nth + 1
-            index = self._per_rank.get(rank, 0)
-            self._per_rank[rank] = index + 1
-            call = Call(len(self.calls), rank, index, op, key, nth)
+            call = Call(len(self.calls), rank, op, key, nth)
             self.calls.append(call)
             fault = self.fault
             if fault is None or fault.fired or fault.point != call.name:
@@ -391,7 +384,6 @@ class TierRecorder:
 
     trace: Trace
     rank: int = 0
-    stores: list[RecordingStore] = field(default_factory=list)
 
     def install(self, monkeypatch: Any) -> None:
         """Make `spotckpt.tiers.fast_tier` open its node folders through recording stores."""
@@ -400,8 +392,6 @@ class TierRecorder:
 
         def recording_local_store(root: Any, fsync: bool = True) -> RecordingStore:
             name = f"{os.path.basename(os.fspath(root))}-{'synced' if fsync else 'unsynced'}"
-            store = RecordingStore(LocalStore(root, fsync=fsync), self.trace, self.rank, name)
-            self.stores.append(store)
-            return store
+            return RecordingStore(LocalStore(root, fsync=fsync), self.trace, self.rank, name)
 
         monkeypatch.setattr(fast_tier, "LocalStore", recording_local_store)

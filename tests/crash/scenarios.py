@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 import seam_run
-from recorder import RecordingStore, SimulatedCrash, TierRecorder, Trace
+from recorder import Fault, RecordingStore, SimulatedCrash, TierRecorder, Trace
 from seam_cells import Cell
 
 from spotckpt import CheckpointManager
 from spotckpt.errors import CheckpointError
 from spotckpt.gc import collect_garbage
+from spotckpt.layout import manifest_key
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.verify import verify_checkpoint
 
@@ -181,7 +182,6 @@ class Outcome:
 
     error: str | None = None
     raw: bool = False
-    crashed: bool = False
 
 
 def run(scenario: Scenario, root: Root, trace: Trace) -> Outcome:
@@ -196,21 +196,19 @@ def run(scenario: Scenario, root: Root, trace: Trace) -> Outcome:
         try:
             _setup(scenario, root, store, trace)
             trace.start_exploring()
-            _operate(scenario, root, store, trace)
+            OPERATIONS[scenario.op](scenario, root, store, trace)
             store.close()
         except SimulatedCrash:
-            outcome.crashed = True
+            pass  # the process died at its fault: what it left is for the recovery to judge
         except CheckpointError as error:
             outcome.error = f"{type(error).__name__}: {error}"
-            outcome.crashed = trace.dead
         except Exception as error:
-            outcome.crashed = trace.dead
             outcome.raw = not trace.dead
             outcome.error = "".join(traceback.format_exception(error))[-3000:]
     return outcome
 
 
-def _close(manager: Any, trace: Trace) -> None:
+def _close(manager: CheckpointManager, trace: Trace) -> None:
     """Close as the process would; a dead one only releases its threads (its calls fail)."""
     try:
         manager.close()
@@ -219,7 +217,9 @@ def _close(manager: Any, trace: Trace) -> None:
             raise
 
 
-def _manager(scenario: Scenario, root: Root, store: RecordingStore, **extra: Any) -> Any:
+def _manager(
+    scenario: Scenario, root: Root, store: RecordingStore, **extra: Any
+) -> CheckpointManager:
     """A manager on a store of its own (a manager closes its store), recorded in the same
     trace as `store`."""
     own = RecordingStore(
@@ -248,51 +248,69 @@ def _setup(scenario: Scenario, root: Root, store: RecordingStore, trace: Trace) 
             leftover.save(4, seam_run.state(4))
             leftover.wait()
         except (SimulatedCrash, CheckpointError):
-            pass
+            if not dying.dead:  # it failed before its manifest: the set-up is not what it says
+                raise
         _close(leftover, dying)
         dead.inner.close()
 
 
-def _manifest_crash(step: int) -> Any:
-    from recorder import Fault
-
-    from spotckpt.layout import manifest_key
-
+def _manifest_crash(step: int) -> Fault:
+    """A crash right before the manifest of `step` is written (its objects are all there)."""
     return Fault(point=f"0:put:{manifest_key(step)}#0", kind="crash")
 
 
-def _operate(scenario: Scenario, root: Root, store: RecordingStore, trace: Trace) -> None:
-    keys = seam_run.keyring(scenario.cell, root.paths)
-    if scenario.op == "saves":
-        manager = _manager(scenario, root, store)
-        try:
-            for step in SAVED_STEPS:
-                trace.mark("saving", step)
-                if scenario.tier:
-                    manager.maybe_save(step, seam_run.state(step))
-                else:
-                    manager.save(step, seam_run.state(step))
-                manager.wait()
-                bucket = not scenario.tier or step % 2 == 0
-                trace.mark("committed" if bucket else "tier", step)
-        finally:
-            _close(manager, trace)
-    elif scenario.op == "two_jobs":  # two managers on one root take turns, each with retention
-        first, second = _manager(scenario, root, store), _manager(scenario, root, store)
-        try:
-            for step, manager in zip((*SAVED_STEPS, 5), (first, second) * 2, strict=True):
-                trace.mark("saving", step)
+def _saves(scenario: Scenario, root: Root, store: RecordingStore, trace: Trace) -> None:
+    """A job's saves with retention (with the fast tier: every other step to the bucket)."""
+    manager = _manager(scenario, root, store)
+    try:
+        for step in SAVED_STEPS:
+            trace.mark("saving", step)
+            if scenario.tier:
+                manager.maybe_save(step, seam_run.state(step))
+            else:
                 manager.save(step, seam_run.state(step))
-                manager.wait()
-                trace.mark("committed", step)
-        finally:
-            _close(first, trace)
-            _close(second, trace)
-    elif scenario.op == "restore":
-        with _manager(scenario, root, store) as manager:
-            manager.restore(seam_run.blank())
-    elif scenario.op == "gc":
-        collect_garbage(store, keep_last=KEEP_LAST, safety_age_s=0, keyring=keys)
-    elif scenario.op == "verify":
-        for step in (2, 3):
-            verify_checkpoint(store, step, keyring=keys)
+            manager.wait()
+            bucket = not scenario.tier or step % 2 == 0
+            trace.mark("committed" if bucket else "tier", step)
+    finally:
+        _close(manager, trace)
+
+
+def _two_jobs(scenario: Scenario, root: Root, store: RecordingStore, trace: Trace) -> None:
+    """Two managers on one root take turns, each with retention."""
+    first, second = _manager(scenario, root, store), _manager(scenario, root, store)
+    try:
+        for step, manager in zip((*SAVED_STEPS, 5), (first, second) * 2, strict=True):
+            trace.mark("saving", step)
+            manager.save(step, seam_run.state(step))
+            manager.wait()
+            trace.mark("committed", step)
+    finally:
+        _close(first, trace)
+        _close(second, trace)
+
+
+def _restore(scenario: Scenario, root: Root, store: RecordingStore, trace: Trace) -> None:
+    with _manager(scenario, root, store) as manager:
+        manager.restore(seam_run.blank())
+
+
+def _gc(scenario: Scenario, root: Root, store: RecordingStore, trace: Trace) -> None:
+    keys = seam_run.keyring(scenario.cell, root.paths)
+    collect_garbage(store, keep_last=KEEP_LAST, safety_age_s=0, keyring=keys)
+
+
+def _verify(scenario: Scenario, root: Root, store: RecordingStore, trace: Trace) -> None:
+    keys = seam_run.keyring(scenario.cell, root.paths)
+    for step in (2, 3):
+        verify_checkpoint(store, step, keyring=keys)
+
+
+OPERATIONS: dict[str, Callable[[Scenario, Root, RecordingStore, Trace], None]] = {
+    "saves": _saves,
+    "restore": _restore,
+    "gc": _gc,
+    "verify": _verify,
+    "two_jobs": _two_jobs,
+}
+"""The explored operation of each op (its calls are the points; the set-up's are not)."""
