@@ -29,6 +29,7 @@ import json
 import logging
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -58,6 +59,9 @@ from tests_support import write_signing_key  # noqa: E402
 
 REPLAYED_KINDS = ("transient", "denied", "gc", "damaged", "forged")
 TIER_CRASH_KINDS = ("replay-crash", "host")
+SERVER_KINDS = (*CRASH_KINDS, "gc")
+"""The kinds explored on the servers (S3, GCS, Azure): the replayed errors and damaged objects
+run the same code as on the local folder, and each replay there costs seconds."""
 FORGED_STEP = 99
 
 
@@ -274,9 +278,12 @@ def _fired_at(trace: Trace, name: str) -> int:
 
 
 def kinds_for(scenario: Scenario, kinds: tuple[str, ...]) -> list[str]:
-    """The fault kinds explored on a scenario (a tier's crashes replay)."""
+    """The fault kinds explored on a scenario (a tier's crashes replay; a server's, only
+    `SERVER_KINDS`)."""
     chosen = []
     for kind in kinds:
+        if scenario.backend != "local" and kind not in SERVER_KINDS:
+            continue
         if kind in CRASH_KINDS and scenario.tier:
             kind = {"crash": "replay-crash", "lost": "host"}[kind]
         if (kind in TIER_CRASH_KINDS and not scenario.tier) or kind in chosen:
@@ -315,16 +322,24 @@ def plan(
     return everything
 
 
-def explore(plan_: Plan, space: Workspace, progress: bool = False) -> list[Verdict]:
-    """Explore the planned points in order (states rebuilt alike are recovered once)."""
+def explore(
+    plan_: Plan,
+    space: Workspace,
+    progress: bool = False,
+    verdicts: list[Verdict] | None = None,
+) -> list[Verdict]:
+    """Explore the planned points in order (states rebuilt alike are recovered once), into
+    `verdicts` (so that an interrupted run still reports what it explored)."""
     cache: dict[str, Recovery] = {}
-    verdicts = []
+    verdicts = [] if verdicts is None else verdicts
     started = time.monotonic()
     for number, (recorded, call, kind) in enumerate(plan_.items, 1):
         verdicts.append(explore_point(recorded, call, kind, space, cache))
         if progress and number % 200 == 0:
+            bad = sum(1 for v in verdicts if v.violations)
             print(
-                f"  {number}/{len(plan_.items)} points, {time.monotonic() - started:.0f} s",
+                f"  {number}/{len(plan_.items)} points, {time.monotonic() - started:.0f} s, "
+                f"{bad} violations ({recorded.scenario.id})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -471,11 +486,15 @@ def main(argv: list[str] | None = None) -> int:
                 todo.items = [item for item in todo.items if item[1].name == args.point]
                 if not todo.items:
                     parser.error(f"no point named {args.point!r} in {[s.id for s in chosen]}")
-            verdicts = explore(todo, space, progress=True)
-            verdicts += _killed_samples(
-                chosen, args.kill_sample, args.kill_ranks_sample, args.seed, space
-            )
-            verdicts += _upload_sample(args.upload_sample, args.seed, space)
+            verdicts = []
+            try:
+                explore(todo, space, progress=True, verdicts=verdicts)
+                verdicts += _killed_samples(
+                    chosen, args.kill_sample, args.kill_ranks_sample, args.seed, space
+                )
+                verdicts += _upload_sample(args.upload_sample, args.seed, space)
+            except KeyboardInterrupt:  # SIGINT: report what was explored so far
+                print(f"interrupted after {len(verdicts)} points", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps([v.__dict__ for v in verdicts], indent=1))
     for line in report(verdicts):
@@ -485,4 +504,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     logging.getLogger("spotckpt").setLevel(logging.CRITICAL)  # faults make it warn on purpose
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still reports
     sys.exit(main())
