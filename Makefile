@@ -22,7 +22,7 @@ PYTEST_ARGS ?= -m "not slow" -n 3 --dist loadfile --durations=25
 # fails one that does), in one process, after make lint: the inner loop, under two minutes.
 CHECK_ARGS ?= -m "not process and not slow" --no-processes -q
 
-.PHONY: help setup test-deps demo test test-all check lint bench bench-smoke faketime azurite crash
+.PHONY: help setup test-deps demo test test-all check lint bench bench-smoke faketime azurite crash deadline
 
 help:
 	@echo "make setup        create .venv (unless a virtual environment is active), install"
@@ -35,6 +35,7 @@ help:
 	@echo "make lint         ruff format --check, ruff check, mypy, lint-imports (the layers)"
 	@echo "make check        make lint, then the tests that start no process (under 2 minutes)"
 	@echo "make crash        every store call of every scenario as a crash point (SAMPLE=N: N of them)"
+	@echo "make deadline     the emergency-save campaign under the cloud model (QUICK=1: 3 runs)"
 	@echo "make bench        side-by-side benchmarks (about 20 minutes)"
 	@echo "make bench-smoke  the benchmarks at small sizes, one repetition (about a minute)"
 	@echo "make azurite      install Azurite (the Azure Storage emulator, npm) into .azurite"
@@ -97,7 +98,7 @@ test: test-deps
 	CHECKOV=$(CURDIR)/$(CHECKOV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: PYTEST_ARGS :=
-test-all: test crash
+test-all: test crash deadline
 
 # The crash explorer (docs/guarantees.md): every recorded store call is a fault point, on the
 # local folder, S3 (moto), the GCS fake and Azurite (each skipped, with a line, where missing),
@@ -109,6 +110,11 @@ CRASH_ARGS ?= --backend local --backend s3 --backend gcs --backend azure --kill-
 crash: setup $(AZURITE)
 	$(PY) tests/crash/explore.py $(CRASH_ARGS) $(if $(SAMPLE),--sample $(SAMPLE) --kill-sample 0 \
 		--kill-ranks-sample 0 --upload-sample 0)
+
+# The emergency-save campaign (docs/preemption.md): real notices and SIGKILLs at the deadline,
+# rank processes behind the cloud model's per-node links; about 40 runs, QUICK=1 three.
+deadline: $(BENCH_STAMP)
+	$(PY) benchmarks/deadline.py $(if $(QUICK),--quick)
 
 check: lint
 	$(PY) -m pytest $(CHECK_ARGS)

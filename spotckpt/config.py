@@ -126,7 +126,10 @@ class Settings:
     - `prefix_spread`: spread rank objects over 4096 key prefixes (S3 request-rate partitions).
     - `collective_timeout_s`: bound on every collective of the manager's own gloo group.
     - `agree_every`: with several ranks, agree on the preemption flag every N steps.
-    - `save_budget_s`: time an emergency save may take after a signal.
+    - `save_budget_s`: time an emergency save may take after a signal; the window that
+      `CheckpointManager.emergency_estimate` is judged against (or a cloud's shorter notice).
+    - `aws_rebalance`: the manager's watcher also polls AWS's rebalance recommendation, and
+      `maybe_save` answers the first one with an extra save (off by default).
     - `storage_options`: back-end options, e.g. ``endpoint_url``; never logged.
     - `local_dir`: the fast tier, a folder on each node (``{node}`` in it is replaced by the
       node id); None: no fast tier. See `spotckpt.tiers`.
@@ -181,6 +184,7 @@ class Settings:
     collective_timeout_s: float = field(default=300.0, metadata=_POSITIVE)
     agree_every: int = field(default=1, metadata=_AT_LEAST_ONE)
     save_budget_s: float = field(default=25.0, metadata=_POSITIVE)
+    aws_rebalance: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
     local_dir: str | None = field(default=None, metadata=_Checks(non_empty="string"))
     local_interval_steps: int | None = field(default=None, metadata=_AT_LEAST_ONE)
@@ -211,6 +215,12 @@ class Settings:
         if self.max_interval_steps is None:  # None means the default ceiling, never unbounded
             object.__setattr__(self, "max_interval_steps", DEFAULT_MAX_INTERVAL_STEPS)
         self._check_interval_bounds()
+        if self.aws_rebalance and self.preemption is not True:
+            raise ConfigError(
+                "aws_rebalance: configures the manager's own preemption watcher: with "
+                "preemption=False there is none, and a watcher passed in takes "
+                "PreemptionWatcher(aws_rebalance=True) instead"
+            )
 
     def _check_interval_bounds(self) -> None:
         maximum = self.max_interval_steps

@@ -137,7 +137,14 @@ _RECENT = {
     "preemption": ("emergency_save_s", "notice_left_s"),
     "restore": ("restore_s",),
 }
-_LAST = ("interval_steps", "step_time_s", "step", "time")
+_EMERGENCY = (
+    "emergency_estimate_s",
+    "emergency_route",
+    "emergency_window_s",
+    "emergency_window_source",
+)
+"""The emergency estimate a save event carries (`spotckpt.deadline`): the latest is shown."""
+_LAST = ("interval_steps", "step_time_s", "step", "time", *_EMERGENCY)
 _SUM_NAMES = frozenset(name for names in _SUMMED.values() for name in names)
 _RECENT_NAMES = frozenset(name for names in _RECENT.values() for name in names)
 _COUNTED = frozenset({"bytes", "referenced_bytes", "steps_lost", *REQUEST_FIELDS})
@@ -208,6 +215,12 @@ def _list_of(item: _Check) -> _Check:
     return check
 
 
+def _short_text(value: Any) -> str | None:
+    if isinstance(value, str) and len(value) <= 64 and value.isprintable():
+        return None
+    return f"must be a short printable string, got {_shown(value)}"
+
+
 def _event_name(value: Any) -> str | None:
     if isinstance(value, str) and parse_event_key(value) is not None:
         return None
@@ -226,6 +239,8 @@ _EVENT_FIELDS: dict[str, _Check] = {
         ("bytes", "referenced_bytes", "steps_lost", "step", *REQUEST_FIELDS), _whole(0)
     ),
     "interval_steps": _whole(1),
+    **dict.fromkeys(("emergency_estimate_s", "emergency_window_s"), _DURATION),
+    **dict.fromkeys(("emergency_route", "emergency_window_source"), _short_text),
 }
 """Every field that a figure reads, and what it must be when present and not null."""
 _SUMMARY_TABLES: dict[str, dict[str, _Check]] = {

@@ -28,6 +28,7 @@ from typing import Any
 
 from spotckpt.catalog import Catalog
 from spotckpt.config import Config, Settings
+from spotckpt.deadline import EmergencyEstimate
 from spotckpt.distributed import Collective
 from spotckpt.engine.checkpointer import Checkpointer
 from spotckpt.engine.reader import ReadStats
@@ -95,7 +96,7 @@ class CheckpointManager:
         self.group = self.collective.group
         if self.group is None:  # DCP warns on every single-process call, even in its threads
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        self.watcher = _make_watcher(self.settings.preemption, self.settings.save_budget_s)
+        self.watcher = _make_watcher(self.settings)
         self.goodput = GoodputTracker(self.store, self.settings, is_coordinator=self.rank == 0)
         self.checkpointer = Checkpointer(
             self.collective, process_mode=self.settings.async_mode == "process"
@@ -201,6 +202,13 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until an asynchronous save has committed; raise its error if it failed."""
         self._saver.wait()
+
+    def emergency_estimate(self) -> EmergencyEstimate:
+        """How long an emergency save would take now, and by which route: unpacks as
+        ``seconds, route`` (seconds None before the first save); also `window` (the shortest
+        notice here: `save_budget_s` or a cloud's) and `fits` (`spotckpt.deadline`). When it
+        stops fitting, the manager warns once and records an event; `spotckpt stats` shows it."""
+        return self._saver.emergency_estimate()
 
     @property
     def last_save_seconds(self) -> float | None:
@@ -326,14 +334,17 @@ class CheckpointManager:
         self.close()
 
 
-def _make_watcher(
-    preemption: bool | PreemptionWatcher, save_budget_s: float
-) -> PreemptionWatcher | None:
+def _make_watcher(settings: Settings) -> PreemptionWatcher | None:
+    """The manager's watcher, or the one passed (`aws_rebalance` configures only its own:
+    `Settings` refuses it with any other)."""
+    preemption = settings.preemption
     if isinstance(preemption, PreemptionWatcher):
         return preemption
     if not preemption:
         return None
-    return PreemptionWatcher(signal_budget_s=save_budget_s).start()
+    return PreemptionWatcher(
+        signal_budget_s=settings.save_budget_s, aws_rebalance=settings.aws_rebalance
+    ).start()
 
 
 def _open_tier(

@@ -137,7 +137,8 @@ class SaveKind(Enum):
     EMERGENCY = "emergency"
     """A preemption notice: save at once (blocking) if it fits before the deadline, then stop."""
     DURABLE = "durable"
-    """The interval: a save committed in the bucket (through the fast tier when it has room)."""
+    """The interval, or an early hint: a save committed in the bucket (through the fast tier
+    when it has room)."""
     FAST = "fast"
     """The fast tier's cadence: a save to the fast tier only."""
 
@@ -185,13 +186,15 @@ class SaveDecisionPolicy:
         step: int,
         *,
         preempted: bool,
+        hinted: bool = False,
         auto_interval_steps: int | None = None,
         last_started_step: int = 0,
     ) -> SaveKind:
-        """What to do at `step`: `preempted` is the flag every rank agreed on."""
+        """What to do at `step`: `preempted` is the notice every rank agreed on, `hinted` an
+        early hint (AWS's rebalance recommendation) not yet answered with a save of its own."""
         if preempted:
             return SaveKind.EMERGENCY
-        if self.due(
+        if hinted or self.due(
             step, auto_interval_steps=auto_interval_steps, last_started_step=last_started_step
         ):
             return SaveKind.DURABLE

@@ -27,6 +27,7 @@ import torch
 from spotckpt.catalog import Catalog
 from spotckpt.collector import collector_paused
 from spotckpt.config import Settings
+from spotckpt.deadline import EmergencyEstimate, first_measured
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.engine.checkpointer import Checkpointer, is_save_failure
 from spotckpt.engine.guards import Guard
@@ -44,7 +45,7 @@ from spotckpt.format.compression import Compression
 from spotckpt.format.signing import Keyring
 from spotckpt.layout import new_attempt_id
 from spotckpt.policy import SaveDecisionPolicy, SaveKind
-from spotckpt.preemption import PreemptionWatcher
+from spotckpt.preemption import SIGNAL_WINDOW, NoticeWindow, PreemptionWatcher
 from spotckpt.progress import ProgressLog, Sample
 from spotckpt.state import State, as_dcp_state, release_worker_shields
 from spotckpt.storage import ObjectStore
@@ -381,6 +382,9 @@ class WriterSetup:
 class SaveTarget(Protocol):
     """Where a save's bytes go: the bucket, or the fast tier (which then drains to the bucket)."""
 
+    route: str
+    """What estimates and logs call it: ``bucket`` or ``fast tier``."""
+
     @property
     def predicted_s(self) -> float | None:
         """How long the next save to this target is expected to hold the loop (None: unknown)."""
@@ -401,6 +405,8 @@ class SaveTarget(Protocol):
 
 class BucketTarget:
     """Saves straight to the bucket, committed there (durable saves only)."""
+
+    route = "bucket"
 
     def __init__(
         self,
@@ -470,6 +476,8 @@ class BucketTarget:
 class TierTarget:
     """Saves through the fast tier: stage once on this node, copy to peers, commit in the tier,
     then (durable saves) drain each rank's objects to the bucket and commit there."""
+
+    route = "fast tier"
 
     def __init__(
         self,
@@ -646,6 +654,9 @@ class Saver:
         self.stopped = False  # a preemption save is in: the loop should stop
         self._saves = 0
         self._job: str | None = None
+        self._warned_unfit = False  # "does not fit" was told (once per process)
+        self._hint_saved = False  # the extra save an early hint asks for was made
+        self.goodput.emergency = lambda: self.emergency_estimate().to_event()
 
     @property
     def pending(self) -> PendingSave | None:
@@ -663,18 +674,31 @@ class Saver:
         pending = self.committer.pending
         if pending is not None and pending.upload.done():
             self.wait()  # commits it, or raises its upload error here and now
+        preempted, hinted = self._notices_agreed(step)
         decision = self.policy.decide(
             step,
-            preempted=self._preemption_agreed(step),
+            preempted=preempted,
+            hinted=hinted and not self._hint_saved,
             auto_interval_steps=self.goodput.interval_steps,
             last_started_step=self.goodput.last_started_step,
         )
         if decision is SaveKind.EMERGENCY:
             self._emergency_save(step, state, user_metadata)
         elif decision is SaveKind.DURABLE:
+            answered = hinted and not self._hint_saved
+            if answered:
+                log.warning(
+                    "early preemption hint (%s): saving step %d now, so that a notice has less "
+                    "to do",
+                    (self.watcher.hint if self.watcher is not None else None) or "peer rank",
+                    step,
+                )
             self.save(step, state, None, user_metadata)
+            self._hint_saved = self._hint_saved or answered
         elif decision is SaveKind.FAST:
             self.save(step, state, None, user_metadata, durable=False)
+        else:
+            self._check_window()
         return decision is not SaveKind.NONE
 
     def save(
@@ -714,19 +738,58 @@ class Saver:
             for target in self.targets:
                 if target.admits(request, state_dict):
                     target.save(request, state_dict)
-                    return
+                    break
+        if not emergency:
+            self._check_window()
 
     def wait(self) -> None:
         """Block until an asynchronous save has committed; raise its error if it failed."""
         self.committer.wait()
 
-    def _preemption_agreed(self, step: int) -> bool:
-        local = self.watcher is not None and self.watcher.preempted
+    def emergency_estimate(self) -> EmergencyEstimate:
+        """An emergency save now (see `spotckpt.deadline`): the last save's time to the first
+        target that measured one (the fast tier's, when there is a tier), against the
+        shortest notice window here."""
+        window = (
+            self.watcher.window()
+            if self.watcher is not None
+            else NoticeWindow(self.settings.save_budget_s, SIGNAL_WINDOW)
+        )
+        routes = [(target.route, target.predicted_s) for target in self.targets]
+        return first_measured(self.policy, routes, self._in_flight_left(), window)
+
+    def _in_flight_left(self) -> float:
+        """What an upload in flight is predicted to need still: an emergency save lets it
+        commit first (its own time to the bucket, less the time it has run)."""
+        pending, last = self.committer.pending, self.committer.last_save_seconds
+        if pending is None or not pending.durable or last is None:
+            return 0.0
+        return max(0.0, last - (time.monotonic() - pending.started))
+
+    def _check_window(self) -> None:
+        """Warn once (and record an event) when an emergency save no longer fits its window;
+        never while a notice is being handled."""
+        if self._warned_unfit or (self.watcher is not None and self.watcher.preempted):
+            return
+        now = self.emergency_estimate()
+        if now.fits:
+            return
+        self._warned_unfit = True
+        if self.committer.is_coordinator:
+            log.warning("%s", now.warning())
+            self.goodput.unfit(now.to_event())
+
+    def _notices_agreed(self, step: int) -> tuple[bool, bool]:
+        """(a preemption notice, an early hint), each agreed by every rank (one collective)."""
+        watcher = self.watcher
+        preempted = watcher is not None and watcher.preempted
+        hinted = watcher is not None and watcher.hint is not None
         if self.collective.group is None:
-            return local
+            return preempted, hinted
         if not self.policy.agrees_at(step):
-            return False
-        return self.collective.any(local)
+            return False, False
+        agreed = self.collective.sum([int(preempted), int(hinted)])
+        return agreed[0] > 0, agreed[1] > 0
 
     def _emergency_save(
         self, step: int, state: State, user_metadata: Mapping[str, Any] | None
@@ -782,10 +845,10 @@ class Saver:
         release_worker_shields()  # the save is in: loader workers may now be shut down
 
     def _time_for_another_save(self, deadline: float | None) -> bool:
-        """Whether the predicted save time (the first target's last one, plus 20 %) fits before
-        `deadline`. With a fast tier that is the last fast save's: the upload comes after it,
-        only if there is time left (`TierTarget`)."""
-        predicted = self.targets[0].predicted_s
+        """Whether the emergency estimate (plus 20 %) fits before `deadline`. With a fast tier
+        that is the last fast save's: the upload comes after it, only if there is time left
+        (`TierTarget`)."""
+        predicted = self.emergency_estimate().seconds
         return self.policy.fits(predicted, now=time.monotonic(), deadline=deadline)
 
     def _job_of_saves(self) -> str | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotckpt.cost import DEFAULT_PRICES, PriceTable
+from spotckpt.deadline import EmergencyEstimate, estimate
 from spotckpt.goodput import PER_SAVE_FIELDS, REQUEST_FIELDS, EventLog, Totals
 from spotckpt.interval import (
     PRIOR_EVICTIONS_PER_HOUR,
@@ -27,6 +28,8 @@ from spotckpt.interval import (
     possible_figures,
     seconds_text,
 )
+from spotckpt.policy import SaveDecisionPolicy
+from spotckpt.preemption import NoticeWindow
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.requests import RequestTally
 from spotckpt.units import human_size
@@ -88,6 +91,11 @@ class GoodputStats:
     cost_retention_per_month: float | None = None
     """Keeping `retained_bytes` for a month."""
     currency: str = DEFAULT_PRICES.currency
+    emergency_estimate_s: float | None = None
+    """The last save's emergency estimate (`spotckpt.deadline`): seconds, route and window."""
+    emergency_route: str | None = None
+    emergency_window_s: float | None = None
+    emergency_window_source: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -194,11 +202,24 @@ class GoodputStats:
             ("eviction rate", self._rate_row()),
             ("step time", seconds_text(self.step_time_s)),
             ("interval", f"{_or_dash(self.interval_steps)} steps (last recorded)"),
+            ("emergency save", self._emergency_row()),
             *self._model_rows(),
             *self._cost_rows(),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"goodput at {self.uri}"] + [f"  {n.ljust(width)}  {v}" for n, v in rows])
+
+    def emergency(self) -> EmergencyEstimate | None:
+        """The last recorded emergency estimate, judged again (None: no save recorded one)."""
+        if self.emergency_window_s is None or self.emergency_window_source is None:
+            return None
+        window = NoticeWindow(self.emergency_window_s, self.emergency_window_source)
+        route = self.emergency_route or "bucket"
+        return estimate(SaveDecisionPolicy(), self.emergency_estimate_s, route, window)
+
+    def _emergency_row(self) -> str:
+        now = self.emergency()
+        return "-" if now is None else now.describe()
 
     def _rejected_rows(self) -> list[tuple[str, str]]:
         if not self.rejected_events:
@@ -230,6 +251,10 @@ class GoodputStats:
 
     def _money(self, value: float | None) -> str:
         return "-" if value is None else f"{value:.4f} {self.currency} (estimated)"
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _bytes(value: int | None) -> str:
@@ -299,6 +324,10 @@ def stats_from_totals(
     )
     interval = totals.last_number("interval_steps")
     stats.interval_steps = int(interval) if interval is not None and interval >= 1 else None
+    stats.emergency_estimate_s = totals.last_number("emergency_estimate_s")
+    stats.emergency_window_s = totals.last_number("emergency_window_s")
+    stats.emergency_route = _text(totals.last.get("emergency_route"))
+    stats.emergency_window_source = _text(totals.last.get("emergency_window_source"))
     _add_model_figures(stats)
     _add_cost_figures(stats, totals, prices, retained_bytes)
     return stats

@@ -9,12 +9,12 @@ imports the other. No torch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from spotckpt.config import Settings
 from spotckpt.errors import StorageError
-from spotckpt.goodput import EventLog
+from spotckpt.goodput import EventLog, event_problem
 from spotckpt.interval import IntervalModel
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.requests import RequestTally
@@ -42,6 +42,8 @@ class GoodputTracker:
         self.metrics: Callable[[dict[str, Any]], Any] | None = settings.metrics
         self.last_started_step = 0
         self.last_committed_step: int | None = None
+        self.emergency: Callable[[], Mapping[str, Any]] | None = None
+        """The emergency estimate's figures (`spotckpt.deadline`), added to each save event."""
         self._metrics_failed = False
 
     @property
@@ -97,7 +99,19 @@ class GoodputTracker:
             "emergency": emergency,
             "digest": digest,
         }
+        figures = self.emergency() if self.emergency is not None else {}
+        if event_problem(dict(figures)) is None:  # a window beyond an event's bounds: left out
+            event.update(figures)
         self._publish(event | (requests.to_dict() if requests is not None else {}))
+
+    def unfit(self, figures: Mapping[str, Any]) -> None:
+        """An emergency save no longer fits its notice window (`spotckpt.deadline`): recorded
+        once (kind ``unfit``), without the goodput figures (no save happened) and without a
+        compaction (no listing between training steps)."""
+        event: dict[str, Any] = {"kind": "unfit"}
+        if event_problem(dict(figures)) is None:
+            event.update(figures)
+        self._publish(event, compact=False, figures=False)
 
     def preempted(
         self,

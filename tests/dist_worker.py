@@ -476,6 +476,30 @@ def distributed_sampler(rank: int, world: int, args: dict[str, Any]) -> None:
     manager.close()
 
 
+def rebalance_hint(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Only rank 0 sees AWS's rebalance recommendation (a fake metadata server); every rank
+    must make the same one extra save, at the same step. The budget is too small for any save:
+    the coordinator alone records that it does not fit."""
+    if rank == 0:
+        os.environ["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = args["endpoint"]
+    manager = CheckpointManager(
+        args["uri"], aws_rebalance=True, keep_last=None, save_budget_s=0.001
+    )
+    if rank == 0:
+        end = time.monotonic() + 50  # within the other rank's barrier timeout (60 s)
+        while manager.watcher is not None and manager.watcher.hint is None:
+            if time.monotonic() > end:
+                raise AssertionError("rank 0 never saw the rebalance recommendation")
+            time.sleep(0.02)
+    dist.barrier()
+    saved = [
+        step for step in range(1, 6) if manager.maybe_save(step, {"w": torch.full((4,), step)})
+    ]
+    manager.wait()
+    (Path(args["out"]) / f"saved-{rank}.json").write_text(json.dumps(saved))
+    manager.close()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "fsdp_incremental_save": fsdp_incremental_save,
     "per_rank_state": per_rank_state,
@@ -490,6 +514,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "coordinator_dies_after_commit": coordinator_dies_after_commit,
     "raw_dcp": raw_dcp,
     "async_saves": async_saves,
+    "rebalance_hint": rebalance_hint,
 }
 
 

@@ -24,7 +24,7 @@ from spotckpt.preemption.gce import (
 )
 from spotckpt.preemption.signals import DEFAULT_SIGNALS, SignalHandler
 from spotckpt.preemption.source import MAX_ANSWER_BYTES, Backoff, Notice, NoticeSource
-from spotckpt.preemption.watcher import PreemptionWatcher
+from spotckpt.preemption.watcher import SIGNAL_WINDOW, NoticeWindow, PreemptionWatcher
 
 __all__ = [
     "AWS_DEFAULT_ENDPOINT",
@@ -37,12 +37,14 @@ __all__ = [
     "GCE_DEFAULT_HOST",
     "GCE_NOTICE_S",
     "MAX_ANSWER_BYTES",
+    "SIGNAL_WINDOW",
     "AwsNoticeSource",
     "AzureNoticeSource",
     "Backoff",
     "GceNoticeSource",
     "Notice",
     "NoticeSource",
+    "NoticeWindow",
     "PreemptionWatcher",
     "SignalHandler",
     "aws_metadata_endpoint",

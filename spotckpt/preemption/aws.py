@@ -42,6 +42,8 @@ class AwsNoticeSource:
     """
 
     name = "AWS"
+    window_s = AWS_NOTICE_S
+    """The shortest notice this cloud gives (`PreemptionWatcher.window`)."""
 
     def __init__(
         self, endpoint: str, *, poll_interval_s: float, request_timeout_s: float, rebalance: bool
@@ -54,6 +56,11 @@ class AwsNoticeSource:
         self.rebalance_recommended = False
         self._token: str | None = None
         self._malformed: tuple[float, int] | None = None  # (first seen, count)
+
+    @property
+    def hint(self) -> str | None:
+        """``aws:rebalance`` once a rebalance recommendation was seen (`PreemptionWatcher.hint`)."""
+        return "aws:rebalance" if self.rebalance_recommended else None
 
     def poll_once(self) -> Notice | float:
         """One look at the instance-action notice: the notice, or the pause before the next."""

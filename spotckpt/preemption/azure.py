@@ -48,6 +48,8 @@ class AzureNoticeSource:
     """Scheduled Events, polled every `poll_interval_s` for a ``Preempt`` naming this VM."""
 
     name = "Azure"
+    window_s = AZURE_NOTICE_S
+    """The shortest notice this cloud gives (`PreemptionWatcher.window`)."""
 
     def __init__(self, endpoint: str, *, poll_interval_s: float, request_timeout_s: float) -> None:
         self.endpoint = endpoint

@@ -30,6 +30,8 @@ class GceNoticeSource:
     holds the request until the value changes, so the notice comes as soon as it is given."""
 
     name = "GCE"
+    window_s = GCE_NOTICE_S
+    """The shortest notice this cloud gives (`PreemptionWatcher.window`)."""
 
     def __init__(self, url: str, *, poll_interval_s: float, request_timeout_s: float) -> None:
         self.where = f"{url}/computeMetadata/v1/instance/preempted"

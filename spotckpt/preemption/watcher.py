@@ -14,11 +14,30 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from spotckpt.errors import InvalidArgumentError
 from spotckpt.preemption.clouds import cloud_sources
 from spotckpt.preemption.signals import DEFAULT_SIGNALS, SignalHandlers
 from spotckpt.preemption.source import Backoff, Notice, NoticeSource, Poller
+
+SIGNAL_WINDOW = "save_budget_s"
+"""The name of the window a signal's notice gives (the `save_budget_s` setting)."""
+
+
+@dataclass(frozen=True)
+class NoticeWindow:
+    """The time from a notice to the end: `source` is ``save_budget_s`` (a signal) or the
+    name of a polled notice source (``AWS``, ``GCE``, ``Azure``)."""
+
+    seconds: float
+    source: str
+
+    def named(self) -> str:
+        """``save_budget_s (25 s)`` or ``the GCE notice (30 s)``, for messages."""
+        if self.source == SIGNAL_WINDOW:
+            return f"{SIGNAL_WINDOW} ({self.seconds:g} s)"
+        return f"the {self.source} notice ({self.seconds:g} s)"
 
 
 class PreemptionWatcher:
@@ -30,7 +49,8 @@ class PreemptionWatcher:
     AWS and Azure polls and the length of one GCE long poll; failed tries are retried after a
     back-off that doubles from `backoff_initial_s` up to `backoff_max_s`. `sources` are polled
     beside the built-in clouds: a cloud of one's own is one `NoticeSource` class, the watcher
-    unchanged.
+    unchanged. A source may say the shortest notice it gives as ``window_s`` (`window`) and an
+    early warning without a deadline as ``hint`` (`hint`).
     """
 
     def __init__(
@@ -70,6 +90,7 @@ class PreemptionWatcher:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._notice: Notice | None = None
+        self._off: set[str] = set()  # names of sources found absent: no notice will come from them
 
     # Public state ---------------------------------------------------------------------------
 
@@ -89,6 +110,26 @@ class PreemptionWatcher:
         """What raised the notice: ``SIGTERM``, ``aws:terminate``, ``gce``, ``manual``, ..."""
         notice = self._notice
         return notice.reason if notice is not None else None
+
+    def window(self) -> NoticeWindow:
+        """The shortest notice this machine can get: `signal_budget_s` after a signal (always
+        watched), or a polled source's own window (AWS 120 s, GCE and Azure 30 s) while that
+        source has not been found absent."""
+        windows = [NoticeWindow(self._signals.budget_s, SIGNAL_WINDOW)]
+        for source in self.sources:
+            seconds = getattr(source, "window_s", None)
+            if isinstance(seconds, (int, float)) and source.name not in self._off:
+                windows.append(NoticeWindow(float(seconds), source.name))
+        return min(windows, key=lambda window: window.seconds)
+
+    @property
+    def hint(self) -> str | None:
+        """An early warning without a deadline (``aws:rebalance``), once a source gave one."""
+        for source in self.sources:
+            hint = getattr(source, "hint", None)
+            if isinstance(hint, str):
+                return hint
+        return None
 
     def trigger(self, reason: str = "manual", deadline: float | None = None) -> None:
         """Record a notice (for tests and custom schedulers); the first notice wins."""
@@ -135,6 +176,7 @@ class PreemptionWatcher:
         while not self._stopping.is_set() and not self.preempted:
             outcome = poller.poll()
             if outcome is None:
+                self._off.add(source.name)
                 return
             if isinstance(outcome, Notice):
                 self._notify(outcome)

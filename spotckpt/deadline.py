@@ -1,0 +1,101 @@
+"""The emergency save against the notice window: how long a save started at a preemption notice
+would take now, by which route, and whether that fits the shortest window this machine can get.
+
+A module of its own because it is the one answer to "would a notice now cost only the step in
+flight?", given before an eviction rather than found out at one. The figures are the job's own: the
+last save's time to the first place an emergency save goes (the fast tier when there is one, whose
+copy on the peers is what a restart reads if the bucket copy does not follow in time; else the
+bucket), which is job-wide (a save commits once every rank wrote) and follows the state's size from
+one save to the next, plus what an asynchronous upload in flight still needs (an emergency save lets
+it commit first: `spotckpt.save.Saver.emergency_estimate`). The window is the shortest of the notice
+sources active here: signals are always watched, so `save_budget_s` always counts (the deploy kit
+pairs it with the launcher's and Kubernetes' grace period); a cloud's notice (AWS 120 s, GCE and
+Azure 30 s) counts on that cloud. An estimate fits when `SaveDecisionPolicy.fits` says so: the same
+rule the emergency save applies at the notice, so a state reported as not fitting is exactly one
+whose emergency save would be skipped. No torch, no store I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from spotckpt.policy import SaveDecisionPolicy
+from spotckpt.preemption import NoticeWindow
+
+FIXES = (
+    "a fast tier (local_dir=..., with redundancy= across nodes), "
+    "prefix_spread=True against throttling, compression='auto' or incremental=True for fewer "
+    "bytes, or a larger save_budget_s with a grace period to match"
+)
+"""What shortens an emergency save, or lengthens its window."""
+
+
+@dataclass(frozen=True)
+class EmergencyEstimate:
+    """An emergency save now: about `seconds` by `route` (``bucket`` or ``fast tier``), against
+    `window`. `seconds` is None before the first save measured one (it fits until then).
+
+    Unpacks as ``seconds, route = manager.emergency_estimate()``."""
+
+    seconds: float | None
+    route: str
+    window: NoticeWindow
+    fits: bool
+
+    def __iter__(self) -> Iterator[float | str | None]:
+        yield self.seconds
+        yield self.route
+
+    def describe(self) -> str:
+        """One line: ``about 41.3 s by the bucket route, against save_budget_s (25 s): does not
+        fit``."""
+        if self.seconds is None:
+            return f"not measured yet (no save so far), against {self.window.named()}"
+        verdict = "fits" if self.fits else "does not fit"
+        return (
+            f"about {self.seconds:.1f} s by the {self.route} route, against "
+            f"{self.window.named()}: {verdict}"
+        )
+
+    def warning(self) -> str:
+        """What a state that does not fit is told: the figures, the window's name and the fixes."""
+        return (
+            f"an emergency save would now take about {self.seconds or 0.0:.1f} s by the "
+            f"{self.route} route, which does not fit {self.window.named()} with its margin: a "
+            f"preemption notice now would lose every step since the last committed one. "
+            f"To fix it: {FIXES}"
+        )
+
+    def to_event(self) -> dict[str, float | str | None]:
+        """The figures a goodput event carries (`spotckpt stats` shows the latest)."""
+        return {
+            "emergency_estimate_s": self.seconds,
+            "emergency_route": self.route,
+            "emergency_window_s": self.window.seconds,
+            "emergency_window_source": self.window.source,
+        }
+
+
+def estimate(
+    policy: SaveDecisionPolicy, seconds: float | None, route: str, window: NoticeWindow
+) -> EmergencyEstimate:
+    """An emergency save by `route` predicted to take `seconds` (None: not measured yet, which
+    fits), judged against `window` by the rule the notice applies (`SaveDecisionPolicy.fits`)."""
+    fits = policy.fits(seconds, now=0.0, deadline=window.seconds)
+    return EmergencyEstimate(seconds, route, window, fits)
+
+
+def first_measured(
+    policy: SaveDecisionPolicy,
+    routes: Sequence[tuple[str, float | None]],
+    in_flight_s: float,
+    window: NoticeWindow,
+) -> EmergencyEstimate:
+    """The estimate by the first of `routes` (in the order an emergency save tries them, each
+    with its last save's seconds) that measured one, plus `in_flight_s` that an upload in
+    flight still needs; unmeasured (None seconds) by the first route when none did."""
+    for route, seconds in routes:
+        if seconds is not None:
+            return estimate(policy, seconds + in_flight_s, route, window)
+    return estimate(policy, None, routes[0][0], window)
