@@ -672,9 +672,11 @@ class Saver:
         """`CheckpointManager.maybe_save`: a save if the policy says so; True when one started."""
         self.goodput.observe_step(step)
         pending = self.committer.pending
-        if pending is not None and pending.upload.done():
+        preempted, hinted, uploaded = self._agreed(
+            step, pending is not None and pending.upload.done()
+        )
+        if uploaded:
             self.wait()  # commits it, or raises its upload error here and now
-        preempted, hinted = self._notices_agreed(step)
         decision = self.policy.decide(
             step,
             preempted=preempted,
@@ -759,16 +761,14 @@ class Saver:
         return first_measured(self.policy, routes, self._in_flight_left(), window)
 
     def _in_flight_left(self) -> float:
-        """What an upload in flight is predicted to need still: an emergency save lets it
-        commit first (its own time to the bucket, less the time it has run)."""
+        """What an upload in flight still needs (an emergency save lets it commit first)."""
         pending, last = self.committer.pending, self.committer.last_save_seconds
         if pending is None or not pending.durable or last is None:
             return 0.0
         return max(0.0, last - (time.monotonic() - pending.started))
 
     def _check_window(self) -> None:
-        """Warn once (and record an event) when an emergency save no longer fits its window;
-        never while a notice is being handled."""
+        """Warn once, with an event, when an emergency save does not fit (not at a notice)."""
         if self._warned_unfit or (self.watcher is not None and self.watcher.preempted):
             return
         now = self.emergency_estimate()
@@ -779,17 +779,19 @@ class Saver:
             log.warning("%s", now.warning())
             self.goodput.unfit(now.to_event())
 
-    def _notices_agreed(self, step: int) -> tuple[bool, bool]:
-        """(a preemption notice, an early hint), each agreed by every rank (one collective)."""
+    def _agreed(self, step: int, uploaded: bool) -> tuple[bool, bool, bool]:
+        """(a preemption notice on any rank, an early hint on any rank, the upload in flight
+        done on every rank), in one collective: committing an upload runs collectives of its
+        own (the job's request counts), so every rank must commit it at the same step."""
         watcher = self.watcher
         preempted = watcher is not None and watcher.preempted
         hinted = watcher is not None and watcher.hint is not None
         if self.collective.group is None:
-            return preempted, hinted
+            return preempted, hinted, uploaded
         if not self.policy.agrees_at(step):
-            return False, False
-        agreed = self.collective.sum([int(preempted), int(hinted)])
-        return agreed[0] > 0, agreed[1] > 0
+            return False, False, False
+        agreed = self.collective.sum([int(preempted), int(hinted), int(uploaded)])
+        return agreed[0] > 0, agreed[1] > 0, agreed[2] == self.collective.world_size
 
     def _emergency_save(
         self, step: int, state: State, user_metadata: Mapping[str, Any] | None

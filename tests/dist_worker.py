@@ -476,6 +476,25 @@ def distributed_sampler(rank: int, world: int, args: dict[str, Any]) -> None:
     manager.close()
 
 
+def async_commit_skew(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Rank 1 reaches each `maybe_save` a second later than rank 0, so an asynchronous upload
+    is done when rank 1 looks and not yet when rank 0 does: the ranks must still commit it at
+    the same step (its commit runs collectives), not hang or mix collectives."""
+    manager = CheckpointManager(
+        args["uri"], async_save=True, interval_steps=2, keep_last=None, collective_timeout_s=30
+    )
+    seen = []  # (step, the newest step this rank has committed once its maybe_save returned)
+    for step in range(1, 8):
+        if rank == 1:
+            time.sleep(1.0)
+        manager.maybe_save(step, {"w": torch.full((1 << 23,), float(step))})
+        seen.append((step, manager.goodput.last_committed_step))
+    manager.wait()
+    result = {"steps": manager.steps(), "seen": seen}
+    (Path(args["out"]) / f"steps-{rank}.json").write_text(json.dumps(result))
+    manager.close()
+
+
 def rebalance_hint(rank: int, world: int, args: dict[str, Any]) -> None:
     """Only rank 0 sees AWS's rebalance recommendation (a fake metadata server); every rank
     must make the same one extra save, at the same step. The budget is too small for any save:
@@ -515,6 +534,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "raw_dcp": raw_dcp,
     "async_saves": async_saves,
     "rebalance_hint": rebalance_hint,
+    "async_commit_skew": async_commit_skew,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from spotckpt import CheckpointManager, SaveFailedError
 from spotckpt.storage import open_store
 
+from dist_worker import launch_ranks
 from tests_support import FailingStore
 
 MIB = 1 << 20
@@ -65,3 +67,19 @@ def test_upload_error_is_raised_on_next_call_and_at_close(uri: str) -> None:
     mgr.save(3, {"w": torch.randn(2 * MIB)})
     with pytest.raises(SaveFailedError, match="injected"):
         mgr.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_ranks_that_see_an_upload_done_at_different_steps_commit_it_together(
+    tmp_path: Path,
+) -> None:
+    """One rank looks a second later than the other at every step: an upload is done for it and
+    not yet for the other. The commit (which runs collectives) waits until both see it done."""
+    args = {"uri": str(tmp_path / "ck"), "out": str(tmp_path)}
+    results = launch_ranks(2, "async_commit_skew", args)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
+    ranks = [json.loads((tmp_path / f"steps-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["steps"] for r in ranks] == [[2, 4, 6], [2, 4, 6]]
+    assert ranks[0]["seen"] == ranks[1]["seen"]  # each commit at the same step on both ranks
