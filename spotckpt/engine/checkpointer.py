@@ -128,7 +128,7 @@ class Checkpointer:
         A failed collective (a rank died or hung, so gloo timed out or lost its peer) names the
         ranks that never finished writing, from their `progress` markers.
         """
-        dead = _dead_upload_process() if self.process_mode else None
+        dead = _dead_upload_process(UPLOAD_EXIT_GRACE_S) if self.process_mode else None
         if dead is not None and isinstance(error, (RuntimeError, OSError)):
             return SaveFailedError(
                 f"save of step {step} failed: DCP's upload process ({dead}) died; nothing was "
@@ -178,16 +178,25 @@ class Checkpointer:
             self._stager = None
 
 
-def _dead_upload_process() -> str | None:
-    """``pid N, exit code C`` of DCP's process-mode upload process when it died; None when it
-    is alive or was not started.
+UPLOAD_EXIT_GRACE_S = 2.0
+"""How long a failed save waits for a dying upload process to be seen dead: its pipe breaks a
+moment before its exit can be reaped."""
+
+
+def _dead_upload_process(grace_s: float = 0.0) -> str | None:
+    """``pid N, exit code C`` of DCP's process-mode upload process when it died (within
+    `grace_s`); None when it is alive or was not started.
 
     torch 2.13 keeps that process in the private module global
     ``_async_process_executor._CHECKPOINT_PROCESS`` and offers no public way to see or replace
     it (`dcp.async_save` takes no executor, and every executor it builds uses that global).
     """
     kept = _async_process_executor._CHECKPOINT_PROCESS
-    if kept is None or kept._save_process.is_alive():
+    if kept is None:
+        return None
+    if grace_s > 0:
+        kept._save_process.join(grace_s)
+    if kept._save_process.is_alive():
         return None
     return f"pid {kept._save_process.pid}, exit code {kept._save_process.exitcode}"
 
