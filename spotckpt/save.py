@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, cast
@@ -656,7 +657,10 @@ class Saver:
         self._job: str | None = None
         self._warned_unfit = False  # "does not fit" was told (once per process)
         self._hint_saved = False  # the extra save an early hint asks for was made
-        self.goodput.emergency = lambda: self.emergency_estimate().to_event()
+        me = weakref.ref(self)  # the events' estimate, without a cycle that keeps the saver
+        self.goodput.emergency = lambda: (
+            {} if (s := me()) is None else s.emergency_estimate().to_event()
+        )
 
     @property
     def pending(self) -> PendingSave | None:
@@ -688,13 +692,9 @@ class Saver:
             self._emergency_save(step, state, user_metadata)
         elif decision is SaveKind.DURABLE:
             answered = hinted and not self._hint_saved
-            if answered:
-                log.warning(
-                    "early preemption hint (%s): saving step %d now, so that a notice has less "
-                    "to do",
-                    (self.watcher.hint if self.watcher is not None else None) or "peer rank",
-                    step,
-                )
+            if answered:  # so that a notice has less to do
+                hint = (self.watcher.hint if self.watcher is not None else None) or "peer rank"
+                log.warning("early preemption hint (%s): saving step %d now", hint, step)
             self.save(step, state, None, user_metadata)
             self._hint_saved = self._hint_saved or answered
         elif decision is SaveKind.FAST:
