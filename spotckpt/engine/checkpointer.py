@@ -8,7 +8,9 @@ checkpointer type of ``async_mode="process"``. DCP reports a failure on any rank
 `CheckpointException` (a `BaseException`) holding each rank's error; `save_failure` and the
 restore path turn it into the spotckpt error that says what happened (`SaveFailedError` naming the
 ranks and causes, or the rank's own `CheckpointAlreadyCommittedError`; on a restore the rank's own
-corruption, key or value error), so that callers never see DCP's wrapper. In process mode a save
+corruption, key or value error), so that callers never see DCP's wrapper; this rank's own
+interrupt (``KeyboardInterrupt``, ``SystemExit``), which DCP's wrapper catches too, is raised as
+it is, so that Ctrl-C during a save or restore interrupts it. In process mode a save
 whose upload process died fails naming it, and the next save starts a new one on every rank.
 
 Call order of a manager's save: `save` (blocking) or `async_save` (returns when staged; the
@@ -72,13 +74,19 @@ class Checkpointer:
 
     def save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
         """Write and commit `state_dict` through `writer` on every rank; returns when committed."""
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=writer.save_planner(self.collective.world_size, self.plan_cache),
-            process_group=self.collective.save_group,
-            no_dist=self._no_dist,
-        )
+        try:
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=writer.save_planner(self.collective.world_size, self.plan_cache),
+                process_group=self.collective.save_group,
+                no_dist=self._no_dist,
+            )
+        except CheckpointException as error:
+            interrupt = _interrupt(_failures(error), self.collective.rank)
+            if interrupt is not None:
+                raise interrupt from None
+            raise
 
     def async_save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> Future[Any]:
         """Stage `state_dict` to CPU memory and return the future of its upload and commit."""
@@ -117,7 +125,7 @@ class Checkpointer:
                 no_dist=self._no_dist,
             )
         except CheckpointException as error:
-            raise _load_error(step, error) from None
+            raise _load_error(step, error, self.collective.rank) from None
 
     def save_failure(
         self, step: int, error: BaseException, progress: RankProgress | None
@@ -236,6 +244,13 @@ def _described(failures: dict[int, BaseException]) -> str:
     )
 
 
+def _interrupt(failures: dict[int, BaseException], rank: int) -> BaseException | None:
+    """This rank's own Ctrl-C or exit, which DCP's wrapper caught with every other failure:
+    raised as it is, so that an interrupted save interrupts instead of failing quietly."""
+    cause = failures.get(rank)
+    return cause if isinstance(cause, (KeyboardInterrupt, SystemExit)) else None
+
+
 def _save_error(step: int, error: CheckpointException) -> BaseException:
     failures = _failures(error)
     for cause in failures.values():
@@ -252,8 +267,11 @@ def _save_error(step: int, error: CheckpointException) -> BaseException:
     )
 
 
-def _load_error(step: int, error: CheckpointException) -> BaseException:
+def _load_error(step: int, error: CheckpointException, rank: int) -> BaseException:
     failures = _failures(error)
+    interrupt = _interrupt(failures, rank)
+    if interrupt is not None:
+        return interrupt
     for cause in failures.values():
         if isinstance(cause, _RESTORE_ERRORS):
             return cause

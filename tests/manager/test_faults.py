@@ -6,7 +6,9 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from spotckpt import (
 from spotckpt.format.manifest import Manifest
 from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import ObjectNotFoundError, RetryPolicy, open_store
+from spotckpt.storage.local import LocalStore
 
 from fault_proxy import FaultProxy
 
@@ -205,3 +208,72 @@ def test_credentials_never_appear(
     texts.append(caplog.text)
     assert all(secret not in text for text in texts)
     assert os.environ.get("AWS_SECRET_ACCESS_KEY") != secret
+
+
+class _CtrlC:
+    """Presses Ctrl-C (the main thread's KeyboardInterrupt, from whatever thread does the I/O)
+    the first time a store call touches a safetensors object once armed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+        self.armed = False
+        self.pressed = 0
+        signal.signal(signal.SIGUSR2, signal.default_int_handler)  # as SIGINT's default
+        original = getattr(LocalStore, method)
+
+        def pressing(store: LocalStore, key: str, *args: Any, **kwargs: Any) -> Any:
+            if self.armed and key.endswith(".safetensors"):
+                self.armed = False
+                self.pressed += 1
+                signal.raise_signal(signal.SIGUSR2)
+            return original(store, key, *args, **kwargs)
+
+        monkeypatch.setattr(LocalStore, method, pressing)
+
+
+@pytest.fixture
+def sigusr2_restored() -> Iterator[None]:
+    previous = signal.getsignal(signal.SIGUSR2)
+    yield
+    signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.parametrize("where", ["bucket", "fast tier"])
+def test_ctrl_c_during_a_save_interrupts_it_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigusr2_restored: None, where: str
+) -> None:
+    """DCP's wrapper catches every BaseException of a rank: an interrupt must come out as the
+    interrupt, never as a failed save (or, on the fast tier, a logged warning) that goes on."""
+    ctrl_c = _CtrlC(monkeypatch, "open_writer")
+    (tmp_path / "tier").mkdir()
+    tier = {"local_dir": str(tmp_path / "tier"), "local_interval_steps": 1}
+    settings: dict[str, Any] = {"interval_steps": 100, **tier} if where == "fast tier" else {}
+    with CheckpointManager(str(tmp_path / "ck"), preemption=False, **settings) as mgr:
+        save = mgr.maybe_save if where == "fast tier" else mgr.save
+        save(1, _state(1))
+        ctrl_c.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            save(2, _state(2))
+        assert ctrl_c.pressed == 1
+        if where == "bucket":
+            assert mgr.steps() == [1]
+        save(3, _state(3))
+        restored = _empty()
+        assert mgr.restore(restored) == 3
+        assert _same(restored, _state(3))
+
+
+def test_ctrl_c_during_a_restore_interrupts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigusr2_restored: None
+) -> None:
+    """An interrupted restore is not a corrupt checkpoint: no fallback to an older step."""
+    with CheckpointManager(str(tmp_path / "ck"), preemption=False) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        ctrl_c = _CtrlC(monkeypatch, "get_range_into")
+        ctrl_c.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            mgr.restore(_empty())
+        assert ctrl_c.pressed == 1
+        restored = _empty()
+        assert mgr.restore(restored) == 2
+        assert _same(restored, _state(2))
