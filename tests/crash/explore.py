@@ -305,9 +305,11 @@ def plan(
     space: Workspace,
     sample: int | None,
     seed: int,
+    server_sample: int | None = None,
 ) -> Plan:
     """Record each scenario without a fault; every call of its operation, with every kind
-    that applies to it, or a seeded sample of `sample` of them."""
+    that applies to it, or a seeded sample of `sample` of them; of a server's (where a replay
+    costs seconds), at most a seeded `server_sample` per back end."""
     everything = Plan()
     for scenario in chosen:
         recorded = record(scenario, space)
@@ -316,10 +318,25 @@ def plan(
                 continue
             for kind in kinds_for(scenario, kinds):
                 everything.items.append((recorded, call, kind))
+    rng = random.Random(seed)
+    if server_sample is not None:
+        everything.items = _at_most_per_server(everything.items, server_sample, rng)
     if sample is not None and sample < len(everything.items):
-        rng = random.Random(seed)
         everything.items = rng.sample(everything.items, sample)
     return everything
+
+
+def _at_most_per_server(
+    items: list[tuple[Recorded, Call, str]], most: int, rng: random.Random
+) -> list[tuple[Recorded, Call, str]]:
+    """`items` with at most `most` of each server back end's, seeded, in their order."""
+    by_backend: dict[str, list[int]] = {}
+    for index, (recorded, _, _) in enumerate(items):
+        by_backend.setdefault(recorded.scenario.backend, []).append(index)
+    kept = set(by_backend.pop("local", []))
+    for indices in by_backend.values():
+        kept.update(rng.sample(indices, min(most, len(indices))))
+    return [item for index, item in enumerate(items) if index in kept]
 
 
 def explore(
@@ -459,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         "--kill-ranks-sample", type=int, default=0, help="also N points SIGKILLed on 1 of 2 ranks"
     )
     parser.add_argument(
+        "--server-sample",
+        type=int,
+        help="at most N seeded points per server back end (all by default)",
+    )
+    parser.add_argument(
         "--upload-sample",
         type=int,
         default=0,
@@ -479,15 +501,20 @@ def main(argv: list[str] | None = None) -> int:
         elif args.point and set(kinds) & {"kill", "kill-ranks"}:
             verdicts = _killed_at(chosen, args.point, kinds, space)
         else:
-            todo = plan(
-                chosen, tuple(k for k in kinds if k in POINT_KINDS), space, args.sample, args.seed
-            )
-            if args.point:
-                todo.items = [item for item in todo.items if item[1].name == args.point]
-                if not todo.items:
-                    parser.error(f"no point named {args.point!r} in {[s.id for s in chosen]}")
             verdicts = []
             try:
+                todo = plan(
+                    chosen,
+                    tuple(k for k in kinds if k in POINT_KINDS),
+                    space,
+                    args.sample,
+                    args.seed,
+                    args.server_sample,
+                )
+                if args.point:
+                    todo.items = [item for item in todo.items if item[1].name == args.point]
+                    if not todo.items:
+                        parser.error(f"no point named {args.point!r} in {[s.id for s in chosen]}")
                 explore(todo, space, progress=True, verdicts=verdicts)
                 verdicts += _killed_samples(
                     chosen, args.kill_sample, args.kill_ranks_sample, args.seed, space

@@ -14,9 +14,21 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
-from explore import Plan, Verdict, Workspace, explore, explore_point, plan, record, report
+from explore import (
+    Plan,
+    Verdict,
+    Workspace,
+    _at_most_per_server,
+    explore,
+    explore_point,
+    plan,
+    record,
+    report,
+)
 from recorder import CRASH_KINDS
 from scenarios import Scenario, scenarios
 
@@ -120,3 +132,18 @@ def test_the_commands_in_the_docs_run() -> None:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         last = done.stdout.splitlines()[-1]
         assert last.startswith("crash points explored: ") and last.endswith(", violations: 0")
+
+
+def test_a_server_sample_keeps_every_local_point_and_at_most_n_per_server() -> None:
+    """`make crash` fits in two hours by sampling the servers' points (seconds a replay)."""
+
+    def item(backend: str, n: int) -> tuple[Any, Any, str]:
+        return (SimpleNamespace(scenario=SimpleNamespace(backend=backend)), n, "crash")
+
+    items = [item(b, n) for n in range(50) for b in ("local", "s3", "gcs")]
+    kept = _at_most_per_server(items, 7, random.Random(SEED))
+    assert [i for i in kept if i[0].scenario.backend == "local"] == items[0::3]
+    for backend in ("s3", "gcs"):
+        theirs = [i[1] for i in kept if i[0].scenario.backend == backend]
+        assert len(theirs) == 7 and theirs == sorted(theirs)
+    assert kept == _at_most_per_server(items, 7, random.Random(SEED))

@@ -8,14 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import torch
-from test_preemption import Answer, FakeMetadata
+from test_preemption import Answer, FakeMetadata, _wait_for
 
 from spotckpt import CheckpointManager, PreemptionWatcher
 from spotckpt.deadline import estimate
@@ -28,20 +26,9 @@ from spotckpt.storage import open_store
 
 from dist_worker import launch_ranks
 
-WAIT_S = 60.0
-
 
 def _state(n: int = 1 << 16) -> dict[str, torch.Tensor]:
     return {"w": torch.arange(n, dtype=torch.float32)}
-
-
-def _wait_for(predicate: object, timeout: float = WAIT_S) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.02)
-    return bool(predicate())  # type: ignore[operator]
 
 
 def _unfit_events(uri: str) -> list[dict[str, object]]:
@@ -96,14 +83,6 @@ class _Source:
         if self.absent:
             raise ConnectionRefusedError("nobody there")
         return 0.05
-
-
-@pytest.fixture
-def watchers() -> Iterator[list[PreemptionWatcher]]:
-    started: list[PreemptionWatcher] = []
-    yield started
-    for watcher in started:
-        watcher.stop()
 
 
 def test_the_window_is_the_shortest_of_the_active_sources(

@@ -10,7 +10,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -99,14 +99,6 @@ def _hostile(kind: str, fake: FakeMetadata, request: BaseHTTPRequestHandler) -> 
         return None
     request.wfile.write(b"THIS IS NOT HTTP\r\n\r\n")
     return None
-
-
-@pytest.fixture
-def watchers() -> Iterator[list[PreemptionWatcher]]:
-    started: list[PreemptionWatcher] = []
-    yield started
-    for watcher in started:
-        watcher.stop()
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float = WAIT_S) -> bool:

@@ -1,0 +1,17 @@
+"""Fixtures shared by the preemption tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from spotckpt import PreemptionWatcher
+
+
+@pytest.fixture
+def watchers() -> Iterator[list[PreemptionWatcher]]:
+    started: list[PreemptionWatcher] = []
+    yield started
+    for watcher in started:
+        watcher.stop()
