@@ -129,6 +129,10 @@ class RetentionPolicy:
 SAVE_TIME_MARGIN = 1.2
 """A save predicted to take ``t`` seconds is started before a deadline only if ``1.2 * t`` fit."""
 
+HINTED_INTERVAL_FACTOR = 0.5
+"""While an early hint is active the eviction is far likelier than the model's rate assumes, so
+the ``"auto"`` interval saves this fraction as many steps apart (at least one)."""
+
 
 class SaveKind(Enum):
     """What `SaveDecisionPolicy.decide` asks `maybe_save` to do at a step."""
@@ -159,6 +163,7 @@ class SaveDecisionPolicy:
     fast_interval_steps: int | None = None
     agree_every: int = 1
     margin: float = SAVE_TIME_MARGIN
+    hinted_interval_factor: float = HINTED_INTERVAL_FACTOR
 
     @property
     def auto(self) -> bool:
@@ -169,13 +174,22 @@ class SaveDecisionPolicy:
         """Whether the ranks agree on the preemption flag at `step`."""
         return step % self.agree_every == 0
 
-    def due(self, step: int, *, auto_interval_steps: int | None, last_started_step: int) -> bool:
+    def due(
+        self,
+        step: int,
+        *,
+        auto_interval_steps: int | None,
+        last_started_step: int,
+        hint_active: bool = False,
+    ) -> bool:
         """Whether the interval saves `step` (`auto_interval_steps`: the model's current choice,
-        used for ``"auto"`` only; `last_started_step`: the step of the last save, or the
-        restored one)."""
+        used for ``"auto"`` only, shortened by `hinted_interval_factor` while `hint_active`;
+        `last_started_step`: the step of the last save, or the restored one)."""
         if self.interval_steps == "auto":
             if auto_interval_steps is None:
                 return False
+            if hint_active:
+                auto_interval_steps = max(1, int(auto_interval_steps * self.hinted_interval_factor))
             return step - last_started_step >= auto_interval_steps
         if self.interval_steps is None:
             return False
@@ -189,13 +203,18 @@ class SaveDecisionPolicy:
         hinted: bool = False,
         auto_interval_steps: int | None = None,
         last_started_step: int = 0,
+        hint_active: bool = False,
     ) -> SaveKind:
         """What to do at `step`: `preempted` is the notice every rank agreed on, `hinted` an
-        early hint (AWS's rebalance recommendation) not yet answered with a save of its own."""
+        early hint (AWS's rebalance recommendation) not yet answered with a save of its own,
+        `hint_active` one that any rank still sees (the ``"auto"`` interval shortens)."""
         if preempted:
             return SaveKind.EMERGENCY
         if hinted or self.due(
-            step, auto_interval_steps=auto_interval_steps, last_started_step=last_started_step
+            step,
+            auto_interval_steps=auto_interval_steps,
+            last_started_step=last_started_step,
+            hint_active=hint_active,
         ):
             return SaveKind.DURABLE
         fast = self.fast_interval_steps

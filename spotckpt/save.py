@@ -687,6 +687,7 @@ class Saver:
             hinted=hinted and not self._hint_saved,
             auto_interval_steps=self.goodput.interval_steps,
             last_started_step=self.goodput.last_started_step,
+            hint_active=hinted,
         )
         if decision is SaveKind.EMERGENCY:
             self._emergency_save(step, state, user_metadata)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from spotckpt.policy import SAVE_TIME_MARGIN, SaveDecisionPolicy, SaveKind
+from spotckpt.policy import (
+    HINTED_INTERVAL_FACTOR,
+    SAVE_TIME_MARGIN,
+    SaveDecisionPolicy,
+    SaveKind,
+)
 
 
 def test_a_fixed_interval_saves_on_its_multiples_only() -> None:
@@ -29,6 +34,27 @@ def test_the_auto_interval_counts_from_the_last_save_with_the_models_figure() ->
     assert not policy.due(100, auto_interval_steps=None, last_started_step=0)  # no choice yet
     decided = policy.decide(30, preempted=False, auto_interval_steps=8, last_started_step=22)
     assert decided is SaveKind.DURABLE
+
+
+@pytest.mark.parametrize(("model", "shortened"), [(10, 5), (7, 3), (1, 1)])
+def test_an_active_hint_shortens_the_auto_interval(model: int, shortened: int) -> None:
+    """A rebalance recommendation makes an eviction likely soon: save more often meanwhile."""
+    policy = SaveDecisionPolicy("auto")
+    assert shortened == max(1, int(model * HINTED_INTERVAL_FACTOR))
+    due = [s for s in range(1, 30) if policy.due(s, auto_interval_steps=model, last_started_step=0)]
+    hinted = [
+        s
+        for s in range(1, 30)
+        if policy.due(s, auto_interval_steps=model, last_started_step=0, hint_active=True)
+    ]
+    assert min(due) == model and min(hinted) == shortened
+    decided = policy.decide(
+        shortened, preempted=False, auto_interval_steps=model, last_started_step=0, hint_active=True
+    )
+    assert decided is SaveKind.DURABLE
+    assert not SaveDecisionPolicy(50).due(
+        25, auto_interval_steps=model, last_started_step=0, hint_active=True
+    )  # a fixed interval is the user's: a hint answers with one save of its own instead
 
 
 def test_a_fixed_interval_ignores_the_models_figure() -> None:
