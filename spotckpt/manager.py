@@ -37,11 +37,12 @@ from spotckpt.format.compression import Compression
 from spotckpt.format.manifest import Manifest
 from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import GcReport, collect_garbage
+from spotckpt.ledger import Ledger
 from spotckpt.policy import SaveDecisionPolicy
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.redundancy import parse_redundancy
 from spotckpt.restore import RestoreOrder, StateLoader
-from spotckpt.save import Ledger, Saver
+from spotckpt.save import Saver
 from spotckpt.state import State
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.storage.base import check_portable

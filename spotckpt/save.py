@@ -5,9 +5,9 @@ A `Saver` carries every save of one rank from its start to its commit: when `may
 emergency save within the notice and its time checks), where to (the `SaveTarget`s: the fast
 per-node tier first when there is one with room on every node, `TierTarget`, else the bucket,
 `BucketTarget`), the one save in flight (`PendingSave`), and the commit with its hand-over
-(`Committer`: the commit point, goodput events with the request counts of `Ledger`, retention
-through `Catalog.retire`). How bytes move is the engine's (`spotckpt.engine`); the tier's copies,
-records and drain are `spotckpt.tiers`'.
+(`Committer`: the commit point, goodput events with the request counts of
+`spotckpt.ledger.Ledger`, retention through `Catalog.retire`). How bytes move is the engine's
+(`spotckpt.engine`); the tier's copies, records and drain are `spotckpt.tiers`'.
 
 Nothing here calls back into `CheckpointManager`: the manager builds a `Saver` with what it needs
 and delegates to it.
@@ -45,14 +45,13 @@ from spotckpt.errors import (
 from spotckpt.format.compression import Compression
 from spotckpt.format.signing import Keyring
 from spotckpt.layout import new_attempt_id
+from spotckpt.ledger import Ledger
 from spotckpt.policy import SaveDecisionPolicy, SaveKind
 from spotckpt.preemption import SIGNAL_WINDOW, NoticeWindow, PreemptionWatcher
 from spotckpt.progress import ProgressLog, Sample
 from spotckpt.state import State, as_dcp_state, release_worker_shields
 from spotckpt.storage import ObjectStore
-from spotckpt.storage.requests import RequestTally, store_tally
 from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
-from spotckpt.tracker import GoodputTracker
 from spotckpt.units import human_rate, human_size
 from spotckpt.version import __version__
 
@@ -92,60 +91,6 @@ class SaveRequest:
     user_metadata: Mapping[str, Any] | None
     job: str | None
     progress: RankProgress
-
-
-class Ledger:
-    """What the job records of its saves and restores: goodput events (`GoodputTracker`) with
-    the requests every rank's store counted, and the ``"auto"`` interval every rank agrees on."""
-
-    def __init__(self, goodput: GoodputTracker, store: ObjectStore, collective: Collective):
-        self.goodput = goodput
-        self.store = store
-        self.collective = collective
-        self._requests_mark = store_tally(store)
-
-    def requests(self, local: bool = False) -> RequestTally | None:
-        """The requests every rank's store counted since the last call, summed over the job
-        (a collective: every rank calls it at the same point); `local`: this rank's alone (an
-        emergency, where no extra collective should stand between the save and the deadline).
-        None for a store that does not count. The event's own PUT is counted in it, and
-        `recorded` leaves it out of the next."""
-        now = store_tally(self.store)
-        if now is None or self._requests_mark is None:
-            return None
-        since, self._requests_mark = now.minus(self._requests_mark), now
-        if self.collective.rank == 0:  # the event about to be written: one PUT, counted in it
-            since = since.plus(RequestTally(write=1))
-        if local or self.collective.group is None:
-            return since
-        fields = list(since.to_dict().values())
-        try:
-            totals = self.collective.sum(fields)
-        except RuntimeError as error:  # a rank died after the commit: the save stands regardless
-            log.warning("request counts of the other ranks are lost (%s): this rank's only", error)
-            return since
-        return RequestTally.from_dict(dict(zip(since.to_dict(), totals, strict=True)))
-
-    def recorded(self) -> None:
-        """After an event with requests was written: its PUT, counted in it already, is left
-        out of the next one (see `requests`)."""
-        if self._requests_mark is not None and self.collective.rank == 0:
-            self._requests_mark = self._requests_mark.plus(RequestTally(write=1))
-
-    def agree_interval(self) -> None:
-        """Recompute the ``"auto"`` interval; every rank takes the coordinator's choice."""
-        if not self.goodput.auto:
-            return
-        self.goodput.recompute()
-        if self.collective.group is not None:
-            self.goodput.adopt(self.collective.broadcast(self.goodput.interval_steps))
-
-    def restored(self, step: int | None, seconds: float) -> None:
-        """A restore of `step` (None: nothing to restore) took `seconds`: its event, then the
-        ``"auto"`` interval."""
-        self.goodput.restored(step, seconds, self.requests())
-        self.recorded()
-        self.agree_interval()
 
 
 class Committer:
