@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         CorruptCheckpointError,
         KeyMismatchError,
         NoCheckpointError,
+        SaveCancelledError,
         SaveFailedError,
     )
     from spotckpt.manager import CheckpointManager
@@ -46,6 +47,7 @@ _LAZY = {
     "PreemptionWatcher": "spotckpt.preemption",
     "ResumableSampler": "spotckpt.state",
     "SampleKey": "spotckpt.seeding",
+    "SaveCancelledError": "spotckpt.errors",
     "SaveFailedError": "spotckpt.errors",
     "SeededDataset": "spotckpt.seeding",
     "TrainState": "spotckpt.state",
@@ -87,6 +89,7 @@ __all__ = [
     "PreemptionWatcher",
     "ResumableSampler",
     "SampleKey",
+    "SaveCancelledError",
     "SaveFailedError",
     "SeededDataset",
     "TrainState",

@@ -6,8 +6,9 @@ flight?", given before an eviction rather than found out at one. The figures are
 last save's time to the first place an emergency save goes (the fast tier when there is one, whose
 copy on the peers is what a restart reads if the bucket copy does not follow in time; else the
 bucket), which is job-wide (a save commits once every rank wrote) and follows the state's size from
-one save to the next, plus what an asynchronous upload in flight still needs (an emergency save lets
-it commit first: `spotckpt.save.Saver.emergency_estimate`). The window is the shortest of the notice
+one save to the next (plus, in ``async_mode="process"``, what an upload in flight still needs: an
+upload process cannot be stopped, so it commits first; in a thread an upload in flight gets only the
+time the plan at the notice leaves it, `in_flight_allowance`, and is cancelled otherwise). The window is the shortest of the notice
 sources active here: signals are always watched, so `save_budget_s` always counts (the deploy kit
 pairs it with the launcher's and Kubernetes' grace period); a cloud's notice (AWS 120 s, GCE and
 Azure 30 s) counts on that cloud. An estimate fits when `SaveDecisionPolicy.fits` says so: the same
@@ -29,6 +30,9 @@ FIXES = (
     "bytes, or a larger save_budget_s with a grace period to match"
 )
 """What shortens an emergency save, or lengthens its window."""
+
+CANCEL_RESERVE_S = 1.0
+"""Time kept, at a notice, for an upload in flight to stop on every rank once cancelled."""
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,32 @@ def first_measured(
         if seconds is not None:
             return estimate(policy, seconds + in_flight_s, route, window)
     return estimate(policy, None, routes[0][0], window)
+
+
+def in_flight_allowance(
+    policy: SaveDecisionPolicy,
+    *,
+    in_flight_s: float,
+    save_s: float | None,
+    left_s: float | None,
+    newer: bool,
+) -> float | None:
+    """At a notice with `left_s` seconds left (None: unknown), how long an upload in flight,
+    predicted to need `in_flight_s` more, may still run before it is cancelled; None: to its end.
+
+    With a `newer` step to save (predicted `save_s` by its route) that fits with a reserve for
+    stopping the upload on every rank (`CANCEL_RESERVE_S`, or the margin's share of the save when
+    longer): the upload runs until that save must start when it fits before then, else it is
+    cancelled at once (the newer step is worth more, and the upload would take its time).
+    Otherwise the upload, the only step still within reach, runs while its margin fits.
+    """
+    if left_s is None:
+        return None
+    predicted = save_s or 0.0
+    reserve = max(CANCEL_RESERVE_S, (policy.margin - 1.0) * predicted)
+    save_start = left_s - policy.margin * predicted - reserve
+    if not newer or save_start <= 0:
+        return max(0.0, left_s / policy.margin)
+    if policy.fits(in_flight_s, now=0.0, deadline=save_start):
+        return save_start
+    return 0.0

@@ -142,6 +142,12 @@ class SaveFailedError(CheckpointError):
     """A save did not commit; the message names the failed rank(s) and the cause."""
 
 
+class SaveCancelledError(SaveFailedError):
+    """An upload in flight was stopped at a preemption notice because the plan left it no time
+    (or the job closed with it unfinished); nothing of it was committed, the previous checkpoint
+    stays the newest."""
+
+
 class IntegrityRefusedError(SaveFailedError):
     """A save was refused before its commit point because the state failed an integrity check
     (replicas disagree, or the health gate refused it); nothing was committed and the previous

@@ -21,6 +21,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from typing import Any, Protocol, cast
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from spotckpt.catalog import Catalog
 from spotckpt.collector import collector_paused
 from spotckpt.config import Settings
-from spotckpt.deadline import EmergencyEstimate, first_measured
+from spotckpt.deadline import EmergencyEstimate, first_measured, in_flight_allowance
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
 from spotckpt.engine.checkpointer import Checkpointer, is_save_failure
 from spotckpt.engine.guards import Guard
@@ -39,6 +40,7 @@ from spotckpt.errors import (
     ManifestError,
     PeerLostError,
     ReplicaMismatchError,
+    SaveFailedError,
     StorageError,
     TierSaveError,
 )
@@ -534,7 +536,7 @@ class TierTarget:
                 )
                 return
             drain_started = time.monotonic()
-            tier.drain(saved.manifest, self.catalog, saves, saved.data)
+            tier.drain(saved.manifest, self.catalog, saves, saved.data, writer.cancellation)
             writer.manifest = saved.manifest
             self._drain_seconds = time.monotonic() - drain_started
         finally:
@@ -704,14 +706,53 @@ class Saver:
             else NoticeWindow(self.settings.save_budget_s, SIGNAL_WINDOW)
         )
         routes = [(target.route, target.predicted_s) for target in self.targets]
-        return first_measured(self.policy, routes, self._in_flight_left(), window)
+        cancellable = self.settings.async_mode != "process"  # else it must commit first
+        in_flight = 0.0 if cancellable else self._in_flight_left()
+        return first_measured(self.policy, routes, in_flight, window)
 
     def _in_flight_left(self) -> float:
-        """What an upload in flight still needs (an emergency save lets it commit first)."""
+        """What an upload in flight still needs, by the last save's time."""
         pending, last = self.committer.pending, self.committer.last_save_seconds
         if pending is None or not pending.durable or last is None:
             return 0.0
         return max(0.0, last - (time.monotonic() - pending.started))
+
+    def _agreed_deadline(self) -> float | None:
+        """The earliest deadline any rank was given, on this rank's clock: a rank that got no
+        notice of its own (a peer's node is evicted) saves within the peer's."""
+        watcher, now = self.watcher, time.monotonic()
+        mine = None if watcher is None or watcher.deadline is None else watcher.deadline - now
+        known = [left for left in self.collective.gather(mine) if left is not None]
+        return now + min(known) if known else None
+
+    def _settle_in_flight(self, step: int, deadline: float | None) -> int | None:
+        """At a notice: the upload in flight runs for the time the plan leaves it
+        (`spotckpt.deadline.in_flight_allowance`), then is cancelled; its step if it committed.
+        A failed or cancelled one leaves the previous step the newest; the notice goes on."""
+        pending = self.committer.pending
+        if pending is None:
+            return None
+        if self.settings.async_mode != "process":  # an upload process cannot be reached
+            allowance = in_flight_allowance(
+                self.policy,
+                in_flight_s=self._in_flight_left(),
+                save_s=self.emergency_estimate().seconds,
+                left_s=None if deadline is None else deadline - time.monotonic(),
+                newer=pending.step != step,
+            )
+            if allowance is not None and not wait_for([pending.upload], allowance).done:
+                pending.writer.cancellation.cancel(
+                    f"a preemption notice left it {allowance:.1f} s, and step {step} is saved "
+                    "instead"
+                    if pending.step != step
+                    else f"a preemption notice left it {allowance:.1f} s"
+                )
+        try:
+            self.wait()
+        except (SaveFailedError, TierSaveError) as error:
+            log.warning("%s", error)
+            return None
+        return pending.step
 
     def _check_window(self) -> None:
         """Warn once, with an event, when an emergency save does not fit (not at a notice)."""
@@ -742,10 +783,11 @@ class Saver:
     def _emergency_save(
         self, step: int, state: State, user_metadata: Mapping[str, Any] | None
     ) -> None:
-        """Within the notice: let an upload in flight commit, then save `step` if the predicted
-        save time fits before the deadline, and tell the loop to stop."""
+        """Within the notice (the earliest deadline of any rank): the upload in flight gets the
+        time the plan leaves it, then `step` is saved if its predicted time fits before the
+        deadline by the first route that admits it; then the loop is told to stop."""
         watcher = self.watcher
-        deadline = watcher.deadline if watcher is not None else None
+        deadline = self._agreed_deadline()
         remaining = None if deadline is None else deadline - time.monotonic()
         log.warning(
             "preemption (%s): emergency save of step %d; %s left; predicted save time %s",
@@ -755,8 +797,7 @@ class Saver:
             "unknown" if self.last_save_seconds is None else f"{self.last_save_seconds:.1f} s",
         )
         started = time.monotonic()
-        pending = self.committer.pending.step if self.committer.pending is not None else None
-        self.wait()  # an in-flight upload is closest to done: let it commit first
+        pending = self._settle_in_flight(step, deadline)
         refused: IntegrityRefusedError | None = None
         if pending != step and self.collective.all(self._time_for_another_save(deadline)):
             try:
@@ -772,15 +813,15 @@ class Saver:
                     committed,
                 )
         else:
-            committed = pending if pending is not None else step
+            committed = pending if pending is not None else self.goodput.last_committed_step
             if pending != step:
                 log.warning(
                     "no time left for a save of step %d; resuming will start after step %s",
                     step,
-                    pending,
+                    committed,
                 )
         elapsed = time.monotonic() - started
-        if refused is None:
+        if refused is None and committed is not None:
             log.warning("emergency save of step %d committed in %.2f s", committed, elapsed)
         self.goodput.preempted(
             source=(watcher.reason if watcher is not None else None) or "peer rank",

@@ -28,19 +28,22 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+import spotckpt.save
 from spotckpt import (
     CheckpointError,
     CheckpointManager,
+    PreemptionWatcher,
     ResumableSampler,
     SaveFailedError,
     TrainState,
     track_batches,
 )
+from spotckpt.engine.cancel import Cancellation
 from spotckpt.state import RNGState
 from spotckpt.storage import open_store
 
 from preloaded import PreloadedProcess
-from tests_support import FailingStore, free_port
+from tests_support import FailingStore, HeldStore, free_port
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -519,6 +522,55 @@ def rebalance_hint(rank: int, world: int, args: dict[str, Any]) -> None:
     manager.close()
 
 
+def notice_cancels_upload(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Both ranks' uploads are held mid-object when rank 0 alone gets a notice: every rank takes
+    its deadline, the ranks in ``args["cancel"]`` cancel at the plan's word (the others' uploads
+    are released), and every rank then saves the newer step together."""
+    store = HeldStore(open_store(args["uri"]))
+    lefts: list[float | None] = []
+    cancels = rank in args["cancel"]
+
+    def allowance(*_: Any, **plan: Any) -> float:
+        lefts.append(plan["left_s"])
+        if not cancels:
+            store.gate.set()
+        return 0.0 if cancels else 120.0
+
+    spotckpt.save.in_flight_allowance = allowance  # type: ignore[assignment]
+    original = Cancellation.cancel
+
+    def cancel(self: Cancellation, why: str) -> None:
+        original(self, why)
+        store.gate.set()
+
+    Cancellation.cancel = cancel  # type: ignore[method-assign]
+    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
+    manager = CheckpointManager(
+        args["uri"],
+        store=store,
+        async_save=True,
+        preemption=watcher,
+        interval_steps=2,
+        keep_last=None,
+        collective_timeout_s=60,
+    )
+    manager.save(1, {f"w{rank}": torch.full((1 << 18,), 1.0 + rank)})
+    manager.wait()
+    store.hold = True
+    manager.maybe_save(2, {f"w{rank}": torch.full((1 << 18,), 2.0 + rank)})
+    if not store.waiting.wait(60):
+        raise AssertionError("the upload of step 2 never started")
+    dist.barrier()
+    if rank == 0:
+        watcher.trigger("test", deadline=time.monotonic() + 60.0)
+    dist.barrier()
+    manager.maybe_save(3, {f"w{rank}": torch.full((1 << 18,), 3.0 + rank)})
+    outcome = {"stop": manager.should_stop(), "lefts": lefts, "steps": manager.steps()}
+    (Path(args["out"]) / f"outcome-{rank}.json").write_text(json.dumps(outcome))
+    manager.close()
+    watcher.stop()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "fsdp_incremental_save": fsdp_incremental_save,
     "per_rank_state": per_rank_state,
@@ -535,6 +587,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "async_saves": async_saves,
     "rebalance_hint": rebalance_hint,
     "async_commit_skew": async_commit_skew,
+    "notice_cancels_upload": notice_cancels_upload,
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
@@ -178,6 +179,31 @@ class AfterWrite(FailingStore):
     def _fire(self, key: str) -> None:
         self.fired.append(key)
         self.then(key)
+
+
+class HeldStore(FailingStore):
+    """A real store whose streamed writes wait at `gate` while `hold` is set (`waiting` tells
+    that one does): an upload caught mid-object, for as long as a test needs."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner, fail_after_bytes=1 << 62)
+        self.hold = False
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def open_writer(self, key: str, *, create_only: bool = False) -> FailingWriter:
+        return _HeldWriter(self.inner.open_writer(key, create_only=create_only), self)
+
+
+class _HeldWriter(FailingWriter):
+    store: HeldStore
+
+    def write(self, data: Any) -> None:
+        if self.store.hold:
+            self.store.waiting.set()
+            if not self.store.gate.wait(120):
+                raise InjectedFault("the held upload was never released")
+        super().write(data)
 
 
 PAGE = 1000

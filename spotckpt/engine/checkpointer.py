@@ -45,6 +45,7 @@ from spotckpt.errors import (
     KeyMismatchError,
     ManifestError,
     ReplicaMismatchError,
+    SaveCancelledError,
     SaveFailedError,
     ValueLoadError,
 )
@@ -256,6 +257,10 @@ def _save_error(step: int, error: CheckpointException) -> BaseException:
     for cause in failures.values():
         if isinstance(cause, CheckpointAlreadyCommittedError):
             return cause
+    cancelled = {r: c for r, c in failures.items() if isinstance(c, SaveCancelledError)}
+    if cancelled:  # the plan at a notice stopped it: not a failure of the ranks
+        rank, cause = min(cancelled.items())
+        return SaveCancelledError(f"save of step {step} on rank {rank}: {cause}")
     refused = {r: c for r, c in failures.items() if isinstance(c, IntegrityRefusedError)}
     if refused:  # the guards' own error, naming the rank whose state was refused
         rank, cause = min(refused.items())

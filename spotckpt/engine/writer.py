@@ -45,6 +45,7 @@ from torch.futures import Future
 
 from spotckpt.catalog import Catalog
 from spotckpt.digest import step_digest
+from spotckpt.engine.cancel import CancellableWriter, Cancellation
 from spotckpt.engine.global_plan import PlanCache
 from spotckpt.engine.guards import (
     Guard,
@@ -210,6 +211,8 @@ class ObjectStoreWriter(StorageWriter):
         self._stream: ObjectStream | None = None
         self.digest: str | None = None
         """The committed step's digest (`spotckpt.digest`), for its save event."""
+        self.cancellation = Cancellation()
+        """Set at a notice that leaves this save no time: its next write raises."""
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.attempt = self.planned_attempt
@@ -344,7 +347,9 @@ class ObjectStoreWriter(StorageWriter):
         """Stream the object's items through `encoding`; where each item (or member) lies, and
         the object's record."""
         metadata = {"format": "pt", "spotckpt.step": str(self.step)}
-        writer = self.store.open_writer(step_key(self.step, written.key))
+        writer = CancellableWriter(
+            self.store.open_writer(step_key(self.step, written.key)), self.cancellation, self.step
+        )
         hasher = transforms.hashing.object_hasher()
         placed: list[_Placed] = []
         started = time.monotonic()

@@ -50,15 +50,17 @@ import torch
 from spotckpt.catalog import Catalog
 from spotckpt.checksum import crc32c
 from spotckpt.distributed import THIS_RANK, Collective, RankProgress
+from spotckpt.engine.cancel import CancellableWriter, Cancellation
 from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
 from spotckpt.errors import (
     AlreadyExistsError,
     CheckpointError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    SaveCancelledError,
     TierSaveError,
 )
-from spotckpt.format.manifest import Manifest
+from spotckpt.format.manifest import Manifest, ObjectRecord
 from spotckpt.format.signing import Keyring
 from spotckpt.layout import (
     MANIFEST_NAME,
@@ -339,30 +341,48 @@ class FastTier:
             log.warning("could not remove fast-tier step %d: %s", step, error, extra=THIS_RANK)
 
     def drain(
-        self, manifest: Manifest, bucket: Catalog, collective: Collective, data: bytes
+        self,
+        manifest: Manifest,
+        bucket: Catalog,
+        collective: Collective,
+        data: bytes,
+        cancellation: Cancellation | None = None,
     ) -> None:
-        """Upload this rank's object from the tier, then commit `manifest` to the bucket."""
+        """Upload this rank's object from the tier, then commit `manifest` to the bucket.
+
+        A `cancellation` set meanwhile (a notice left the upload no time) stops it on every rank
+        with `SaveCancelledError`; the step stays committed in the tier."""
         peers = self._peers(collective, f"upload of step {manifest.step} from the fast tier")
+        cancellation = cancellation if cancellation is not None else Cancellation()
         failure: str | None = None
+        stopped = False
         try:
             for record in manifest.objects.values():
                 if record.rank == self.rank:
-                    self._upload(
-                        manifest.step, record.key, record.size, record.crc32c, bucket.store
-                    )
+                    self._upload(manifest.step, record, bucket.store, cancellation)
         except (CheckpointError, OSError) as error:
             failure = f"rank {self.rank}: {error}"
-        failures = [f for f in peers.gather(failure) if f is not None]
+            stopped = isinstance(error, SaveCancelledError)
+        outcomes = peers.gather((failure, stopped))
+        failures = [f for f, _ in outcomes if f is not None]
+        if any(cancelled for _, cancelled in outcomes):
+            raise SaveCancelledError(
+                f"upload of step {manifest.step} from the fast tier cancelled at a preemption "
+                "notice; the step stays in the fast tier"
+            )
         if failures:
             raise TierSaveError(
                 f"upload of step {manifest.step} from the fast tier failed: {'; '.join(failures)}"
             )
         collective.run_on_coordinator(lambda: bucket.commit(manifest, data))
 
-    def _upload(self, step: int, key: str, size: int, expected: int, bucket: ObjectStore) -> None:
+    def _upload(
+        self, step: int, record: ObjectRecord, bucket: ObjectStore, cancellation: Cancellation
+    ) -> None:
         """Stream one object from the tier to the bucket; refused if its CRC32C changed."""
-        crc = 0
-        with bucket.open_writer(step_key(step, key)) as writer:  # commits on a clean exit
+        crc, key, size, expected = 0, record.key, record.size, record.crc32c
+        target = bucket.open_writer(step_key(step, key))
+        with CancellableWriter(target, cancellation, step) as writer:  # commits on a clean exit
             for piece in pieces_of(self.rank, key, size):
                 data = self.store.get_range(step_key(step, key), piece.offset, piece.length)
                 crc = crc32c(data, crc)
