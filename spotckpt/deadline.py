@@ -8,12 +8,13 @@ copy on the peers is what a restart reads if the bucket copy does not follow in 
 bucket), which is job-wide (a save commits once every rank wrote) and follows the state's size from
 one save to the next (plus, in ``async_mode="process"``, what an upload in flight still needs: an
 upload process cannot be stopped, so it commits first; in a thread an upload in flight gets only the
-time the plan at the notice leaves it, `in_flight_allowance`, and is cancelled otherwise). The window is the shortest of the notice
-sources active here: signals are always watched, so `save_budget_s` always counts (the deploy kit
-pairs it with the launcher's and Kubernetes' grace period); a cloud's notice (AWS 120 s, GCE and
-Azure 30 s) counts on that cloud. An estimate fits when `SaveDecisionPolicy.fits` says so: the same
-rule the emergency save applies at the notice, so a state reported as not fitting is exactly one
-whose emergency save would be skipped. No torch, no store I/O.
+time the plan at the notice leaves it, `in_flight_allowance`, and is cancelled otherwise). The
+window is the shortest of the notice sources active here: signals are always watched, so
+`save_budget_s` always counts (the deploy kit pairs it with the launcher's and Kubernetes' grace
+period); a cloud's notice (AWS 120 s, GCE and Azure 30 s) counts on that cloud. An estimate fits
+when `SaveDecisionPolicy.fits` says so: the same rule the emergency save applies at the notice, so a
+state reported as not fitting is exactly one whose emergency save would be skipped. No torch, no
+store I/O.
 """
 
 from __future__ import annotations

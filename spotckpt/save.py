@@ -1,13 +1,14 @@
 """Saving: the save counterpart of `spotckpt.restore`'s `StateLoader`.
 
 A `Saver` carries every save of one rank from its start to its commit: when `maybe_save` saves
-(`spotckpt.policy.SaveDecisionPolicy` decides; the preemption flag agreed by every rank, the
-emergency save within the notice and its time checks), where to (the `SaveTarget`s: the fast
-per-node tier first when there is one with room on every node, `TierTarget`, else the bucket,
-`BucketTarget`), the one save in flight (`PendingSave`), and the commit with its hand-over
-(`Committer`: the commit point, goodput events with the request counts of
-`spotckpt.ledger.Ledger`, retention through `Catalog.retire`). How bytes move is the engine's
-(`spotckpt.engine`); the tier's copies, records and drain are `spotckpt.tiers`'.
+(`spotckpt.policy.SaveDecisionPolicy` decides; the preemption flag agreed by every rank), the
+emergency save within a notice (the earliest deadline of any rank, the upload in flight given only
+the time `spotckpt.deadline.in_flight_allowance` leaves it, the route that fits), and where each
+save goes (`spotckpt.targets`: the fast per-node tier first when there is one with room on every
+node and copies that outlive the evicted nodes, else the bucket). A save ends in
+`spotckpt.committer.Committer` (the commit point, the one save in flight, goodput events, and
+retention). How bytes move is the engine's (`spotckpt.engine`); the tier's copies, records and
+drain are `spotckpt.tiers`'.
 
 Nothing here calls back into `CheckpointManager`: the manager builds a `Saver` with what it needs
 and delegates to it.
@@ -15,547 +16,38 @@ and delegates to it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
 from concurrent.futures import wait as wait_for
-from typing import Any, Protocol, cast
-
-import torch
+from typing import Any
 
 from spotckpt.catalog import Catalog
 from spotckpt.collector import collector_paused
+from spotckpt.committer import Committer, PendingSave
 from spotckpt.config import Settings
 from spotckpt.deadline import EmergencyEstimate, first_measured, in_flight_allowance
-from spotckpt.distributed import THIS_RANK, Collective, RankProgress
-from spotckpt.engine.checkpointer import Checkpointer, is_save_failure
-from spotckpt.engine.guards import Guard
-from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
+from spotckpt.distributed import Collective, RankProgress
+from spotckpt.engine.checkpointer import Checkpointer
 from spotckpt.errors import (
-    CheckpointError,
     IntegrityRefusedError,
     ManifestError,
-    PeerLostError,
-    ReplicaMismatchError,
     SaveFailedError,
     StorageError,
     TierSaveError,
 )
 from spotckpt.format.compression import Compression
 from spotckpt.format.signing import Keyring
-from spotckpt.layout import new_attempt_id
 from spotckpt.ledger import Ledger
 from spotckpt.policy import SaveDecisionPolicy, SaveKind
 from spotckpt.preemption import SIGNAL_WINDOW, NoticeWindow, PreemptionWatcher
-from spotckpt.progress import ProgressLog, Sample
 from spotckpt.state import State, as_dcp_state, release_worker_shields
 from spotckpt.storage import ObjectStore
-from spotckpt.tiers.fast_tier import FastTier, TierWriter, state_bytes
-from spotckpt.units import human_rate, human_size
-from spotckpt.version import __version__
+from spotckpt.targets import BucketTarget, SaveRequest, SaveTarget, TierTarget, WriterSetup
+from spotckpt.tiers.fast_tier import FastTier
 
 log = logging.getLogger("spotckpt")
-
-
-@dataclasses.dataclass
-class PendingSave:
-    """The one save in flight: its upload (and commit) running in the background.
-
-    `durable` is False for a save to the fast tier only, whose failure costs the cached copy,
-    never the training run. `stall_s` is how long the save held the training loop (staging).
-    `progress` holds the save's rank markers (what names a dead rank when it fails).
-    """
-
-    step: int
-    upload: Future[Any]
-    writer: ObjectStoreWriter
-    durable: bool
-    started: float
-    stall_s: float
-    progress: RankProgress
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveRequest:
-    """One save as it was asked for: `durable` (committed in the bucket) or the fast tier only;
-    `emergency` within a preemption notice that ends at `deadline` (`time.monotonic()`, None:
-    unknown); `job` is this job's identity (None while the bucket has none); `progress` the
-    save's rank markers."""
-
-    step: int
-    blocking: bool
-    emergency: bool
-    durable: bool
-    deadline: float | None
-    user_metadata: Mapping[str, Any] | None
-    job: str | None
-    progress: RankProgress
-
-
-class Committer:
-    """A save's end: run it to its commit point (a failure after it does not undo it), hand an
-    asynchronous one over to the background and commit it at `wait`, record goodput events, and
-    apply retention (`Catalog.retire`) on the coordinator."""
-
-    def __init__(
-        self,
-        catalog: Catalog,
-        collective: Collective,
-        checkpointer: Checkpointer,
-        ledger: Ledger,
-        *,
-        keep_last: int | None,
-        progress_interval_s: float | None,
-    ) -> None:
-        self.catalog = catalog
-        self.collective = collective
-        self.checkpointer = checkpointer
-        self.ledger = ledger
-        self.goodput = ledger.goodput
-        self.keep_last = keep_last
-        self.progress_interval_s = progress_interval_s
-        self.is_coordinator = collective.rank == 0
-        self.pending: PendingSave | None = None
-        self.last_save_seconds: float | None = None
-
-    def progress_log(self, what: str, sample: Sample) -> ProgressLog:
-        """Progress of a transfer, logged by the coordinator only (its own rank's bytes)."""
-        interval = self.progress_interval_s if self.is_coordinator else None
-        return ProgressLog(what, sample, interval)
-
-    def hand_over(self, pending: PendingSave, emergency: bool, where: str) -> None:
-        """An asynchronous save is staged: it uploads in the background from here."""
-        pending.stall_s = time.monotonic() - pending.started
-        self.pending = pending
-        log.info(
-            "checkpoint step %d staged in %.3f s%s; uploading", pending.step, pending.stall_s, where
-        )
-        self.goodput.stalled(pending.step, pending.stall_s, emergency=emergency)
-
-    def wait(self) -> None:
-        """Block until an asynchronous save has committed; raise its error if it failed."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        if not pending.durable:
-            self.run_fast(pending.step, pending.upload.result, pending.progress)
-            return
-        self.run_save(pending.step, pending.writer, pending.upload.result, pending.progress)
-        self.last_save_seconds = time.monotonic() - pending.started
-        log.info(
-            "checkpoint step %d committed in %.2f s (async)%s",
-            pending.step,
-            self.last_save_seconds,
-            _amount(pending.writer, self.last_save_seconds),
-        )
-        self.goodput.committed(
-            pending.step,
-            stall_s=pending.stall_s,
-            upload_s=self.last_save_seconds - pending.stall_s,
-            size=_size(pending.writer),
-            referenced=_referenced(pending.writer),
-            asynchronous=True,
-            emergency=False,
-            requests=self.ledger.requests(),
-            digest=pending.writer.digest,
-        )
-        self.ledger.recorded()
-
-    def _refused(self, step: int, failure: IntegrityRefusedError, emergency: bool) -> None:
-        """An integrity check refused the save of `step`: log it and record the event."""
-        check = "replicas" if isinstance(failure, ReplicaMismatchError) else "health"
-        log.error("%s", failure)
-        self.goodput.refused(step, check, str(failure), emergency=emergency)
-
-    def run_save(
-        self,
-        step: int,
-        writer: ObjectStoreWriter,
-        run: Callable[[], Any],
-        progress: RankProgress,
-        emergency: bool = False,
-    ) -> None:
-        """Run a save to its end; after its commit point nothing can fail it any more.
-
-        A failure is first checked against the bucket: if this attempt's manifest is there (a
-        peer died after the commit, an answer was lost), the save is committed and the failure
-        is only a warning. Otherwise the attempt is discarded and the error raised (as the
-        engine describes it: the ranks that failed and why).
-        """
-        try:
-            run()
-        except BaseException as error:
-            committed = self._committed(step, writer)
-            if not (committed and is_save_failure(error)):
-                if not committed:
-                    self._discard_attempt(step, writer)
-                failure = self.checkpointer.save_failure(step, error, progress)
-                if isinstance(failure, IntegrityRefusedError):
-                    self._refused(step, failure, emergency)
-                if failure is None or failure is error:
-                    raise
-                raise failure from error
-            log.warning(
-                "checkpoint step %d is committed; what failed after its commit point does not "
-                "undo it: %s",
-                step,
-                self.checkpointer.save_failure(step, error, None),
-            )
-        if self.is_coordinator:
-            self._apply_retention()
-
-    def run_fast(self, step: int, run: Callable[[], Any], progress: RankProgress) -> None:
-        """A fast-only save: its failure costs the cached copy, never the training run.
-
-        Except when the failure broke the process group (a rank died or hung): then every
-        later collective would fail too, so the error is raised, naming the ranks
-        (`PeerLostError`, or `SaveFailedError` from the rank markers), never a raw gloo one."""
-        try:
-            run()
-        except BaseException as error:
-            if (
-                isinstance(error, (RuntimeError, TimeoutError))
-                and self.collective.group is not None
-            ):
-                failure = self.checkpointer.save_failure(step, error, progress)
-                if failure is None or failure is error:
-                    raise
-                raise failure from error
-            if isinstance(error, PeerLostError) or not (
-                is_save_failure(error) or isinstance(error, (CheckpointError, OSError))
-            ):
-                raise
-            log.warning(
-                "fast-tier save of step %d failed; training goes on, the tier keeps its older "
-                "steps: %s",
-                step,
-                error,
-            )
-
-    def _committed(self, step: int, writer: ObjectStoreWriter) -> bool:
-        """Whether this attempt's manifest is in the bucket (read back when unsure)."""
-        if writer.manifest is not None:
-            return True
-        if writer.attempt is None:
-            return False
-        try:
-            return self.catalog.committed_attempt(step) == writer.attempt
-        except StorageError as error:
-            log.warning(
-                "could not read back the manifest of step %d: %s", step, error, extra=THIS_RANK
-            )
-            return False
-
-    def _discard_attempt(self, step: int, writer: ObjectStoreWriter) -> None:
-        """After a failed save: abort this attempt's uploads and delete its objects."""
-        if self.is_coordinator and writer.attempt is not None:
-            self.catalog.discard_attempt(step, writer.attempt)
-
-    def blocking_commit(
-        self, step: int, writer: ObjectStoreWriter, started: float, emergency: bool
-    ) -> None:
-        """After a blocking save: its time, goodput events, and (not in an emergency) the
-        ``"auto"`` interval. A fast-tier emergency save with no time to upload has no commit."""
-        self.last_save_seconds = time.monotonic() - started
-        self.goodput.stalled(step, self.last_save_seconds, emergency=emergency)
-        if not emergency:
-            self.ledger.agree_interval()
-        requests = self.ledger.requests(local=emergency)  # before: every rank must take part
-        if writer.manifest is None:
-            return
-        log.info(
-            "checkpoint step %d committed in %.2f s%s",
-            step,
-            self.last_save_seconds,
-            _amount(writer, self.last_save_seconds),
-        )
-        self.goodput.committed(
-            step,
-            stall_s=self.last_save_seconds,
-            upload_s=self.last_save_seconds,
-            size=_size(writer),
-            referenced=_referenced(writer),
-            asynchronous=False,
-            emergency=emergency,
-            requests=requests,
-            digest=writer.digest,
-        )
-        self.ledger.recorded()
-
-    def _apply_retention(self) -> None:
-        """Retention after a commit; its failures are warnings (the commit stands)."""
-        if self.keep_last is None:
-            return
-        try:
-            for step in self.catalog.retire(self.keep_last):
-                log.info("retention: deleted checkpoint step %d", step)
-        except StorageError as error:
-            log.warning("retention failed (the new checkpoint is committed): %s", error)
-
-
-class WriterSetup:
-    """What every save's writer records and checks, whatever its target."""
-
-    def __init__(self, settings: Settings, keyring: Keyring | None, collective: Collective):
-        self.settings = settings
-        self.keyring = keyring
-        self.collective = collective
-
-    def of(self, save: SaveRequest) -> dict[str, Any]:
-        """The caller's metadata, versions, and (where it can be set: not from a process-mode
-        upload's child) this rank's progress marker; and what the writer checks before its
-        commit point (`spotckpt.engine.guards`)."""
-        settings = self.settings
-        marks = self.collective.group is not None and (
-            save.blocking or settings.async_mode != "process"
-        )
-        return {
-            "user_metadata": dict(save.user_metadata or {}),
-            "versions": {"spotckpt": __version__, "torch": torch.__version__},
-            "on_written": save.progress.mark_written if marks else None,
-            "keyring": self.keyring,
-            "job": save.job,
-            "guard": Guard(
-                save.step,
-                replica_check=settings.replica_check,
-                health_check=settings.health_check,
-                world_size=self.collective.world_size,
-            ),
-        }
-
-
-class SaveTarget(Protocol):
-    """Where a save's bytes go: the bucket, or the fast tier (which then drains to the bucket)."""
-
-    route: str
-    """What estimates and logs call it: ``bucket`` or ``fast tier``."""
-
-    @property
-    def predicted_s(self) -> float | None:
-        """How long the next save to this target is expected to hold the loop (None: unknown)."""
-        ...
-
-    def admits(self, save: SaveRequest, state_dict: dict[str, Any]) -> bool:
-        """Whether this target takes `save` (agreed by every rank)."""
-        ...
-
-    def save(self, save: SaveRequest, state_dict: dict[str, Any]) -> None:
-        """Write `state_dict` and commit it (blocking), or hand it over (asynchronous)."""
-        ...
-
-    def close(self) -> None:
-        """Free what the target holds (after the last save)."""
-        ...
-
-
-class BucketTarget:
-    """Saves straight to the bucket, committed there (durable saves only)."""
-
-    route = "bucket"
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        settings: Settings,
-        committer: Committer,
-        options: WriterSetup,
-        link: Compression,
-    ) -> None:
-        self.store = store
-        self.settings = settings
-        self.committer = committer
-        self.checkpointer = committer.checkpointer
-        self.collective = committer.collective
-        self.options = options
-        self.link = link  # each object's encoding (with compression="auto", the link's rate)
-
-    @property
-    def predicted_s(self) -> float | None:
-        """The last save's time."""
-        return self.committer.last_save_seconds
-
-    def admits(self, save: SaveRequest, state_dict: dict[str, Any]) -> bool:
-        """Every durable save."""
-        return save.durable
-
-    def save(self, save: SaveRequest, state_dict: dict[str, Any]) -> None:
-        """Write and commit in the bucket (blocking), or stage and upload in the background."""
-        step, committer = save.step, self.committer
-        writer = ObjectStoreWriter(
-            self.store,
-            step,
-            WriterOptions(
-                prefix_spread=self.settings.prefix_spread,
-                attempt=self._child_attempt(save.blocking),
-                incremental=self.settings.incremental,
-                encodings=self.link,
-                **self.options.of(save),
-            ),
-        )
-        started = time.monotonic()
-        if save.blocking:
-            with committer.progress_log(f"saving step {step}", writer.progress):
-                run = lambda: self.checkpointer.save(state_dict, writer)  # noqa: E731
-                committer.run_save(step, writer, run, save.progress, save.emergency)
-            committer.blocking_commit(step, writer, started, save.emergency)
-            return
-        upload = self.checkpointer.async_save(state_dict, writer)
-        progress = committer.progress_log(f"uploading step {step}", writer.progress).start()
-        upload.add_done_callback(lambda _: progress.stop())
-        pending = PendingSave(step, upload, writer, True, started, 0.0, save.progress)
-        committer.hand_over(pending, save.emergency, "")
-        committer.ledger.agree_interval()  # safe during the upload: saves use a group of their own
-
-    def _child_attempt(self, blocking: bool) -> str | None:
-        """The attempt id of a save uploaded by DCP's child process (``async_mode="process"``),
-        drawn here and shared by every rank: the child never hands it back, and a save that
-        fails there must still be known (read back, or discarded). None: the writer draws it."""
-        if blocking or self.settings.async_mode != "process":
-            return None
-        return cast(str, self.collective.broadcast(new_attempt_id()))
-
-    def close(self) -> None:
-        """Nothing to free: the store is the manager's."""
-
-
-class TierTarget:
-    """Saves through the fast tier: stage once on this node, copy to peers, commit in the tier,
-    then (durable saves) drain each rank's objects to the bucket and commit there."""
-
-    route = "fast tier"
-
-    def __init__(
-        self,
-        tier: FastTier,
-        committer: Committer,
-        options: WriterSetup,
-        policy: SaveDecisionPolicy,
-    ) -> None:
-        self.tier = tier
-        self.committer = committer
-        self.checkpointer = committer.checkpointer
-        self.collective = committer.collective
-        self.catalog = committer.catalog
-        self.options = options
-        self.policy = policy
-        self._fast_save_seconds: float | None = None
-        self._drain_seconds: float | None = None
-        self._continuation_pool: ThreadPoolExecutor | None = None
-
-    @property
-    def predicted_s(self) -> float | None:
-        """The last fast save's time: the upload comes after it, only if there is time left."""
-        return self._fast_save_seconds
-
-    def admits(self, save: SaveRequest, state_dict: dict[str, Any]) -> bool:
-        """Whether every node's tier has room for this save (agreed), once each has let go of
-        what it need not keep (`FastTier.prune`); warns when not. Never without a job
-        identity."""
-        if save.job is None:
-            return False
-        tier = self.tier
-        tier.prune(save.job)
-        room = self.collective.all(tier.has_room(state_bytes(state_dict)))
-        if not room:
-            log.warning(
-                "fast tier: not enough free space under %s on some node for step %d; skipping "
-                "the fast save (durable saves go straight to the store)",
-                tier.root,
-                save.step,
-            )
-        return room
-
-    def save(self, save: SaveRequest, state_dict: dict[str, Any]) -> None:
-        """A save through the fast tier: stage once, copy to peers, then (`durable`) drain."""
-        step, committer = save.step, self.committer
-        writer = self.tier.writer(step, **self.options.of(save))
-        started = time.monotonic()
-
-        def finish() -> None:
-            self._finish(save, writer, started)
-
-        if not save.blocking:
-            upload = self.checkpointer.async_save(state_dict, writer)
-
-            def upload_then_finish() -> None:
-                upload.result()
-                finish()
-
-            continued = self._continuations().submit(upload_then_finish)
-            pending = PendingSave(
-                step, continued, writer, save.durable, started, 0.0, save.progress
-            )
-            committer.hand_over(pending, save.emergency, " (fast tier)")
-            return
-
-        def run() -> None:
-            self.checkpointer.save(state_dict, writer)
-            finish()
-
-        if save.durable:
-            committer.run_save(step, writer, run, save.progress, save.emergency)
-            committer.blocking_commit(step, writer, started, save.emergency)
-        else:
-            committer.run_fast(step, run, save.progress)
-
-    def _finish(self, save: SaveRequest, writer: TierWriter, started: float) -> None:
-        """After DCP wrote the tier: copies and commit on every node, then the drain.
-
-        When the copies fail (a full disk, a read error on some node: every rank learns it
-        from the collective), nothing is committed in the tier; a durable save still uploads
-        each rank's own object from its tier and commits in the bucket, a fast-only one fails
-        (`Committer.run_fast` warns)."""
-        step, durable, tier = save.step, save.durable, self.tier
-        saves = self.collective.for_saves()
-        saved = tier.complete(step, writer, saves, cast(str, save.job))
-        if saved.failure is None:
-            self._fast_save_seconds = time.monotonic() - started
-            log.info(
-                "fast tier: step %d committed on every node in %.2f s",
-                step,
-                self._fast_save_seconds,
-            )
-        elif not durable:
-            tier.discard(step)
-            raise TierSaveError(saved.failure)
-        else:
-            log.warning("%s; uploading it to the store from each rank's own copy", saved.failure)
-        if not durable:
-            return
-        try:
-            if save.emergency and not saves.all(self._time_to_drain(save.deadline)):
-                log.warning(
-                    "no time left to upload step %d to the store; %s",
-                    step,
-                    "resuming will use the fast-tier copies on the surviving nodes"
-                    if saved.failure is None
-                    else "it has no copy anywhere: resuming starts from an older step",
-                )
-                return
-            drain_started = time.monotonic()
-            tier.drain(saved.manifest, self.catalog, saves, saved.data, writer.cancellation)
-            writer.manifest = saved.manifest
-            self._drain_seconds = time.monotonic() - drain_started
-        finally:
-            if saved.failure is not None:
-                tier.discard(step)
-
-    def _time_to_drain(self, deadline: float | None) -> bool:
-        """Whether the last drain's time fits before the emergency `deadline` (unknown: yes)."""
-        return self.policy.fits(self._drain_seconds, now=time.monotonic(), deadline=deadline)
-
-    def _continuations(self) -> ThreadPoolExecutor:
-        if self._continuation_pool is None:
-            self._continuation_pool = ThreadPoolExecutor(1, thread_name_prefix="spotckpt-tier")
-        return self._continuation_pool
-
-    def close(self) -> None:
-        """Stop the thread that finishes asynchronous tier saves."""
-        if self._continuation_pool is not None:
-            self._continuation_pool.shutdown()
 
 
 class Saver:
@@ -661,6 +153,7 @@ class Saver:
         emergency: bool = False,
         durable: bool = True,
         deadline: float | None = None,
+        evicted: frozenset[int] = frozenset(),
     ) -> None:
         """A save from its start to its commit (blocking) or to its hand-over to the
         background (async), with the garbage collector paused (`spotckpt.collector`): to the
@@ -684,6 +177,7 @@ class Saver:
                 user_metadata,
                 self._job_of_saves(),
                 progress,
+                evicted,
             )
             for target in self.targets:
                 if target.admits(request, state_dict):
@@ -717,13 +211,17 @@ class Saver:
             return 0.0
         return max(0.0, last - (time.monotonic() - pending.started))
 
-    def _agreed_deadline(self) -> float | None:
-        """The earliest deadline any rank was given, on this rank's clock: a rank that got no
-        notice of its own (a peer's node is evicted) saves within the peer's."""
+    def _agreed_notice(self) -> tuple[float | None, frozenset[int]]:
+        """The earliest deadline any rank was given, on this rank's clock (a rank that got no
+        notice of its own, on a node that stays, saves within its peer's), and the ranks that
+        got one (their nodes are evicted)."""
         watcher, now = self.watcher, time.monotonic()
         mine = None if watcher is None or watcher.deadline is None else watcher.deadline - now
-        known = [left for left in self.collective.gather(mine) if left is not None]
-        return now + min(known) if known else None
+        noticed = watcher is not None and watcher.preempted
+        shared = self.collective.gather((mine, noticed))
+        known = [left for left, _ in shared if left is not None]
+        evicted = frozenset(rank for rank, (_, got) in enumerate(shared) if got)
+        return (now + min(known) if known else None), evicted
 
     def _settle_in_flight(self, step: int, deadline: float | None) -> int | None:
         """At a notice: the upload in flight runs for the time the plan leaves it
@@ -787,7 +285,7 @@ class Saver:
         time the plan leaves it, then `step` is saved if its predicted time fits before the
         deadline by the first route that admits it; then the loop is told to stop."""
         watcher = self.watcher
-        deadline = self._agreed_deadline()
+        deadline, evicted = self._agreed_notice()
         remaining = None if deadline is None else deadline - time.monotonic()
         log.warning(
             "preemption (%s): emergency save of step %d; %s left; predicted save time %s",
@@ -801,7 +299,15 @@ class Saver:
         refused: IntegrityRefusedError | None = None
         if pending != step and self.collective.all(self._time_for_another_save(deadline)):
             try:
-                self.save(step, state, True, user_metadata, emergency=True, deadline=deadline)
+                self.save(
+                    step,
+                    state,
+                    True,
+                    user_metadata,
+                    emergency=True,
+                    deadline=deadline,
+                    evicted=evicted,
+                )
                 committed: int | None = step
             except IntegrityRefusedError as error:  # the previous checkpoint stays the newest
                 refused = error
@@ -865,22 +371,3 @@ class Saver:
         """Free what the targets hold (after `wait`)."""
         for target in self.targets:
             target.close()
-
-
-def _size(writer: ObjectStoreWriter) -> int | None:
-    """Bytes a committed save wrote (known on the coordinator)."""
-    return writer.manifest.written_bytes if writer.manifest is not None else None
-
-
-def _referenced(writer: ObjectStoreWriter) -> int | None:
-    """Bytes a committed save referenced in earlier steps instead of writing them."""
-    return writer.manifest.referenced_bytes if writer.manifest is not None else None
-
-
-def _amount(writer: ObjectStoreWriter, seconds: float) -> str:
-    """``", 256.0 MiB at 30.1 MiB/s"`` for a committed save's log line (where its size is
-    known: on the coordinator)."""
-    size = _size(writer)
-    if size is None:
-        return ""
-    return f", {human_size(size)} at {human_rate(size / max(seconds, 1e-9))}"

@@ -40,7 +40,7 @@ import hashlib
 import logging
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,11 @@ class FastTier:
         ranks = len(self.placement.node_ranks[self.identity.node])
         wanted = state_bytes * ranks * self.redundancy.storage_factor * SPACE_MARGIN
         return shutil.disk_usage(self.root).free >= wanted
+
+    def survives(self, evicted: Collection[int]) -> bool:
+        """Whether a step saved now would still be whole on the nodes that remain once the
+        nodes of the `evicted` ranks (those that got a notice) are gone with their disks."""
+        return self.placement.survives({self.placement.node_of(rank) for rank in evicted})
 
     def writer(self, step: int, **options: Any) -> TierWriter:
         """The DCP writer of a fast save of `step` (a stale copy of the step is removed first,

@@ -14,6 +14,7 @@ computes the same answer without a message. Nodes are put on a ring that alterna
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from spotckpt.errors import InvalidArgumentError
@@ -69,6 +70,20 @@ class Placement:
             ranks = self.node_ranks[self.ring[(position + distance) % len(self.ring)]]
             holders.append(ranks[local_index % len(ranks)])
         return holders
+
+    def survives(self, lost: Collection[str]) -> bool:
+        """Whether every rank's object can still be read or rebuilt once the nodes in `lost`
+        are gone (their disks with them): a replica outside them, or at most as many members
+        of each erasure group inside them as the group has parity."""
+        if self.redundancy.erasure:
+            return all(
+                sum(self.node_of(r) in lost for r in group.data + group.parity) <= len(group.parity)
+                for group in self.groups
+            )
+        return all(
+            any(self.node_of(holder) not in lost for holder in [rank, *self.replica_holders(rank)])
+            for rank in range(len(self.identities))
+        )
 
     def _erasure_groups(self) -> list[ErasureGroup]:
         data, parity = self.redundancy.data, self.redundancy.parity

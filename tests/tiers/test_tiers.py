@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import os
@@ -78,6 +79,47 @@ def test_erasure_groups_cover_every_rank_and_keep_members_apart() -> None:
     assert covered == set(range(5))
     for group in placement.groups:
         assert len(set(group.data) | set(group.parity)) == 3
+
+
+@pytest.mark.parametrize(
+    ("spec", "nodes", "per_node"),
+    [
+        ("replicate:1", 2, 1),
+        ("replicate:2", 2, 1),
+        ("replicate:2", 4, 2),
+        ("replicate:3", 5, 1),
+        ("ec:2+1", 3, 1),
+        ("ec:2+1", 5, 2),
+        ("ec:3+2", 6, 1),
+    ],
+)
+def test_what_survives_the_loss_of_any_set_of_nodes(spec: str, nodes: int, per_node: int) -> None:
+    """An emergency save counts the fast tier only if its copies outlive the evicted nodes:
+    every subset of lost nodes, against the spec's promise (any F-1, or any M, may go)."""
+    identities = [NodeIdentity(f"n{r // per_node}") for r in range(nodes * per_node)]
+    redundancy = parse_redundancy(spec)
+    placement = Placement(redundancy, identities)
+    names = [f"n{i}" for i in range(nodes)]
+    tolerated = redundancy.parity if redundancy.erasure else redundancy.copies - 1
+    for size in range(nodes + 1):
+        for lost in itertools.combinations(names, size):
+            survives = placement.survives(set(lost))
+            if size <= tolerated:
+                assert survives, (spec, lost)
+            if size == nodes:
+                assert not survives, (spec, lost)
+            if survives:  # fewer losses never hurt
+                for smaller in itertools.combinations(lost, max(0, size - 1)):
+                    assert placement.survives(set(smaller)), (spec, lost, smaller)
+            readable = all(  # every rank's object: itself or a copy off the lost nodes
+                any(placement.node_of(h) not in lost for h in [r, *placement.replica_holders(r)])
+                for r in range(len(identities))
+            )
+            decodable = all(
+                sum(placement.node_of(m) not in lost for m in g.data + g.parity) >= len(g.data)
+                for g in placement.groups
+            )
+            assert survives == (decodable if redundancy.erasure else readable), (spec, lost)
 
 
 def test_too_few_nodes_for_the_spec_is_a_clear_error() -> None:
@@ -640,9 +682,13 @@ def test_restore_on_another_world_size_from_fast_tier_copies(tmp_path: Path) -> 
     _same(tmp_path / "out" / "restored-2.pt", tmp_path / "out" / "expected-6.pt")
 
 
-def test_sigterm_saves_to_the_tier_and_peers_then_resumes_at_that_step(
-    tmp_path: Path, s3_uri: str
+@pytest.mark.parametrize("noticed", [["node1"], ["node0", "node1"]], ids=["one node", "both"])
+def test_sigterm_saves_where_the_step_outlives_the_evicted_nodes(
+    tmp_path: Path, s3_uri: str, noticed: list[str]
 ) -> None:
+    """One node evicted: the emergency save goes to the tier and its peer, and a restart without
+    that node's disk reads 0 bucket bytes. Both nodes evicted: every tier copy would go with
+    them, so the step goes to the bucket, and a restart with no disk left resumes from it."""
     args = _args(tmp_path, s3_uri, "replicate:2", interval_steps=1000, ready_at=3)
     processes = launch_nodes(NODES[:2], "evicted", args)
     ready = tmp_path / "out" / "ready"
@@ -652,16 +698,22 @@ def test_sigterm_saves_to_the_tier_and_peers_then_resumes_at_that_step(
         for process in processes:
             process.kill()
         raise
-    for process in processes:  # torchrun passes the signal to every rank
-        os.killpg(process.pid, signal.SIGTERM)
+    for node, process in zip(NODES, processes, strict=False):  # torchrun signals a node's ranks
+        if node in noticed:
+            os.killpg(process.pid, signal.SIGTERM)
     results = finish(processes)
     for rank, (status, output) in enumerate(results):
         assert status == 75, f"rank {rank} exited {status}:\n{output[-6000:]}"
     evicted_at = int((tmp_path / "out" / "evicted-at.txt").read_text())
-    _lose(args, ["node1"])  # the evicted machine's disk is gone
+    _lose(args, noticed)  # the evicted machines' disks are gone
     run_nodes(NODES[:2], "restore", args)
     found = _sources(tmp_path, 2)
-    assert found["step"] == evicted_at and found["sources"]["store"] == 0
+    assert found["step"] == evicted_at
+    if len(noticed) == 1:
+        assert found["sources"]["store"] == 0
+    else:
+        assert found["sources"]["store"] > 0
+        assert "saving it to the store instead" in results[0][1]
     _same(tmp_path / "out" / "restored-2.pt", tmp_path / "out" / f"expected-{evicted_at}.pt")
 
 
