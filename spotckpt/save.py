@@ -5,7 +5,8 @@ A `Saver` carries every save of one rank from its start to its commit: when `may
 emergency save within a notice (the earliest deadline of any rank, the upload in flight given only
 the time `spotckpt.deadline.in_flight_allowance` leaves it, the route that fits), and where each
 save goes (`spotckpt.targets`: the fast per-node tier first when there is one with room on every
-node and copies that outlive the evicted nodes, else the bucket). A save ends in
+node, else the bucket; at a notice the tier's upload is skipped for lack of time only when its
+copies outlive the evicted nodes). A save ends in
 `spotckpt.committer.Committer` (the commit point, the one save in flight, goodput events, and
 retention). How bytes move is the engine's (`spotckpt.engine`); the tier's copies, records and
 drain are `spotckpt.tiers`'.

@@ -214,14 +214,6 @@ class TierTarget:
         if save.job is None:
             return False
         tier = self.tier
-        if save.emergency and not tier.survives(save.evicted):  # agreed: the same on every rank
-            log.warning(
-                "fast tier: the notice reached nodes that would take every copy of step %d with "
-                "them (redundancy %s); saving it to the store instead",
-                save.step,
-                tier.redundancy,
-            )
-            return False
         tier.prune(save.job)
         room = self.collective.all(tier.has_room(state_bytes(state_dict)))
         if not room:
@@ -292,14 +284,18 @@ class TierTarget:
             return
         try:
             if save.emergency and not saves.all(self._time_to_drain(save.deadline)):
-                log.warning(
-                    "no time left to upload step %d to the store; %s",
+                if saved.failure is None and tier.survives(save.evicted):
+                    log.warning(
+                        "no time left to upload step %d to the store; resuming will use the "
+                        "fast-tier copies on the surviving nodes",
+                        step,
+                    )
+                    return
+                log.warning(  # the upload is its only way out: try, the deadline may cut it
+                    "step %d has no fast-tier copy that outlives the evicted nodes: uploading "
+                    "it to the store although the last upload's time does not fit",
                     step,
-                    "resuming will use the fast-tier copies on the surviving nodes"
-                    if saved.failure is None
-                    else "it has no copy anywhere: resuming starts from an older step",
                 )
-                return
             drain_started = time.monotonic()
             tier.drain(saved.manifest, self.catalog, saves, saved.data, writer.cancellation)
             writer.manifest = saved.manifest

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import spotckpt.targets
 from spotckpt import CheckpointError, CheckpointManager, TrainState
 
 from dist_worker import _perturbed, fsdp, full_state, make_model, train, wait_all
@@ -152,7 +153,11 @@ def restore(rank: int, world: int, args: dict[str, Any]) -> None:
 
 
 def evicted(rank: int, world: int, args: dict[str, Any]) -> None:
-    """Trains until SIGTERM; the emergency save goes to the tier first, then exit 75."""
+    """Trains until SIGTERM; the emergency save goes to the tier first, then exit 75. With
+    ``drain_never_fits`` the tier's upload to the bucket is predicted never to fit."""
+    if args.get("drain_never_fits"):
+        never: Any = lambda self, deadline: False  # noqa: E731
+        spotckpt.targets.TierTarget._time_to_drain = never
     out = Path(args["out"])
     model = fsdp(make_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

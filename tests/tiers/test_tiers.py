@@ -686,10 +686,13 @@ def test_restore_on_another_world_size_from_fast_tier_copies(tmp_path: Path) -> 
 def test_sigterm_saves_where_the_step_outlives_the_evicted_nodes(
     tmp_path: Path, s3_uri: str, noticed: list[str]
 ) -> None:
-    """One node evicted: the emergency save goes to the tier and its peer, and a restart without
-    that node's disk reads 0 bucket bytes. Both nodes evicted: every tier copy would go with
-    them, so the step goes to the bucket, and a restart with no disk left resumes from it."""
-    args = _args(tmp_path, s3_uri, "replicate:2", interval_steps=1000, ready_at=3)
+    """The tier's upload predicted not to fit the notice. One node evicted: the emergency save
+    stays in the tier and its peer, and a restart without that node's disk reads 0 bucket bytes.
+    Both nodes evicted: every tier copy goes with them, so the step is uploaded all the same,
+    and a restart with no disk left resumes from the bucket."""
+    args = _args(
+        tmp_path, s3_uri, "replicate:2", interval_steps=1000, ready_at=3, drain_never_fits=True
+    )
     processes = launch_nodes(NODES[:2], "evicted", args)
     ready = tmp_path / "out" / "ready"
     try:
@@ -711,9 +714,10 @@ def test_sigterm_saves_where_the_step_outlives_the_evicted_nodes(
     assert found["step"] == evicted_at
     if len(noticed) == 1:
         assert found["sources"]["store"] == 0
+        assert "resuming will use the fast-tier copies on the surviving nodes" in results[0][1]
     else:
         assert found["sources"]["store"] > 0
-        assert "saving it to the store instead" in results[0][1]
+        assert "no fast-tier copy that outlives the evicted nodes" in results[0][1]
     _same(tmp_path / "out" / "restored-2.pt", tmp_path / "out" / f"expected-{evicted_at}.pt")
 
 
