@@ -14,11 +14,10 @@ from the training process, so its upload runs to its end.
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 
 from spotckpt.errors import SaveCancelledError
 from spotckpt.storage import ObjectInfo
-from spotckpt.storage.base import ObjectWriter
+from spotckpt.storage.base import ObjectWriter, WriterBase
 
 
 class Cancellation:
@@ -49,7 +48,7 @@ class Cancellation:
         return (Cancellation, ())  # an upload process's copy: never set (see the module)
 
 
-class CancellableWriter:
+class CancellableWriter(WriterBase):
     """An `ObjectWriter` that checks `cancellation` before each write of a step's object."""
 
     def __init__(self, inner: ObjectWriter, cancellation: Cancellation, step: int) -> None:
@@ -74,17 +73,3 @@ class CancellableWriter:
     def abort(self) -> None:
         """Drop what was written (the store's multipart upload is aborted)."""
         self.inner.abort()
-
-    def __enter__(self) -> CancellableWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()

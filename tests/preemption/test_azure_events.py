@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler
@@ -30,14 +29,6 @@ from spotckpt.preemption import AZURE_NOTICE_S
 pytestmark = pytest.mark.process  # its tests start processes or servers
 
 VM = "spot-vmss_3"
-
-
-@pytest.fixture
-def watchers() -> Iterator[list[PreemptionWatcher]]:
-    started: list[PreemptionWatcher] = []
-    yield started
-    for watcher in started:
-        watcher.stop()
 
 
 def _events(*events: dict[str, Any], incarnation: int = 1) -> bytes:
