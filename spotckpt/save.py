@@ -6,10 +6,9 @@ emergency save within a notice (the earliest deadline of any rank, the upload in
 the time `spotckpt.deadline.in_flight_allowance` leaves it, the route that fits), and where each
 save goes (`spotckpt.targets`: the fast per-node tier first when there is one with room on every
 node, else the bucket; at a notice the tier's upload is skipped for lack of time only when its
-copies outlive the evicted nodes). A save ends in
-`spotckpt.committer.Committer` (the commit point, the one save in flight, goodput events, and
-retention). How bytes move is the engine's (`spotckpt.engine`); the tier's copies, records and
-drain are `spotckpt.tiers`'.
+copies outlive the evicted nodes). A save ends in `spotckpt.committer.Committer` (the commit
+point, the one save in flight, goodput events, and retention). How bytes move is the engine's
+(`spotckpt.engine`); the tier's copies, records and drain are `spotckpt.tiers`'.
 
 Nothing here calls back into `CheckpointManager`: the manager builds a `Saver` with what it needs
 and delegates to it.
