@@ -121,7 +121,8 @@ def in_flight_allowance(
     stopping the upload on every rank (`CANCEL_RESERVE_S`, or the margin's share of the save when
     longer): the upload runs until that save must start when it fits before then, else it is
     cancelled at once (the newer step is worth more, and the upload would take its time).
-    Otherwise the upload, the only step still within reach, runs while its margin fits.
+    Otherwise the upload, the only step still within reach, runs until the deadline less
+    `CANCEL_RESERVE_S` (a commit the deadline cuts off is invisible, never half-written).
     """
     if left_s is None:
         return None
@@ -129,7 +130,7 @@ def in_flight_allowance(
     reserve = max(CANCEL_RESERVE_S, (policy.margin - 1.0) * predicted)
     save_start = left_s - policy.margin * predicted - reserve
     if not newer or save_start <= 0:
-        return max(0.0, left_s / policy.margin)
+        return max(0.0, left_s - CANCEL_RESERVE_S)
     if policy.fits(in_flight_s, now=0.0, deadline=save_start):
         return save_start
     return 0.0

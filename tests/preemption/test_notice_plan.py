@@ -32,8 +32,8 @@ MARGIN = POLICY.margin
     [
         # unknown deadline: the upload runs to its end, as without a plan
         (5.0, 5.0, None, True, None),
-        # nothing newer to save: the upload may run while its margin fits
-        (5.0, 5.0, 30.0, False, 30.0 / MARGIN),
+        # nothing newer to save: the upload runs until the deadline less the reserve
+        (5.0, 5.0, 30.0, False, 30.0 - CANCEL_RESERVE_S),
         # both fit: the upload runs until the newer save must start (less the reserve)
         (5.0, 5.0, 30.0, True, 30.0 - MARGIN * 5.0 - CANCEL_RESERVE_S),
         # a long save: its reserve is the margin's share of it
@@ -41,9 +41,9 @@ MARGIN = POLICY.margin
         # only the newer save fits: the upload is cancelled at once
         (20.0, 5.0, 30.0, True, 0.0),
         # the newer save does not fit: the upload is the only step within reach
-        (5.0, 40.0, 30.0, True, 30.0 / MARGIN),
+        (5.0, 40.0, 30.0, True, 30.0 - CANCEL_RESERVE_S),
         # the newer save fits, but not with time to stop the upload first
-        (5.0, 24.0, 30.0, True, 30.0 / MARGIN),
+        (5.0, 24.0, 30.0, True, 30.0 - CANCEL_RESERVE_S),
         # nothing measured yet: the newer save is taken to fit
         (50.0, None, 30.0, True, 0.0),
     ],
