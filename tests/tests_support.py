@@ -183,13 +183,15 @@ class AfterWrite(FailingStore):
 
 class HeldStore(FailingStore):
     """A real store whose streamed writes wait at `gate` while `hold` is set (`waiting` tells
-    that one does): an upload caught mid-object, for as long as a test needs."""
+    that one does), or until `released()` says so: an upload caught mid-object, for as long as
+    a test needs."""
 
-    def __init__(self, inner: ObjectStore) -> None:
+    def __init__(self, inner: ObjectStore, released: Callable[[], bool] = lambda: False) -> None:
         super().__init__(inner, fail_after_bytes=1 << 62)
         self.hold = False
         self.gate = threading.Event()
         self.waiting = threading.Event()
+        self.released = released
 
     def open_writer(self, key: str, *, create_only: bool = False) -> FailingWriter:
         return _HeldWriter(self.inner.open_writer(key, create_only=create_only), self)
@@ -201,8 +203,10 @@ class _HeldWriter(FailingWriter):
     def write(self, data: Any) -> None:
         if self.store.hold:
             self.store.waiting.set()
-            if not self.store.gate.wait(120):
-                raise InjectedFault("the held upload was never released")
+            end = time.monotonic() + 120
+            while not self.store.gate.wait(0.02) and not self.store.released():
+                if time.monotonic() > end:
+                    raise InjectedFault("the held upload was never released")
         super().write(data)
 
 

@@ -26,6 +26,7 @@ OPS = (
     "verify",
     "export_hf",
     "reshard_restore",
+    "notice_during_upload",
 )
 FAULTS = ("none", "damaged_object", "planted_step", "damaged_old_manifest")
 FACTORS: tuple[tuple[str, tuple[object, ...]], ...] = (

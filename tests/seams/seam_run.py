@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -21,13 +22,13 @@ import torch
 import torch.distributed as dist
 from seam_cells import Cell
 
-from spotckpt import CheckpointManager
+from spotckpt import CheckpointManager, PreemptionWatcher
 from spotckpt.errors import CheckpointError
 from spotckpt.format.signing import Keyring
 from spotckpt.gc import collect_garbage
 from spotckpt.storage import open_store
 
-from tests_support import AfterWrite
+from tests_support import AfterWrite, HeldStore
 
 STEPS = (1, 2, 3)
 """The steps every cell starts from; its operation saves `NEXT`."""
@@ -142,6 +143,8 @@ def _phase(
             step = manager.restore(into)
             exact = step is not None and same(into, state(step, world, rank, mesh))
             return {"step": step, "exact": exact, "sources": manager.last_restore_sources}
+    if name == "notice_during_upload":
+        return _notice_during_upload(cell, paths, world, rank, mesh)
     keep = {"retention_k1": 1, "retention_k2": 2}.get(name)
     store = None
     interleaved = name == "gc_during_save"
@@ -154,6 +157,43 @@ def _phase(
         manager.wait()
         fired = bool(store.fired) if store is not None else None
         return {"steps": manager.steps(), "gc_fired": fired}
+
+
+NOTICE_S = 5.0
+"""The notice's window: the plan lets the held upload run about 4 s, then cancels it."""
+NOTICE_STEP = NEXT + 1
+"""The step saved at the notice (NEXT is the upload in flight)."""
+
+
+def _notice_during_upload(
+    cell: Cell, paths: dict[str, str], world: int, rank: int, mesh: Any
+) -> dict[str, Any]:
+    """Step NEXT uploads in the background, held mid-object, when rank 0 gets a notice: the plan
+    at the notice cancels it (an upload process cannot be held: it commits), and `NOTICE_STEP`
+    is saved within the notice on every rank."""
+    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
+    chosen = {**settings(cell, paths), "preemption": watcher, "async_save": True}
+    pending: list[Any] = []
+    held = not cell.process_async  # the upload process gets a pickled copy of the store
+    store = (
+        HeldStore(open_store(paths["bucket"]), lambda: pending[0].writer.cancellation.cancelled)
+        if held
+        else None
+    )
+    try:
+        with CheckpointManager(paths["bucket"], store=store, **chosen) as manager:
+            if store is not None:
+                store.hold = True
+            manager.save(NEXT, state(NEXT, world, rank, mesh))
+            pending.append(manager._saver.pending)
+            if store is not None and rank == 0 and not store.waiting.wait(120):
+                raise AssertionError("the upload of the held step never started")
+            if rank == 0:
+                watcher.trigger("seam", deadline=time.monotonic() + NOTICE_S)
+            manager.maybe_save(NOTICE_STEP, state(NOTICE_STEP, world, rank, mesh))
+            return {"steps": manager.steps(), "held": held, "stopped": manager.should_stop()}
+    finally:
+        watcher.stop()
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import pytest
 import seam_run
 from safetensors.torch import load_file
 from seam_cells import Cell, covering_array, table, wide_cell
-from seam_run import NEXT, phase, same, state
+from seam_run import NEXT, NOTICE_STEP, phase, same, state
 
 from spotckpt import CheckpointManager
 from spotckpt.catalog import Catalog
@@ -154,6 +154,8 @@ def _plant(cell: Cell, paths: dict[str, str]) -> set[int]:
 
 def _newest(cell: Cell) -> int:
     """The newest readable committed step once the operation ran (the bucket alone)."""
+    if cell.op == "notice_during_upload":
+        return NOTICE_STEP
     if cell.op in ("save", "retention_k1", "retention_k2", "gc_during_save"):
         return NEXT
     return 2 if cell.fault == "damaged_object" else 3
@@ -219,9 +221,14 @@ def test_seam_cell(cell: Cell, tmp_path: Path) -> None:
             _check_restored(cell, seen)
         else:
             _ok(seen)
-            assert NEXT in seen[0]["steps"], seen[0]
+            assert _newest(cell) in seen[0]["steps"], seen[0]
             if cell.op == "gc_during_save" and not cell.process_async:
                 assert seen[0]["gc_fired"], "gc never ran between the write and the commit"
+            if cell.op == "notice_during_upload":  # the held upload was cancelled everywhere
+                assert all(rank["stopped"] for rank in seen), seen
+                # held mid-object (the tier's upload of a small object is one write: it ends)
+                cancelled = seen[0]["held"] and not cell.fast_tier
+                assert not cancelled or NEXT not in seen[0]["steps"], seen[0]
     _check_bucket(cell, paths, damaged)
 
 
