@@ -3,8 +3,9 @@ undo it), hands an asynchronous one over to the background as the `PendingSave` 
 `wait`, records the goodput events (with the requests that `spotckpt.ledger.Ledger` counted), and
 applies retention through `Catalog.retire` on the coordinator.
 
-Call order, per save: `run_save` (or `run_fast` for a fast-tier-only save) around the engine's
-write; then `blocking_commit` for a blocking save, or `hand_over` and, later, `wait`.
+Call order of a blocking save: `run_save` (`run_fast` for a fast-tier-only save) around the
+engine's write, then `blocking_commit`. Of an asynchronous one: `hand_over` once it is staged;
+later `wait` runs `run_save` (or `run_fast`) on its upload's result.
 """
 
 from __future__ import annotations
