@@ -102,10 +102,10 @@ test-all: test crash deadline
 
 # The crash explorer (docs/guarantees.md): every recorded store call is a fault point, on the
 # local folder, S3 (moto), the GCS fake and Azurite (each skipped, with a line, where missing),
-# (a seeded 800 points per server: a replay there costs seconds), and seeded samples of points
+# (a seeded 300 points per server: a replay there costs seconds), and seeded samples of points
 # SIGKILLed in a child process and on one of two gloo ranks, and of points in the upload process
 # of async_mode="process" saves.
-CRASH_ARGS ?= --backend local --backend s3 --backend gcs --backend azure --server-sample 800 \
+CRASH_ARGS ?= --backend local --backend s3 --backend gcs --backend azure --server-sample 300 \
 	--kill-sample 20 --kill-ranks-sample 2 --upload-sample 30
 # SAMPLE=N explores a seeded sample of N trace points, without the process samples.
 crash: setup $(AZURITE)
