@@ -240,10 +240,7 @@ class Saver:
             )
             if allowance is not None and not wait_for([pending.upload], allowance).done:
                 pending.writer.cancellation.cancel(
-                    f"a preemption notice left it {allowance:.1f} s, and step {step} is saved "
-                    "instead"
-                    if pending.step != step
-                    else f"a preemption notice left it {allowance:.1f} s"
+                    f"the preemption notice's plan left it {allowance:.1f} s"
                 )
         try:
             self.wait()
