@@ -143,9 +143,8 @@ class SaveFailedError(CheckpointError):
 
 
 class SaveCancelledError(SaveFailedError):
-    """An upload in flight was stopped at a preemption notice because the plan left it no time
-    (or the job closed with it unfinished); nothing of it was committed, the previous checkpoint
-    stays the newest."""
+    """An upload in flight was stopped at a preemption notice because the plan left it no time;
+    nothing of it was committed, the previous checkpoint stays the newest."""
 
 
 class IntegrityRefusedError(SaveFailedError):

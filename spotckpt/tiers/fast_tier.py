@@ -351,14 +351,13 @@ class FastTier:
         bucket: Catalog,
         collective: Collective,
         data: bytes,
-        cancellation: Cancellation | None = None,
+        cancellation: Cancellation,
     ) -> None:
         """Upload this rank's object from the tier, then commit `manifest` to the bucket.
 
         A `cancellation` set meanwhile (a notice left the upload no time) stops it on every rank
         with `SaveCancelledError`; the step stays committed in the tier."""
         peers = self._peers(collective, f"upload of step {manifest.step} from the fast tier")
-        cancellation = cancellation if cancellation is not None else Cancellation()
         failure: str | None = None
         stopped = False
         try:
