@@ -123,7 +123,8 @@ class Settings:
       separate upload process (needs an initialised process group; the store is rebuilt there
       from its URI and options; not with `local_dir`).
     - `preemption`: True to watch signals and cloud notices, False not to, or a watcher.
-    - `prefix_spread`: spread rank objects over 4096 key prefixes (S3 request-rate partitions).
+    - `prefix_spread`: spread rank objects over 4096 key prefixes (S3 request-rate partitions);
+      an emergency save at a notice spreads them anyway once the bucket throttled.
     - `collective_timeout_s`: bound on every collective of the manager's own gloo group.
     - `agree_every`: with several ranks, agree on the preemption flag every N steps.
     - `save_budget_s`: time an emergency save may take after a signal; the window that
@@ -150,7 +151,9 @@ class Settings:
       a sample of the state, compressed, says the save gets faster on the upload rate that this
       rank's earlier saves measured: on slow links, never on a local disk) or ``"off"``
       (default: a compressed step's objects are no longer plain safetensors files, and older
-      spotckpt versions cannot read it).
+      spotckpt versions cannot read it), except for an emergency save at a preemption notice,
+      which decides as ``"auto"`` does once the link is measured (`spotckpt.deadline.
+      NoticeAdaptation`).
     - `replica_check`: compare the copies of replicated tensors across ranks before the commit:
       ``"all"``, ``"sample"`` (1/8 of the tensors per save, in turn) or ``"off"`` (default: a
       healthy DDP job may hold different values under one name, e.g. BatchNorm's running

@@ -13,8 +13,10 @@ window is the shortest of the notice sources active here: signals are always wat
 `save_budget_s` always counts (the deploy kit pairs it with the launcher's and Kubernetes' grace
 period); a cloud's notice (AWS 120 s, GCE and Azure 30 s) counts on that cloud. An estimate fits
 when `SaveDecisionPolicy.fits` says so: the same rule the emergency save applies at the notice, so a
-state reported as not fitting is exactly one whose emergency save would be skipped. No torch, no
-store I/O.
+state reported as not fitting is exactly one whose emergency save would be skipped. The emergency
+save's writes to the bucket also adapt to what the job saw (`NoticeAdaptation`, agreed by every
+rank): prefixes spread once the bucket throttled, objects compressed where the measured link makes
+it pay. No torch, no store I/O.
 """
 
 from __future__ import annotations
@@ -34,6 +36,55 @@ FIXES = (
 
 CANCEL_RESERVE_S = 1.0
 """Time kept, at a notice, for an upload in flight to stop on every rank once cancelled."""
+
+
+@dataclass(frozen=True)
+class NoticeAdaptation:
+    """How an emergency save's writes to the bucket differ from the settings', decided at the
+    notice from what every rank saw (`adapt_at_notice`): the save that matters most should not
+    take a route the job already found slow, nor wait for a setting to be changed.
+
+    `spread`: rank objects spread over key prefixes (the bucket throttled `throttled` times so
+    far, and a throttled bucket partitions its request rate by prefix). `compress`: each object
+    compressed where a sample of it says that pays off on the link rate earlier raw uploads
+    measured (``compression="auto"``'s rule, `spotckpt.format.compression.Compression.at_notice`;
+    data that does not compress stays raw). Readers need nothing: the manifest names each
+    object's key and encoding."""
+
+    spread: bool = False
+    compress: bool = False
+    throttled: int = 0
+
+    def describe(self) -> str | None:
+        """What the log says of it (None: nothing adapted)."""
+        parts = []
+        if self.spread:
+            plural = "" if self.throttled == 1 else "s"
+            parts.append(f"prefixes spread (the bucket throttled {self.throttled} request{plural})")
+        if self.compress:
+            parts.append("objects compressed where the measured link makes it pay")
+        return "; ".join(parts) or None
+
+
+UNADAPTED = NoticeAdaptation()
+"""The settings' keys and encodings as they are: every save but an emergency one that adapts."""
+
+
+def adapt_at_notice(
+    reports: Sequence[tuple[int, bool]], *, prefix_spread: bool, compression: str
+) -> NoticeAdaptation:
+    """The adaptation of an emergency save, from each rank's report (the throttled answers its
+    bucket store got so far in this job, whether its link rate is measured) and the settings:
+    spread when any rank was throttled and `prefix_spread` is off (else it is on already);
+    compress when `compression` is ``"off"`` and any rank's link is measured (``"on"`` and
+    ``"auto"`` already decide by themselves). Every rank gets the same reports, so the same
+    answer."""
+    throttled = sum(count for count, _ in reports)
+    return NoticeAdaptation(
+        spread=not prefix_spread and throttled > 0,
+        compress=compression == "off" and any(measured for _, measured in reports),
+        throttled=throttled,
+    )
 
 
 @dataclass(frozen=True)

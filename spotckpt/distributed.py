@@ -1,4 +1,5 @@
-"""torch.distributed plumbing of the manager: one gloo group, flag agreement, broadcast, markers.
+"""torch.distributed plumbing of the manager: one gloo group, flag agreement, broadcast, markers
+and a notice board in the group's key-value store.
 
 Everything here is a no-op for a single process (no initialised process group), so the manager
 calls it unconditionally. Collectives run on a gloo group of their own with the manager's
@@ -190,6 +191,59 @@ class RankProgress:
             if not missing or time.monotonic() > deadline:
                 return missing
             time.sleep(0.1)
+
+
+class NoticeBoard:
+    """A preemption notice and finished uploads, posted in the process group's key-value store,
+    which every rank reads without a collective.
+
+    While the ranks wait for an upload in flight before a due save, a collective would hold
+    each of them (and its signal handlers) until every upload is done, so one rank's notice
+    would reach the others only after it: a notice ~a save's time late. On the board a rank's
+    notice is seen by the others at their next look. `prefix` is drawn once per job process
+    (one board per incarnation: a restarted job never reads its predecessor's notice). Store
+    errors (the store's host left) come out as RuntimeError: the caller's next collective then
+    names the lost rank.
+    """
+
+    def __init__(self, prefix: str, rank: int, world_size: int) -> None:
+        self.prefix = prefix
+        self.rank = rank
+        self.world_size = world_size
+
+    def post_notice(self) -> None:
+        """Tell every rank that this one got a preemption notice."""
+        _required_store().set(f"{self.prefix}/notice", "1")
+
+    def noticed(self) -> bool:
+        """Whether any rank posted a notice."""
+        return bool(_required_store().check([f"{self.prefix}/notice"]))
+
+    def post_done(self, wait: int) -> None:
+        """Tell every rank that this one's upload is done (for the `wait`-th wait)."""
+        _required_store().set(f"{self.prefix}/done-{wait}/{self.rank}", "1")
+
+    def all_done(self, wait: int) -> bool:
+        """Whether every rank posted its upload done for the `wait`-th wait."""
+        keys = [f"{self.prefix}/done-{wait}/{rank}" for rank in range(self.world_size)]
+        return bool(_required_store().check(keys))
+
+    def clear_done(self, wait: int) -> None:
+        """Remove this rank's mark of the `wait`-th wait, once every rank has left it (the
+        store keeps every key until the job ends)."""
+        kv = _kv_store()
+        if kv is not None:
+            try:
+                kv.delete_key(f"{self.prefix}/done-{wait}/{self.rank}")
+            except (RuntimeError, NotImplementedError) as error:
+                log.debug("upload mark not removed: %s", error)
+
+
+def _required_store() -> Any:
+    kv = _kv_store()
+    if kv is None:
+        raise RuntimeError("the process group's key-value store cannot be reached")
+    return kv
 
 
 def _kv_store() -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import wait as wait_for
@@ -27,8 +28,15 @@ from spotckpt.catalog import Catalog
 from spotckpt.collector import collector_paused
 from spotckpt.committer import Committer, PendingSave
 from spotckpt.config import Settings
-from spotckpt.deadline import EmergencyEstimate, first_measured, in_flight_allowance
-from spotckpt.distributed import Collective, RankProgress
+from spotckpt.deadline import (
+    UNADAPTED,
+    EmergencyEstimate,
+    NoticeAdaptation,
+    adapt_at_notice,
+    first_measured,
+    in_flight_allowance,
+)
+from spotckpt.distributed import Collective, NoticeBoard, RankProgress
 from spotckpt.engine.checkpointer import Checkpointer
 from spotckpt.errors import (
     IntegrityRefusedError,
@@ -44,10 +52,13 @@ from spotckpt.policy import SaveDecisionPolicy, SaveKind
 from spotckpt.preemption import SIGNAL_WINDOW, NoticeWindow, PreemptionWatcher
 from spotckpt.state import State, as_dcp_state, release_worker_shields
 from spotckpt.storage import ObjectStore
+from spotckpt.storage.throttle import Throttle
 from spotckpt.targets import BucketTarget, SaveRequest, SaveTarget, TierTarget, WriterSetup
 from spotckpt.tiers.fast_tier import FastTier
 
 log = logging.getLogger("spotckpt")
+NOTICE_POLL_S = 0.1
+"""How often a rank waiting for an upload in flight looks for a notice and its peers' uploads."""
 
 
 class Saver:
@@ -76,6 +87,9 @@ class Saver:
         self.watcher = watcher
         self.policy = policy
         self.uri = uri
+        self.link = link
+        throttle = getattr(store, "throttle", None)  # a bucket store's; a local folder has none
+        self.throttle = throttle if isinstance(throttle, Throttle) else None
         self.committer = Committer(
             catalog,
             collective,
@@ -96,6 +110,8 @@ class Saver:
         self._job: str | None = None
         self._warned_unfit = False  # "does not fit" was told (once per process)
         self._hint_saved = False  # the extra save an early hint asks for was made
+        self._board: NoticeBoard | None = None  # see `_noticed_while_waiting`
+        self._waits = 0  # waits for an upload in flight before a due save, on every rank
         me = weakref.ref(self)  # the events' estimate, without a cycle that keeps the saver
         self.goodput.emergency = lambda: (
             {} if (s := me()) is None else s.emergency_estimate().to_event()
@@ -128,6 +144,8 @@ class Saver:
             last_started_step=self.goodput.last_started_step,
             hint_active=hinted,
         )
+        if decision in (SaveKind.DURABLE, SaveKind.FAST) and self._noticed_while_waiting():
+            decision = SaveKind.EMERGENCY  # its plan gives the upload in flight its time
         if decision is SaveKind.EMERGENCY:
             self._emergency_save(step, state, user_metadata)
         elif decision is SaveKind.DURABLE:
@@ -154,11 +172,12 @@ class Saver:
         durable: bool = True,
         deadline: float | None = None,
         evicted: frozenset[int] = frozenset(),
+        adapted: NoticeAdaptation = UNADAPTED,
     ) -> None:
         """A save from its start to its commit (blocking) or to its hand-over to the
         background (async), with the garbage collector paused (`spotckpt.collector`): to the
         first target that admits it (the fast tier when there is one with room on every node,
-        else, `durable`, the bucket).
+        else, `durable`, the bucket, its writes `adapted` as a notice's plan decided).
         """
         blocking = not self.settings.async_save if blocking is None else blocking
         self.wait()
@@ -178,6 +197,7 @@ class Saver:
                 self._job_of_saves(),
                 progress,
                 evicted,
+                adapted,
             )
             for target in self.targets:
                 if target.admits(request, state_dict):
@@ -211,17 +231,24 @@ class Saver:
             return 0.0
         return max(0.0, last - (time.monotonic() - pending.started))
 
-    def _agreed_notice(self) -> tuple[float | None, frozenset[int]]:
+    def _agreed_notice(self) -> tuple[float | None, frozenset[int], NoticeAdaptation]:
         """The earliest deadline any rank was given, on this rank's clock (a rank that got no
-        notice of its own, on a node that stays, saves within its peer's), and the ranks that
-        got one (their nodes are evicted)."""
+        notice of its own, on a node that stays, saves within its peer's), the ranks that got
+        one (their nodes are evicted), and how the emergency save's writes to the bucket adapt
+        to what every rank saw (`spotckpt.deadline.adapt_at_notice`), in one collective."""
         watcher, now = self.watcher, time.monotonic()
         mine = None if watcher is None or watcher.deadline is None else watcher.deadline - now
         noticed = watcher is not None and watcher.preempted
-        shared = self.collective.gather((mine, noticed))
-        known = [left for left, _ in shared if left is not None]
-        evicted = frozenset(rank for rank, (_, got) in enumerate(shared) if got)
-        return (now + min(known) if known else None), evicted
+        throttled = 0 if self.throttle is None else self.throttle.stats().throttled
+        shared = self.collective.gather((mine, noticed, throttled, self.link.rate is not None))
+        known = [left for left, _, _, _ in shared if left is not None]
+        evicted = frozenset(rank for rank, (_, got, _, _) in enumerate(shared) if got)
+        adapted = adapt_at_notice(
+            [(count, measured) for _, _, count, measured in shared],
+            prefix_spread=self.settings.prefix_spread,
+            compression=self.settings.compression,
+        )
+        return (now + min(known) if known else None), evicted, adapted
 
     def _settle_in_flight(self, step: int, deadline: float | None) -> int | None:
         """At a notice: the upload in flight runs for the time the plan leaves it
@@ -275,6 +302,64 @@ class Saver:
         agreed = self.collective.sum([int(preempted), int(hinted), int(uploaded)])
         return agreed[0] > 0, agreed[1] > 0, agreed[2] == self.collective.world_size
 
+    def _noticed_while_waiting(self) -> bool:
+        """Before a due save that would first wait for the upload in flight: wait until every
+        rank's upload is done or any rank got a notice; True on every rank if one did.
+
+        Waiting in a collective, or in the save's own wait, would hold every rank (and its
+        signal handlers) until the upload is done, and a notice then met a new save's upload
+        as well as the old one: where uploads take longer than the interval, the step in
+        flight and every step since the old upload's were lost. The ranks look at a
+        `NoticeBoard` instead, every `NOTICE_POLL_S`."""
+        pending = self.committer.pending
+        if pending is None:
+            return False
+        board = self._notice_board()
+        self._waits += 1
+        posted = False
+        while True:
+            mine = self.watcher is not None and self.watcher.preempted
+            try:
+                if board is None:
+                    if mine or pending.upload.done():
+                        break
+                else:
+                    if mine:
+                        board.post_notice()
+                    if not posted and pending.upload.done():
+                        board.post_done(self._waits)
+                        posted = True
+                    if board.noticed() or board.all_done(self._waits):
+                        break
+            except RuntimeError:  # the store's host left: the collective below names it
+                break
+            if pending.upload.done():
+                time.sleep(NOTICE_POLL_S)
+            else:
+                wait_for([pending.upload], NOTICE_POLL_S)
+        local = self.watcher is not None and self.watcher.preempted
+        noticed = self.collective.any(local or (board is not None and self._board_says(board)))
+        if board is not None:  # every rank has left the loop
+            board.clear_done(self._waits)
+        return noticed
+
+    @staticmethod
+    def _board_says(board: NoticeBoard) -> bool:
+        try:
+            return board.noticed()
+        except RuntimeError:
+            return False
+
+    def _notice_board(self) -> NoticeBoard | None:
+        """The job's `NoticeBoard` (None for a single process), its prefix drawn at the first
+        wait, which every rank reaches at the same step."""
+        if self.collective.group is None:
+            return None
+        if self._board is None:
+            prefix = self.collective.broadcast(f"spotckpt/notices-{uuid.uuid4().hex}")
+            self._board = NoticeBoard(prefix, self.collective.rank, self.collective.world_size)
+        return self._board
+
     def _emergency_save(
         self, step: int, state: State, user_metadata: Mapping[str, Any] | None
     ) -> None:
@@ -282,7 +367,7 @@ class Saver:
         time the plan leaves it, then `step` is saved if its predicted time fits before the
         deadline by the first route that admits it; then the loop is told to stop."""
         watcher = self.watcher
-        deadline, evicted = self._agreed_notice()
+        deadline, evicted, adapted = self._agreed_notice()
         remaining = None if deadline is None else deadline - time.monotonic()
         log.warning(
             "preemption (%s): emergency save of step %d; %s left; predicted save time %s",
@@ -291,6 +376,9 @@ class Saver:
             "unknown time" if remaining is None else f"{remaining:.1f} s",
             "unknown" if self.last_save_seconds is None else f"{self.last_save_seconds:.1f} s",
         )
+        described = adapted.describe()
+        if described is not None and self.committer.is_coordinator:
+            log.warning("emergency save to the bucket: %s", described)
         started = time.monotonic()
         pending = self._settle_in_flight(step, deadline)
         refused: IntegrityRefusedError | None = None
@@ -304,6 +392,7 @@ class Saver:
                     emergency=True,
                     deadline=deadline,
                     evicted=evicted,
+                    adapted=adapted,
                 )
                 committed: int | None = step
             except IntegrityRefusedError as error:  # the previous checkpoint stays the newest

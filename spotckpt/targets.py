@@ -18,6 +18,7 @@ import torch
 
 from spotckpt.committer import Committer, PendingSave
 from spotckpt.config import Settings
+from spotckpt.deadline import UNADAPTED, NoticeAdaptation
 from spotckpt.distributed import Collective, RankProgress
 from spotckpt.engine.guards import Guard
 from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
@@ -39,8 +40,9 @@ log = logging.getLogger("spotckpt")
 class SaveRequest:
     """One save as it was asked for: `durable` (committed in the bucket) or the fast tier only;
     `emergency` within a preemption notice that ends at `deadline` (`time.monotonic()`, None:
-    unknown), which the `evicted` ranks got (their nodes go, with their disks); `job` is this
-    job's identity (None while the bucket has none); `progress` the save's rank markers."""
+    unknown), which the `evicted` ranks got (their nodes go, with their disks), its writes to
+    the bucket `adapted` as the notice's plan decided; `job` is this job's identity (None while
+    the bucket has none); `progress` the save's rank markers."""
 
     step: int
     blocking: bool
@@ -51,6 +53,7 @@ class SaveRequest:
     job: str | None
     progress: RankProgress
     evicted: frozenset[int] = frozenset()
+    adapted: NoticeAdaptation = UNADAPTED
 
 
 class WriterSetup:
@@ -139,16 +142,17 @@ class BucketTarget:
         return save.durable
 
     def save(self, save: SaveRequest, state_dict: dict[str, Any]) -> None:
-        """Write and commit in the bucket (blocking), or stage and upload in the background."""
-        step, committer = save.step, self.committer
+        """Write and commit in the bucket (blocking), or stage and upload in the background;
+        with the keys and encodings the notice's plan adapted (`SaveRequest.adapted`)."""
+        step, committer, adapted = save.step, self.committer, save.adapted
         writer = ObjectStoreWriter(
             self.store,
             step,
             WriterOptions(
-                prefix_spread=self.settings.prefix_spread,
+                prefix_spread=self.settings.prefix_spread or adapted.spread,
                 attempt=self._child_attempt(save.blocking),
                 incremental=self.settings.incremental,
-                encodings=self.link,
+                encodings=self.link.at_notice() if adapted.compress else self.link,
                 **self.options.of(save),
             ),
         )

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -571,8 +572,53 @@ def notice_cancels_upload(rank: int, world: int, args: dict[str, Any]) -> None:
     watcher.stop()
 
 
+def notice_while_waiting(rank: int, world: int, args: dict[str, Any]) -> None:
+    """Both ranks' uploads of step 2 are held when step 3's save comes due, so both wait for
+    them; rank 1 then gets a notice. Each rank records whether its upload was still held when
+    the plan at the notice ran (it is released then, and commits)."""
+    store = HeldStore(open_store(args["uri"]))
+    held: list[bool] = []
+
+    def allowance(*_: Any, **plan: Any) -> float:
+        held.append(not store.gate.is_set())
+        store.gate.set()
+        return 120.0
+
+    spotckpt.save.in_flight_allowance = allowance  # type: ignore[assignment]
+    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
+    manager = CheckpointManager(
+        args["uri"],
+        store=store,
+        async_save=True,
+        preemption=watcher,
+        interval_steps=1,
+        keep_last=None,
+        collective_timeout_s=120,
+    )
+    manager.save(1, {f"w{rank}": torch.full((1 << 18,), 1.0 + rank)})
+    manager.wait()
+    store.hold = True
+    manager.maybe_save(2, {f"w{rank}": torch.full((1 << 18,), 2.0 + rank)})
+    if not store.waiting.wait(60):
+        raise AssertionError("the upload of step 2 never started")
+    if rank == 1:
+
+        def notice_once_waiting() -> None:
+            while manager._saver._waits == 0:
+                time.sleep(0.01)
+            watcher.trigger("test", deadline=time.monotonic() + 60.0)
+
+        threading.Thread(target=notice_once_waiting, daemon=True).start()
+    manager.maybe_save(3, {f"w{rank}": torch.full((1 << 18,), 3.0 + rank)})
+    outcome = {"stop": manager.should_stop(), "held_at_plan": held, "steps": manager.steps()}
+    (Path(args["out"]) / f"outcome-{rank}.json").write_text(json.dumps(outcome))
+    manager.close()
+    watcher.stop()
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "fsdp_incremental_save": fsdp_incremental_save,
+    "notice_while_waiting": notice_while_waiting,
     "per_rank_state": per_rank_state,
     "distributed_sampler": distributed_sampler,
     "fsdp_save": fsdp_save,

@@ -254,6 +254,14 @@ class Compression:
         ratio, rate = measure(taken, block_size, ENCODE_THREADS)
         return ZSTD_PLANES if pays_off(ratio, rate, self.rate) else RAW
 
+    def at_notice(self) -> Compression:
+        """The choice of an emergency save whose plan compresses (`spotckpt.deadline.
+        NoticeAdaptation`): ``"auto"`` on the rate this link measured, so that an object is
+        compressed only where its sample says that pays off. A copy: this link keeps its mode."""
+        adapted = Compression("auto")
+        adapted.rate = self.rate
+        return adapted
+
     def uploaded(self, encoding: Encoding, nbytes: int, seconds: float) -> None:
         """An object of `nbytes` went up in `seconds`: the link's rate, when it was stored raw
         (a compressed upload's time says more of the codec than of the link)."""

@@ -4,7 +4,10 @@ cancelled; the newer step is saved instead; nothing half-written is ever trusted
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,3 +180,75 @@ def test_ranks_take_the_earliest_deadline_and_cancel_together(
         assert outcome["steps"] == [1, 3]
         (left,) = outcome["lefts"]
         assert left is not None and 0 < left <= 60.0
+
+
+def _notice_once_waiting(mgr: CheckpointManager, notify: Any) -> threading.Thread:
+    """A thread that gives the notice once the manager waits for its upload in flight before
+    a due save (and not before: a notice before the step is agreed at the step itself)."""
+
+    def give() -> None:
+        end = time.monotonic() + 60
+        while mgr._saver._waits == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        notify()
+
+    thread = threading.Thread(target=give, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(240)
+def test_a_notice_while_a_due_save_waits_for_the_upload_is_acted_on_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher]
+) -> None:
+    """Uploads slower than the interval: the next due save waits for the upload in flight. A
+    real SIGTERM then reaches the plan at once (the upload gets the time the plan leaves it),
+    instead of after the upload, when a new save's upload would stand in the way too."""
+    uri = str(tmp_path / "ck")
+    store = HeldStore(open_store(uri))
+    planned: list[bool] = []
+
+    def allowance(*args: Any, **kwargs: Any) -> float:
+        planned.append(store.gate.is_set())  # the upload was still held when the plan ran
+        store.gate.set()
+        return 120.0
+
+    monkeypatch.setattr(spotckpt.save, "in_flight_allowance", allowance)
+    watcher = PreemptionWatcher(signals=(signal.SIGTERM,), aws=False, gce=False, azure=False)
+    watchers.append(watcher.start())
+    with CheckpointManager(
+        uri, store=store, async_save=True, preemption=watcher, interval_steps=1, keep_last=None
+    ) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        store.hold = True
+        assert mgr.maybe_save(2, _state(2))
+        assert store.waiting.wait(60)
+        giver = _notice_once_waiting(mgr, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        assert mgr.maybe_save(3, _state(3))  # due, behind the held upload of step 2
+        giver.join(60)
+        assert planned == [False]
+        assert mgr.should_stop()
+        assert mgr.steps() == [1, 2, 3]
+        restored = _empty()
+        assert mgr.restore(restored) == 3
+        assert all(torch.equal(restored[k], _state(3)[k]) for k in restored)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_peers_notice_reaches_a_rank_waiting_for_its_upload(tmp_path: Path) -> None:
+    """Both ranks wait for their held uploads before a due save; rank 1 alone gets a notice:
+    rank 0 learns of it from the notice board, not from its upload's end, and both make the
+    emergency save together."""
+    out = tmp_path / "out"
+    out.mkdir()
+    uri = str(tmp_path / "ck")
+    results = launch_ranks(2, "notice_while_waiting", {"uri": uri, "out": str(out)})
+    for result in results:
+        assert result.returncode == 0, result.stdout[-4000:]
+    for rank in (0, 1):
+        outcome = json.loads((out / f"outcome-{rank}.json").read_text())
+        assert outcome["stop"] is True
+        assert outcome["held_at_plan"] == [True]
+        assert outcome["steps"] == [1, 2, 3]
