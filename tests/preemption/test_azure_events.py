@@ -85,6 +85,11 @@ def _watch(
     return watcher
 
 
+def _stop(watchers: list[PreemptionWatcher]) -> None:
+    for watcher in watchers:
+        watcher.stop()
+
+
 def test_a_preempt_for_this_vm_is_a_notice_with_its_deadline(
     monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher]
 ) -> None:
@@ -94,6 +99,7 @@ def test_a_preempt_for_this_vm_is_a_notice_with_its_deadline(
         watcher = _watch(monkeypatch, server, watchers)
         assert _wait_for(lambda: watcher.preempted)
     finally:
+        _stop(watchers)  # before its server goes: no poll meets a closed port
         server.close()
     assert watcher.reason == "azure:preempt"
     left = (watcher.deadline or 0) - time.monotonic()
@@ -113,6 +119,7 @@ def test_a_preempt_for_other_vms_of_the_group_is_ignored(
         assert _wait_for(lambda: len(server.seen) >= 5)  # type: ignore[attr-defined]
         assert not watcher.preempted
     finally:
+        _stop(watchers)  # before its server goes: no poll meets a closed port
         server.close()
     assert not any(p.startswith("/metadata/instance") for _, p, _ in server.requests)
 
@@ -126,6 +133,7 @@ def test_a_started_preempt_leaves_no_time_and_an_unreadable_one_the_minimum(
         watcher = _watch(monkeypatch, server, watchers)
         assert _wait_for(lambda: watcher.preempted)
     finally:
+        _stop(watchers)  # before its server goes: no poll meets a closed port
         server.close()
     assert (watcher.deadline or 0) <= time.monotonic()
     second = _serve([_events({**_preempt([VM]), "NotBefore": "soon, probably"})])
@@ -148,6 +156,7 @@ def test_an_unknown_vm_name_takes_the_preempt_as_ours(
         watcher = _watch(monkeypatch, server, watchers)
         assert _wait_for(lambda: watcher.preempted)
     finally:
+        _stop(watchers)  # before its server goes: no poll meets a closed port
         server.close()
     assert any("name is unknown" in w for w in _warnings(caplog))
 
@@ -173,6 +182,7 @@ def test_azure_survives_hostile_and_flaky_metadata(
         watcher = _watch(monkeypatch, server, watchers)
         assert _wait_for(lambda: watcher.preempted, WAIT_S)
     finally:
+        _stop(watchers)  # before its server goes: no poll meets a closed port
         server.close()
     assert watcher.reason == "azure:preempt"
     warnings = _warnings(caplog)
