@@ -5,8 +5,9 @@ nothing measured against it says how a save behaves in a data centre. `CloudProx
 spotckpt and the S3 server (moto or SeaweedFS) and imposes, per `Profile`:
 
 - a bandwidth per connection (each direction), paced in slices of `SLICE` bytes;
-- an aggregate cap per node: every connection of one proxy shares it (one proxy is one node;
-  `Link` objects may also be shared between proxies, or paced by other traffic of the node);
+- an aggregate cap per node and direction (full duplex, as a NIC is): every connection of one
+  proxy shares it (one proxy is one node; its `NodeLinks` may also pace other traffic of the
+  node, such as the fast tier's peer exchange);
 - a first-byte latency before each answer;
 - request rates per prefix (the key up to its last ``/``, as a partitioned S3 prefix), writes
   (PUT, POST, DELETE) and reads (GET, HEAD) apart, as token buckets; a request beyond them is
@@ -109,6 +110,20 @@ class Link:
             return self.free_at
 
 
+@dataclass(frozen=True)
+class NodeLinks:
+    """One node's network interface: what it sends (`up`) and what it receives (`down`) are
+    paced apart, so that a node can upload and download at full rate at once."""
+
+    up: Link
+    down: Link
+
+    @classmethod
+    def of(cls, rate: float | None) -> NodeLinks:
+        """Both directions at `rate` bytes per second (None: unlimited)."""
+        return cls(Link(rate), Link(rate))
+
+
 class RateLimit:
     """A token bucket of `rate` requests per second with `burst_s` seconds of credit."""
 
@@ -155,11 +170,11 @@ def rate_prefix(path: str) -> str:
 class CloudProxy:
     """Forwards to `upstream` under `profile`'s limits; see the module docstring."""
 
-    def __init__(self, upstream: str, profile: Profile, node_link: Link | None = None) -> None:
+    def __init__(self, upstream: str, profile: Profile, node: NodeLinks | None = None) -> None:
         target = urlsplit(upstream)
         self.host, self.port = target.hostname or "127.0.0.1", target.port or 80
         self.profile = profile
-        self.node = node_link or Link(profile.node_bytes_per_s)
+        self.node = node or NodeLinks.of(profile.node_bytes_per_s)
         self.lock = threading.Lock()
         self.started = time.monotonic()
         self.limits: dict[tuple[str, str], RateLimit] = {}
@@ -243,7 +258,7 @@ class CloudProxy:
                     got = self.rfile.readinto(view[: min(left, SLICE)])
                     if not got:
                         raise ConnectionError("the client closed the connection mid-body")
-                    proxy.pace(link, got)
+                    proxy.pace(link, proxy.node.up, got)
                     upstream.send(view[:got])
                     left -= got
                 with proxy.lock:
@@ -280,7 +295,7 @@ class CloudProxy:
                 if body is not None:
                     for start in range(0, size, SLICE):
                         piece = body[start : start + SLICE]
-                        proxy.pace(link, len(piece))
+                        proxy.pace(link, proxy.node.down, len(piece))
                         self.wfile.write(piece)
                     sent = size
                 else:
@@ -288,7 +303,7 @@ class CloudProxy:
                         got = response.readinto(view[: min(SLICE, size - sent)])
                         if not got:
                             raise ConnectionError("the server closed the connection mid-body")
-                        proxy.pace(link, got)
+                        proxy.pace(link, proxy.node.down, got)
                         self.wfile.write(view[:got])
                         sent += got
                 with proxy.lock:
@@ -344,9 +359,10 @@ class CloudProxy:
             self.throttled[kind] += 1
             return False
 
-    def pace(self, link: Link, size: int) -> None:
-        """Wait until `size` bytes may pass both this connection's link and the node's."""
-        until = max(link.take(size), self.node.take(size))
+    def pace(self, link: Link, node: Link, size: int) -> None:
+        """Wait until `size` bytes may pass both this connection's link and the node's link in
+        their direction (`node`)."""
+        until = max(link.take(size), node.take(size))
         delay = until - time.monotonic()
         if delay > 0:
             time.sleep(delay)

@@ -55,6 +55,8 @@ from bench_units import GIB, MIB, StateSpec  # noqa: E402
 SINGLE_ID = "tiers/single"
 NODE_RUNS = (("replicate:2", 4, 2), ("ec:2+1", 3, 1))  # redundancy, nodes, index of the lost one
 COLLECTIVE_TIMEOUT_S = 600
+WORKER = Path(__file__).resolve()
+"""The script the rank processes run (another benchmark may wrap these workers in its own)."""
 
 
 @dataclass
@@ -172,7 +174,12 @@ def _single_part(settings: TierSettings, args: dict[str, Any], folder: Path) -> 
 
 
 def _nodes_part(
-    settings: TierSettings, part_id: str, args: dict[str, Any], count: int, folder: Path
+    settings: TierSettings,
+    part_id: str,
+    args: dict[str, Any],
+    count: int,
+    folder: Path,
+    worker: Path = WORKER,
 ) -> dict[str, Any]:
     nodes = [f"node{i}" for i in range(count)]
     (folder / "fast").mkdir(parents=True, exist_ok=True)
@@ -192,14 +199,14 @@ def _nodes_part(
     timeout = _timeout(settings, args["bytes_per_rank"] * count)
     try:
         logs = [folder / f"save-{node}.log" for node in nodes]
-        statuses = _launch(nodes, "save", args, logs, timeout)
+        statuses = _launch(nodes, "save", args, logs, timeout, worker)
         expected = [-signal.SIGKILL if i == args["lost"] else 0 for i in range(count)]
         if statuses != expected:
             _failed(part, statuses, expected, logs)
             return part
         shutil.rmtree(folder / "fast" / nodes[args["lost"]])  # the lost machine's disk
         logs = [folder / f"restore-{node}.log" for node in nodes]
-        statuses = _launch(nodes, "restore", args, logs, timeout)
+        statuses = _launch(nodes, "restore", args, logs, timeout, worker)
         _finish_part(part, statuses, [0] * count, logs, folder / "restore.json")
         if part["status"] == "ok":
             saves = json.loads((folder / "save.json").read_text())
@@ -221,9 +228,11 @@ def _environment(node: str) -> dict[str, str]:
     return {**env, "SPOTCKPT_NODE": node}
 
 
-def _spawn(argv: list[str], env: dict[str, str], output: Any) -> subprocess.Popen[bytes]:
+def _spawn(
+    argv: list[str], env: dict[str, str], output: Any, worker: Path = WORKER
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), *argv],
+        [sys.executable, str(worker), *argv],
         env=env,
         stdout=output,
         stderr=subprocess.STDOUT,
@@ -233,7 +242,12 @@ def _spawn(argv: list[str], env: dict[str, str], output: Any) -> subprocess.Pope
 
 
 def _launch(
-    nodes: list[str], scenario: str, args: dict[str, Any], logs: list[Path], timeout: float
+    nodes: list[str],
+    scenario: str,
+    args: dict[str, Any],
+    logs: list[Path],
+    timeout: float,
+    worker: Path = WORKER,
 ) -> list[int]:
     """One rank process per node, like torchrun on separate machines; their exit statuses."""
     port = str(free_port())
@@ -242,7 +256,7 @@ def _launch(
         for rank, node in enumerate(nodes):
             output = stack.enter_context(open(logs[rank], "wb"))
             argv = ["node", scenario, str(rank), str(len(nodes)), port, json.dumps(args)]
-            processes.append(_spawn(argv, _environment(node), output))
+            processes.append(_spawn(argv, _environment(node), output, worker))
         return _wait_all(processes, timeout)
 
 
