@@ -118,17 +118,26 @@ def _wait_until(instant: float) -> None:
 
 
 def pace_peer_exchange(node: NodeLinks, counters: Counters) -> None:
-    """Make the tier's piece sends and receives pass this node's links: a send waits for its
-    bytes' turn on the way up; a receive reserves its bytes on the way down and returns no
-    sooner than they could have come (the sender paces its own side)."""
+    """Make the tier's piece sends and receives pass this node's links: a send reserves its
+    bytes on the way up when it is posted and is done no sooner than they could have gone; a
+    receive reserves its bytes on the way down and returns no sooner than they could have come.
+    Both directions run at once, as the exchange's rounds post sends before receiving."""
     from spotckpt.tiers import exchange
 
-    send, receive = exchange._send, exchange._receive
+    post, receive = exchange._post, exchange._receive
 
-    def paced_send(data: Any, piece: Any, target: int, group: Any, outcome: Any) -> None:
-        _wait_until(node.up.take(piece.length))
+    def paced_post(data: Any, piece: Any, target: int, group: Any, outcome: Any) -> Any:
+        until = node.up.take(piece.length)
         counters.add(up=piece.length)
-        send(data, piece, target, group, outcome)
+        sending = post(data, piece, target, group, outcome)
+        finish = sending.finish
+
+        def paced_finish(outcome: Any) -> None:
+            finish(outcome)
+            _wait_until(until)
+
+        sending.finish = paced_finish
+        return sending
 
     def paced_receive(piece: Any, group: Any, outcome: Any) -> Any:
         until = node.down.take(piece.length)
@@ -137,7 +146,7 @@ def pace_peer_exchange(node: NodeLinks, counters: Counters) -> None:
         counters.add(down=piece.length)
         return got
 
-    exchange._send = paced_send  # type: ignore[assignment]
+    exchange._post = paced_post  # type: ignore[assignment]
     exchange._receive = paced_receive  # type: ignore[assignment]
 
 

@@ -5,13 +5,15 @@ Work is a list of `Job`\\ s that every rank holds in the same order: a job's `in
 pieces of objects held by some ranks, its `target` rank gathers them (reading its own from
 disk, receiving the others) and hands them to its completion (copy, parity, rebuild), which
 writes the object `action.key`. `schedule` groups the list into rounds in which each rank
-gathers for at most one job and sends for at most one, keeping every rank's order as a target
-and as a sender, and never sending a piece of an object before the job that writes it there
-completed. In a round each rank first posts its sends (non-blocking), then receives and
-completes its own job, then waits for its sends: no rank blocks before its sends are posted, so
-the walk cannot deadlock, and the nodes' links all carry bytes at once (a walk of one job at a
-time moved one piece at a time job-wide: a replicated save on n nodes took n times its
-link-bound time). Memory holds at most one job's inputs and one job's outgoing pieces.
+gathers for at most one job and sends for at most `SENDS_PER_ROUND`, keeping every rank's
+order as a target (so every pair's messages keep their order), never sending a piece of an
+object before the job that writes it there completed, and never writing an object before an
+earlier job's read of it. In a round each rank first posts its sends (non-blocking), then
+receives and completes its own job, then waits for its sends: no rank blocks before its sends
+are posted, so the walk cannot deadlock, and the nodes' links all carry bytes at once (a walk of
+one job at a time moved one piece at a time job-wide: a replicated save on n nodes took n times
+its link-bound time). Memory holds at most one job's inputs and `SENDS_PER_ROUND` jobs'
+outgoing pieces.
 
 A rank's own trouble never stops the walk, since its peers would wait for it until the group's
 timeout: a piece it cannot read whole is sent marked as failed (every piece travels with a
@@ -33,6 +35,10 @@ from spotckpt.errors import CheckpointError
 
 PIECE_BYTES = 16 << 20
 """The largest piece one job moves (a stripe of an erasure-coded group, a part of a copy)."""
+SENDS_PER_ROUND = 4
+"""The most jobs a rank sends pieces for in one round: a rank whose data goes to several peers
+(erasure coding's parity holders, replicas) feeds them at once, and its memory holds at most
+this many jobs' outgoing pieces."""
 _SENT, _NOT_SENT = 0, 1
 """The status byte after a piece's bytes: whole, or its holder could not read it."""
 
@@ -86,27 +92,40 @@ Complete = Callable[[Job, list[bytes]], None]
 
 def schedule(jobs: list[Job]) -> list[list[Job]]:
     """`jobs` in rounds (see the module docstring): each job in the earliest round after this
-    rank's previous job as a target, its senders' previous sends, and every earlier job that
-    wrote one of its pieces' objects where that piece is read."""
+    target's previous job, after every earlier job that wrote one of its pieces' objects where
+    that piece is read, not before an earlier job's read of the object it writes, and where
+    each of its senders has fewer than `SENDS_PER_ROUND` sends."""
     rounds: list[list[Job]] = []
     gathers: dict[int, int] = {}  # rank: the first round it is free to gather in
-    sends: dict[int, int] = {}  # rank: the first round it is free to send in
-    written: dict[tuple[int, str], int] = {}  # (rank, key): the round that wrote it there
+    sends: dict[int, list[int]] = {}  # rank: its sends in each round
+    written: dict[tuple[int, str], int] = {}  # (rank, key): the last round that wrote it there
+    read: dict[tuple[int, str], int] = {}  # (rank, key): the last round that read it there
     for job in jobs:
-        senders = {p.holder for p in job.inputs if p.length and p.holder != job.target}
-        earliest = max(
-            [gathers.get(job.target, 0)]
-            + [sends.get(holder, 0) for holder in senders]
-            + [written.get((p.holder, p.key), -1) + 1 for p in job.inputs]
+        pieces = [p for p in job.inputs if p.length]
+        senders = {p.holder for p in pieces if p.holder != job.target}
+        number = max(
+            [gathers.get(job.target, 0), read.get((job.target, job.action.key), 0)]
+            + [written.get((p.holder, p.key), -1) + 1 for p in pieces]
         )
-        while len(rounds) <= earliest:
+        while any(_sends_in(sends, holder, number) >= SENDS_PER_ROUND for holder in senders):
+            number += 1
+        while len(rounds) <= number:
             rounds.append([])
-        rounds[earliest].append(job)
-        gathers[job.target] = earliest + 1
+        rounds[number].append(job)
+        gathers[job.target] = number + 1
         for holder in senders:
-            sends[holder] = earliest + 1
-        written[(job.target, job.action.key)] = earliest
+            counts = sends.setdefault(holder, [])
+            counts.extend([0] * (number + 1 - len(counts)))
+            counts[number] += 1
+        for piece in pieces:
+            read[(piece.holder, piece.key)] = max(read.get((piece.holder, piece.key), 0), number)
+        written[(job.target, job.action.key)] = number
     return rounds
+
+
+def _sends_in(sends: dict[int, list[int]], rank: int, number: int) -> int:
+    counts = sends.get(rank, [])
+    return counts[number] if number < len(counts) else 0
 
 
 def run_jobs(jobs: list[Job], rank: int, group: Any, read: Read, complete: Complete) -> Outcome:

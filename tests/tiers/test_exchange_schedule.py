@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from spotckpt.tiers.exchange import Job, Piece, schedule
+from spotckpt.tiers.exchange import SENDS_PER_ROUND, Job, Piece, schedule
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,6 +37,21 @@ def test_pieces_of_one_object_follow_each_other() -> None:
     assert schedule(jobs) == [[jobs[0]], [jobs[1]], [jobs[2]]]
 
 
+def test_a_rank_feeds_several_peers_at_once() -> None:
+    """Erasure coding's pattern: rank 0's data goes to two parity holders in the same round."""
+    jobs = [
+        Job(1, (Piece(0, "d0", 0, 8), Piece(2, "d2", 0, 8)), Write("p1")),
+        Job(2, (Piece(0, "d0", 0, 8), Piece(1, "d1", 0, 8)), Write("p2")),
+    ]
+    assert schedule(jobs) == [jobs]
+
+
+def test_a_rank_sends_for_at_most_so_many_jobs_per_round() -> None:
+    jobs = [copy(0, target, "r0") for target in range(1, SENDS_PER_ROUND + 2)]
+    rounds = schedule(jobs)
+    assert [len(r) for r in rounds] == [SENDS_PER_ROUND, 1]
+
+
 def test_a_rebuilt_object_is_sent_on_only_after_its_rebuild() -> None:
     rebuild = Job(2, (Piece(0, "d0", 0, 8), Piece(1, "p0", 0, 8)), Write("lost"))
     onward = copy(2, 3, "lost")
@@ -61,7 +76,7 @@ def random_jobs(rng: random.Random, ranks: int, count: int) -> list[Job]:
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_rounds_keep_each_ranks_order_and_every_write_before_its_reads(seed: int) -> None:
+def test_rounds_keep_each_pairs_order_and_every_write_apart_from_its_reads(seed: int) -> None:
     rng = random.Random(seed)
     ranks = rng.randint(2, 6)
     jobs = random_jobs(rng, ranks, rng.randint(1, 40))
@@ -76,15 +91,14 @@ def test_rounds_keep_each_ranks_order_and_every_write_before_its_reads(seed: int
             for h in {p.holder for p in job.inputs if p.length and p.holder != job.target}
         ]
         assert len(targets) == len(set(targets))
-        assert len(senders) == len(set(senders))
+        assert all(senders.count(h) <= SENDS_PER_ROUND for h in senders)
     for first, later in itertools.combinations(jobs, 2):  # list order: `first` comes first
         a, b = where[id(first)], where[id(later)]
         if first.target == later.target:
             assert a < b
-        sent_first = {p.holder for p in first.inputs if p.length and p.holder != first.target}
-        sent_later = {p.holder for p in later.inputs if p.length and p.holder != later.target}
-        if sent_first & sent_later:
-            assert a < b
-        reads = {(p.holder, p.key) for p in later.inputs}
-        if (first.target, first.action.key) in reads:
-            assert a < b
+        reads_later = {(p.holder, p.key) for p in later.inputs if p.length}
+        if (first.target, first.action.key) in reads_later:
+            assert a < b  # read after it was written
+        reads_first = {(p.holder, p.key) for p in first.inputs if p.length}
+        if (later.target, later.action.key) in reads_first:
+            assert a <= b  # written no sooner than read (a round reads before it writes)
