@@ -201,42 +201,42 @@ class NoticeBoard:
     each of them (and its signal handlers) until every upload is done, so one rank's notice
     would reach the others only after it: a notice ~a save's time late. On the board a rank's
     notice is seen by the others at their next look. `prefix` is drawn once per job process
-    (one board per incarnation: a restarted job never reads its predecessor's notice). Store
-    errors (the store's host left) come out as RuntimeError: the caller's next collective then
-    names the lost rank.
+    (one board per incarnation: a restarted job never reads its predecessor's notice). A store
+    that cannot answer raises RuntimeError; the caller looks again later.
     """
 
-    def __init__(self, prefix: str, rank: int, world_size: int) -> None:
+    def __init__(self, prefix: str, world_size: int) -> None:
         self.prefix = prefix
-        self.rank = rank
         self.world_size = world_size
 
-    def post_notice(self) -> None:
-        """Tell every rank that this one got a preemption notice."""
+    def post_notice(self) -> bool:
+        """Tell every rank that this one got a preemption notice; True once posted."""
         _required_store().set(f"{self.prefix}/notice", "1")
+        return True
 
     def noticed(self) -> bool:
         """Whether any rank posted a notice."""
         return bool(_required_store().check([f"{self.prefix}/notice"]))
 
-    def post_done(self, wait: int) -> None:
-        """Tell every rank that this one's upload is done (for the `wait`-th wait)."""
-        _required_store().set(f"{self.prefix}/done-{wait}/{self.rank}", "1")
+    def post_done(self, wait: int) -> bool:
+        """Count this rank's upload as done (for the `wait`-th wait); True once counted."""
+        _required_store().add(f"{self.prefix}/done-{wait}", 1)
+        return True
 
     def all_done(self, wait: int) -> bool:
-        """Whether every rank posted its upload done for the `wait`-th wait."""
-        keys = [f"{self.prefix}/done-{wait}/{rank}" for rank in range(self.world_size)]
-        return bool(_required_store().check(keys))
+        """Whether every rank counted its upload done for the `wait`-th wait (one counter: a
+        look costs the store one request, whatever the world size)."""
+        return int(_required_store().add(f"{self.prefix}/done-{wait}", 0)) >= self.world_size
 
     def clear_done(self, wait: int) -> None:
-        """Remove this rank's mark of the `wait`-th wait, once every rank has left it (the
-        store keeps every key until the job ends)."""
+        """Remove the `wait`-th wait's counter once every rank has left it (the store keeps
+        every key until the job ends); one rank does it."""
         kv = _kv_store()
         if kv is not None:
             try:
-                kv.delete_key(f"{self.prefix}/done-{wait}/{self.rank}")
+                kv.delete_key(f"{self.prefix}/done-{wait}")
             except (RuntimeError, NotImplementedError) as error:
-                log.debug("upload mark not removed: %s", error)
+                log.debug("upload counter not removed: %s", error)
 
 
 def _required_store() -> Any:

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import wait as wait_for
 from typing import Any
 
@@ -310,44 +310,56 @@ class Saver:
         signal handlers) until the upload is done, and a notice then met a new save's upload
         as well as the old one: where uploads take longer than the interval, the step in
         flight and every step since the old upload's were lost. The ranks look at a
-        `NoticeBoard` instead, every `NOTICE_POLL_S`."""
+        `NoticeBoard` instead, every `NOTICE_POLL_S` (a store error counts as nothing seen).
+        Once this rank's upload is done it waits for the others at most the collective
+        timeout, as a collective would; every rank then takes part in one agreement, whose
+        failure (a rank died) is reported as the upload's own error, naming the rank."""
         pending = self.committer.pending
         if pending is None:
             return False
         board = self._notice_board()
         self._waits += 1
-        posted = False
+        done_at: float | None = None
+        counted = False
         while True:
             mine = self.watcher is not None and self.watcher.preempted
-            try:
-                if board is None:
-                    if mine or pending.upload.done():
-                        break
-                else:
-                    if mine:
-                        board.post_notice()
-                    if not posted and pending.upload.done():
-                        board.post_done(self._waits)
-                        posted = True
-                    if board.noticed() or board.all_done(self._waits):
-                        break
-            except RuntimeError:  # the store's host left: the collective below names it
+            if done_at is None and pending.upload.done():
+                done_at = time.monotonic()
+            if done_at is not None and not counted:  # again after a store error
+                counted = self._on_board(lambda b: b.post_done(self._waits))
+            if mine:
+                self._on_board(NoticeBoard.post_notice)
                 break
-            if pending.upload.done():
-                time.sleep(NOTICE_POLL_S)
-            else:
+            if board is None and done_at is not None:
+                break
+            if self._on_board(NoticeBoard.noticed) or self._on_board(
+                lambda b: b.all_done(self._waits)
+            ):
+                break
+            if done_at is None:
                 wait_for([pending.upload], NOTICE_POLL_S)
+            elif time.monotonic() - done_at > self.settings.collective_timeout_s:
+                break
+            else:
+                time.sleep(NOTICE_POLL_S)
         local = self.watcher is not None and self.watcher.preempted
-        noticed = self.collective.any(local or (board is not None and self._board_says(board)))
-        if board is not None:  # every rank has left the loop
+        try:
+            noticed = self.collective.any(local or self._on_board(NoticeBoard.noticed))
+        except RuntimeError:  # a rank is gone: its upload's error names it
+            self.wait()
+            raise
+        if board is not None and self.collective.rank == 0:  # every rank has left the loop
             board.clear_done(self._waits)
         return noticed
 
-    @staticmethod
-    def _board_says(board: NoticeBoard) -> bool:
+    def _on_board(self, look: Callable[[NoticeBoard], bool]) -> bool:
+        """`look` at the notice board; False without one or when its store cannot answer now."""
+        if self._board is None:
+            return False
         try:
-            return board.noticed()
-        except RuntimeError:
+            return bool(look(self._board))
+        except RuntimeError as error:
+            log.debug("notice board not reachable now: %s", error)
             return False
 
     def _notice_board(self) -> NoticeBoard | None:
@@ -357,7 +369,7 @@ class Saver:
             return None
         if self._board is None:
             prefix = self.collective.broadcast(f"spotckpt/notices-{uuid.uuid4().hex}")
-            self._board = NoticeBoard(prefix, self.collective.rank, self.collective.world_size)
+            self._board = NoticeBoard(prefix, self.collective.world_size)
         return self._board
 
     def _emergency_save(

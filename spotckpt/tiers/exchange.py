@@ -200,8 +200,9 @@ class _Sending:
     work: Any
 
     def finish(self, outcome: Outcome) -> None:
-        """Wait for the send; a broken connection leaves `target` out of the rest of the walk."""
-        if self.work is None:
+        """Wait for the send; a broken connection leaves `target` out of the rest of the walk
+        (a target already left out is not waited for: its connection is gone)."""
+        if self.work is None or self.target in outcome.lost:
             return
         try:
             self.work.wait()
