@@ -128,7 +128,9 @@ def rank_main(args: dict[str, Any]) -> None:
         interval_steps=INTERVAL_STEPS,
         async_save=True,
         keep_last=None,
-        collective_timeout_s=120.0,  # an upload of the largest state takes about a minute
+        # DCP's write phase ends in a collective: the ranks whose upload ended first wait there
+        # for the slowest, which may take several times the link's time for the largest state.
+        collective_timeout_s=60.0 + 3 * args["mib"] * MIB / LINK_BYTES_PER_S,
         progress_interval_s=None,
     )
     generator = torch.Generator().manual_seed(rank)
