@@ -523,6 +523,29 @@ def rebalance_hint(rank: int, world: int, args: dict[str, Any]) -> None:
     manager.close()
 
 
+def _uploading_step_two(
+    store: HeldStore, watcher: PreemptionWatcher, uri: str, rank: int, interval_steps: int
+) -> CheckpointManager:
+    """An async manager whose step 1 is committed and whose upload of step 2 (an interval save)
+    is held mid-object in `store`."""
+    manager = CheckpointManager(
+        uri,
+        store=store,
+        async_save=True,
+        preemption=watcher,
+        interval_steps=interval_steps,
+        keep_last=None,
+        collective_timeout_s=120,
+    )
+    manager.save(1, {f"w{rank}": torch.full((1 << 18,), 1.0 + rank)})
+    manager.wait()
+    store.hold = True
+    manager.maybe_save(2, {f"w{rank}": torch.full((1 << 18,), 2.0 + rank)})
+    if not store.waiting.wait(60):
+        raise AssertionError("the upload of step 2 never started")
+    return manager
+
+
 def notice_cancels_upload(rank: int, world: int, args: dict[str, Any]) -> None:
     """Both ranks' uploads are held mid-object when rank 0 alone gets a notice: every rank takes
     its deadline, the ranks in ``args["cancel"]`` cancel at the plan's word (the others' uploads
@@ -546,21 +569,7 @@ def notice_cancels_upload(rank: int, world: int, args: dict[str, Any]) -> None:
 
     Cancellation.cancel = cancel  # type: ignore[method-assign]
     watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
-    manager = CheckpointManager(
-        args["uri"],
-        store=store,
-        async_save=True,
-        preemption=watcher,
-        interval_steps=2,
-        keep_last=None,
-        collective_timeout_s=60,
-    )
-    manager.save(1, {f"w{rank}": torch.full((1 << 18,), 1.0 + rank)})
-    manager.wait()
-    store.hold = True
-    manager.maybe_save(2, {f"w{rank}": torch.full((1 << 18,), 2.0 + rank)})
-    if not store.waiting.wait(60):
-        raise AssertionError("the upload of step 2 never started")
+    manager = _uploading_step_two(store, watcher, args["uri"], rank, interval_steps=2)
     dist.barrier()
     if rank == 0:
         watcher.trigger("test", deadline=time.monotonic() + 60.0)
@@ -586,21 +595,7 @@ def notice_while_waiting(rank: int, world: int, args: dict[str, Any]) -> None:
 
     spotckpt.save.in_flight_allowance = allowance  # type: ignore[assignment]
     watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
-    manager = CheckpointManager(
-        args["uri"],
-        store=store,
-        async_save=True,
-        preemption=watcher,
-        interval_steps=1,
-        keep_last=None,
-        collective_timeout_s=120,
-    )
-    manager.save(1, {f"w{rank}": torch.full((1 << 18,), 1.0 + rank)})
-    manager.wait()
-    store.hold = True
-    manager.maybe_save(2, {f"w{rank}": torch.full((1 << 18,), 2.0 + rank)})
-    if not store.waiting.wait(60):
-        raise AssertionError("the upload of step 2 never started")
+    manager = _uploading_step_two(store, watcher, args["uri"], rank, interval_steps=1)
     if rank == 1:
 
         def notice_once_waiting() -> None:

@@ -15,3 +15,11 @@ def watchers() -> Iterator[list[PreemptionWatcher]]:
     yield started
     for watcher in started:
         watcher.stop()
+
+
+@pytest.fixture
+def watcher() -> Iterator[PreemptionWatcher]:
+    """A watcher of no signal and no cloud: its notices are the test's `trigger` calls."""
+    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
+    yield watcher
+    watcher.stop()

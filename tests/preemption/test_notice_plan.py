@@ -9,7 +9,6 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +84,6 @@ def _state(step: int) -> dict[str, Any]:
 
 def _empty() -> dict[str, Any]:
     return {"w": torch.empty(FLOATS), "b": torch.empty(64)}
-
-
-@pytest.fixture
-def watcher() -> Iterator[PreemptionWatcher]:
-    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
-    yield watcher
-    watcher.stop()
 
 
 @pytest.mark.timeout(240)
@@ -198,13 +190,19 @@ def _notice_once_waiting(mgr: CheckpointManager, notify: Any) -> threading.Threa
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("route", ["bucket", "fast tier"])
 def test_a_notice_while_a_due_save_waits_for_the_upload_is_acted_on_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watchers: list[PreemptionWatcher], route: str
 ) -> None:
     """Uploads slower than the interval: the next due save waits for the upload in flight. A
     real SIGTERM then reaches the plan at once (the upload gets the time the plan leaves it),
-    instead of after the upload, when a new save's upload would stand in the way too."""
+    instead of after the upload, when a new save's upload would stand in the way too. With a
+    fast tier the upload held is the tier's drain to the bucket."""
     uri = str(tmp_path / "ck")
+    tier: dict[str, Any] = {}
+    if route == "fast tier":
+        (tmp_path / "tier").mkdir()
+        tier = {"local_dir": str(tmp_path / "tier")}
     store = HeldStore(open_store(uri))
     planned: list[bool] = []
 
@@ -217,7 +215,13 @@ def test_a_notice_while_a_due_save_waits_for_the_upload_is_acted_on_at_once(
     watcher = PreemptionWatcher(signals=(signal.SIGTERM,), aws=False, gce=False, azure=False)
     watchers.append(watcher.start())
     with CheckpointManager(
-        uri, store=store, async_save=True, preemption=watcher, interval_steps=1, keep_last=None
+        uri,
+        store=store,
+        async_save=True,
+        preemption=watcher,
+        interval_steps=1,
+        keep_last=None,
+        **tier,
     ) as mgr:
         mgr.save(1, _state(1))
         mgr.wait()

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -128,13 +127,6 @@ def bucket(moto_endpoint: str) -> str:
     name = f"route-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=name)
     return name
-
-
-@pytest.fixture
-def watcher() -> Iterator[PreemptionWatcher]:
-    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
-    yield watcher
-    watcher.stop()
 
 
 @pytest.mark.timeout(240)
