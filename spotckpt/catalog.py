@@ -205,6 +205,12 @@ class Catalog:
         StorageError when the steps keep changing, or the store fails."""
         return self._readings.read()
 
+    def learn_committed(self, manifest: Manifest, size: int) -> None:
+        """Take the reading of a step this process just committed (`manifest`, or an indexed
+        root's summary; `size`: the bytes committed) for the retention after the commit, instead
+        of reading it back (`spotckpt.step_readings.StepReadings.committed`)."""
+        self._readings.committed(manifest, size)
+
     def committed_attempt(self, step: int) -> str | None:
         """The attempt id a step's manifest names; None if it has none or it does not parse."""
         try:

@@ -163,7 +163,7 @@ class Committer:
                 self.checkpointer.save_failure(step, error, None),
             )
         if self.is_coordinator:
-            self._apply_retention()
+            self._apply_retention(writer)
 
     def run_fast(self, step: int, run: Callable[[], Any], progress: RankProgress) -> None:
         """A fast-only save: its failure costs the cached copy, never the training run.
@@ -243,10 +243,14 @@ class Committer:
         )
         self.ledger.recorded()
 
-    def _apply_retention(self) -> None:
-        """Retention after a commit; its failures are warnings (the commit stands)."""
+    def _apply_retention(self, writer: ObjectStoreWriter) -> None:
+        """Retention after `writer`'s commit, taking the committed step's reading from the
+        writer (in process-mode async the writer ran in the child: then it is read back); its
+        failures are warnings (the commit stands)."""
         if self.keep_last is None:
             return
+        if writer.manifest is not None and writer.manifest_size is not None:
+            self.catalog.learn_committed(writer.manifest, writer.manifest_size)
         try:
             for step in self.catalog.retire(self.keep_last):
                 log.info("retention: deleted checkpoint step %d", step)

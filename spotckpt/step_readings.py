@@ -70,6 +70,7 @@ class StepReadings:
         self._read_manifest = read_manifest
         self._step_listing = step_listing
         self._known: dict[int, tuple[ObjectInfo, StepReading]] = {}
+        self._committed: dict[int, tuple[int, StepReading]] = {}
 
     @property
     def uri(self) -> str:
@@ -100,17 +101,30 @@ class StepReadings:
             f"({READ_STEPS_TRIES} listings); nothing was deleted"
         )
 
+    def committed(self, manifest: Manifest, size: int) -> None:
+        """Learn the reading of a manifest this process just committed (`size` bytes, create-only,
+        its objects checked by the commit), so that the retention right after the commit does
+        not read back and parse what it wrote: the next listing that shows a manifest of that
+        size at that step takes this reading."""
+        self._committed[manifest.step] = (size, reading_of(manifest.step, manifest))
+
     def _readings(self, manifests: dict[int, ObjectInfo]) -> list[StepReading]:
         """The readings of the listed `manifests`, reading those not known from before (a
-        listed time tells a manifest re-saved at the same step apart; without one, no reuse)."""
+        listed time tells a manifest re-saved at the same step apart; without one, no reuse),
+        nor committed by this process (`committed`)."""
         known = {
             step: reading
             for step, (info, reading) in self._known.items()
             if manifests.get(step) == info and info.last_modified is not None
         }
+        for step, (size, reading) in list(self._committed.items()):
+            listed = manifests.get(step)
+            if listed is not None and step not in known and listed.size == size:
+                known[step] = reading
         fresh = [step for step in manifests if step not in known]
         with ThreadPoolExecutor(max(1, min(PART_READS, len(fresh)))) as pool:
             known.update(zip(fresh, pool.map(self._reading, fresh), strict=True))
+        self._committed.clear()
         self._known = {step: (manifests[step], reading) for step, reading in known.items()}
         return [known[step] for step in sorted(manifests)]
 
@@ -120,6 +134,7 @@ class StepReadings:
         that gives times to the second."""
         for step in steps:
             self._known.pop(step, None)
+            self._committed.pop(step, None)
 
     def _reading(self, step: int) -> StepReading:
         """Retention's view of one committed step; NoCheckpointError when it vanished."""
@@ -135,8 +150,14 @@ class StepReadings:
                 f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""
             )
             return StepReading(step, None, f"{'; '.join(missing[:MISSING_NAMED])}{more}")
-        own = {f"{step_folder(step)}/{name}" for name in attempt_folders(manifest)}
-        return StepReading(step, frozenset(own | referenced_folders(manifest)))
+        return reading_of(step, manifest)
+
+
+def reading_of(step: int, manifest: Manifest) -> StepReading:
+    """The reading of a readable step whose objects are all there: the attempt folders of its
+    own and of earlier steps that it needs."""
+    own = {f"{step_folder(step)}/{name}" for name in attempt_folders(manifest)}
+    return StepReading(step, frozenset(own | referenced_folders(manifest)))
 
 
 def missing_objects(store: ObjectStore, step: int, expected: Mapping[str, int]) -> list[str]:
