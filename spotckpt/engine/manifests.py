@@ -8,10 +8,20 @@ an index part of its own instead and returns a single `RankSummary`. The coordin
 or into the root of an indexed manifest (`build_root`, linear in the number of chunks: numpy over
 every chunk of the job). The formats themselves are `spotckpt.format`'s; nothing here reads or
 writes the store.
+
+Most of a root depends only on the save's layout (every tensor's shape, tiling and writers), and
+later saves of a job usually keep their layout: each rank's summary carries a digest of its
+layout, and `LayoutCache` keeps the encoded tensors of the last root built, reused (the same
+bytes) when every rank reports the same digest and DCP's metadata the same tensors, so that such
+a save's root costs the coordinator work per rank, not per chunk.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -32,6 +42,7 @@ from spotckpt.format.index import (
     Runs,
     part_json,
     root_json,
+    tensors_json,
     tiling_of,
 )
 from spotckpt.format.manifest import (
@@ -72,15 +83,22 @@ class RankSummary:
     """What a rank reports of an indexed save, as its one WriteResult's storage data: its object
     and index part, its values' locations, and the chunks it wrote as arrays (tensor names, then
     offsets and sizes padded to one width, with each row's true number of dimensions), so that
-    the coordinator never touches a Python object per chunk."""
+    the coordinator never touches a Python object per chunk. The names travel as one compressed
+    JSON list, decoded only when the coordinator builds the tensors anew; `layout` is a digest of
+    the names and arrays, for `LayoutCache`."""
 
     record: ObjectRecord
     part: PartRecord
     values: dict[str, ChunkLocation]
-    names: tuple[str, ...]
+    names: bytes  # zlib(JSON list of the rows' tensor names)
     dims: np.ndarray
     offsets: np.ndarray
     sizes: np.ndarray
+    layout: bytes
+
+    def tensor_names(self) -> list[str]:
+        """The tensor name of each row."""
+        return [str(name) for name in json.loads(zlib.decompress(self.names))]
 
 
 def index_part(
@@ -116,17 +134,30 @@ def index_part(
         dims[row] = len(chunk.sizes)
         offsets[row, : dims[row]] = chunk.offsets
         sizes[row, : dims[row]] = chunk.sizes
+    names = json.dumps([i.index.fqn for i in tensors]).encode()
     summary = RankSummary(
         record,
         PartRecord(key, len(data), crc32c(data), rank),
         values,
-        tuple(i.index.fqn for i in tensors),
+        zlib.compress(names, 1),
         dims,
         offsets,
         sizes,
+        _layout_digest(names, dims, offsets, sizes),
     )
     index = MetadataIndex(SUMMARY_NAME)
     return data, WriteResult(index=index, size_in_bytes=record.size, storage_data=summary)
+
+
+def _layout_digest(names: bytes, dims: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> bytes:
+    """A digest of a rank's layout: its rows' names (length first), then the arrays' shape and
+    contents (int64, C order), so that no two layouts share one encoding."""
+    digest = hashlib.blake2b(len(names).to_bytes(8, "little"), digest_size=16)
+    digest.update(names)
+    digest.update(np.array(offsets.shape, dtype=np.int64).tobytes())
+    for array in (dims, offsets, sizes):
+        digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+    return digest.digest()
 
 
 def is_indexed(results: list[list[WriteResult]]) -> bool:
@@ -134,11 +165,57 @@ def is_indexed(results: list[list[WriteResult]]) -> bool:
     return any(isinstance(r.storage_data, RankSummary) for rank in results for r in rank[:1])
 
 
+LayoutKey = tuple[tuple[tuple[int, bytes], ...], tuple[tuple[str, tuple[int, ...], str, int], ...]]
+"""What a root's tensors depend on: each writing rank's layout digest, and DCP's tensors in order
+(name, shape, dtype, number of chunks)."""
+
+
+class LayoutCache:
+    """The encoded tensors of the last root built, by the layout they came from (one entry).
+
+    An entry is reused only for the same `LayoutKey`, which covers every input of the tensors'
+    encoding: it holds nothing of a save's step, attempt, objects or data, so it needs no
+    invalidation (a failed save, another step, another attempt leave it right), and a changed
+    layout simply misses and replaces it. A process's coordinators share `ROOT_CACHE`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entry: tuple[LayoutKey, str] | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def encoded(self, key: LayoutKey, build: Callable[[], str]) -> str:
+        """The encoded tensors of `key`: the cached text when it is this key's, else `build`'s
+        (then cached)."""
+        with self._lock:
+            entry = self._entry
+            if entry is not None and entry[0] == key:
+                self.hits += 1
+                return entry[1]
+            self.misses += 1
+        text = build()
+        with self._lock:
+            self._entry = (key, text)
+        return text
+
+    def clear(self) -> None:
+        """Forget the entry (tests and benchmarks: the next root is built in full)."""
+        with self._lock:
+            self._entry = None
+
+
+ROOT_CACHE = LayoutCache()
+
+
 def build_root(
-    header: ManifestHeader, metadata: Metadata, results: list[list[WriteResult]]
+    header: ManifestHeader,
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    cache: LayoutCache | None = ROOT_CACHE,
 ) -> tuple[Manifest, bytes]:
     """The root of an indexed manifest from DCP's metadata and who wrote what (linear in the
-    number of chunks), and a summary Manifest (its objects, no tensors)."""
+    number of chunks; when the layout is that of `cache`'s last root, linear in ranks and
+    tensors), and a summary Manifest (its objects, no tensors)."""
     summaries = {rank: r[0].storage_data for rank, r in enumerate(results) if r}
     parts = {rank: summary.part for rank, summary in summaries.items()}
     objects = {summary.record.key: summary.record for summary in summaries.values()}
@@ -147,7 +224,13 @@ def build_root(
         for summary in summaries.values()
         for fqn, location in summary.values.items()
     }
-    tensors = _indexed_tensors(metadata, summaries)
+    entries = _tensor_entries(metadata)
+
+    def build() -> str:
+        return tensors_json(_indexed_tensors(entries, summaries))
+
+    key = _layout_key(entries, summaries)
+    tensors = build() if cache is None else cache.encoded(key, build)
     summary = Manifest(
         step=header.step,
         attempt=header.attempt,
@@ -241,27 +324,47 @@ def _member_record(item: WrittenItem) -> TensorRecord:
     return TensorRecord(dtype=member.dtype, shape=member.shape, chunks=(chunk,))
 
 
-def _indexed_tensors(
-    metadata: Metadata, summaries: dict[int, RankSummary]
-) -> dict[str, IndexedTensor]:
-    """Every tensor of a root, from all ranks' summaries at once (numpy over every chunk of
-    the job; Python only once per tensor and per rank)."""
-    entries = {
+def _tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    return {
         fqn: entry
         for fqn, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata)
     }
+
+
+def _layout_key(
+    entries: dict[str, TensorStorageMetadata], summaries: dict[int, RankSummary]
+) -> LayoutKey:
+    """Everything `_indexed_tensors` reads, in a form compared in time linear in ranks and
+    tensors (each rank's rows by their digest)."""
+    tensors = tuple(
+        (fqn, tuple(e.size), str(e.properties.dtype), len(e.chunks)) for fqn, e in entries.items()
+    )
+    return tuple((rank, s.layout) for rank, s in summaries.items()), tensors
+
+
+def _indexed_tensors(
+    entries: dict[str, TensorStorageMetadata], summaries: dict[int, RankSummary]
+) -> dict[str, IndexedTensor]:
+    """Every tensor of a root, from all ranks' summaries at once (numpy over every chunk of
+    the job; Python only once per tensor and per distinct list of names)."""
     number = {fqn: i for i, fqn in enumerate(entries)}
-    known: dict[tuple[str, ...], np.ndarray] = {}  # ranks of one layout share their names
+    known: dict[bytes, np.ndarray] = {}  # ranks of one layout share their names
     width = max((s.offsets.shape[1] for s in summaries.values()), default=0)
     ids, ranks, offsets, sizes = [], [], [], []
     for rank, summary in summaries.items():
         if summary.names not in known:
-            known[summary.names] = np.fromiter(
-                (number[name] for name in summary.names), np.int64, len(summary.names)
-            )
+            names = summary.tensor_names()
+            if len(names) != len(summary.offsets):
+                raise CheckpointError(f"rank {rank} reports {len(names)} names for its chunks")
+            try:
+                known[summary.names] = np.fromiter(
+                    (number[name] for name in names), np.int64, len(names)
+                )
+            except KeyError as error:
+                raise CheckpointError(f"rank {rank} wrote {error}, not in DCP's metadata") from None
         ids.append(known[summary.names])
-        ranks.append(np.full(len(summary.names), rank, dtype=np.int64))
+        ranks.append(np.full(len(ids[-1]), rank, dtype=np.int64))
         pad = ((0, 0), (0, width - summary.offsets.shape[1]))
         offsets.append(np.pad(summary.offsets, pad))
         sizes.append(np.pad(summary.sizes, pad))

@@ -338,17 +338,21 @@ def root_json(
     world_size: int,
     block_size: int,
     parts: list[PartRecord],
-    tensors: Mapping[str, IndexedTensor],
+    tensors: Mapping[str, IndexedTensor] | str,
     values: Mapping[str, tuple[ObjectRecord, ChunkLocation]],
     versions: Mapping[str, str],
     planner_data: Mapping[str, list[str | int]],
     user_metadata: Mapping[str, Any],
     features: Iterable[str] = (),
 ) -> bytes:
-    """The root manifest (the commit point) of an indexed checkpoint, using format `features`."""
+    """The root manifest (the commit point) of an indexed checkpoint, using format `features`.
+
+    `tensors` may come encoded already (`tensors_json`): a later save of the same layout reuses
+    that text instead of encoding every tensor again. Either way the bytes are those of one
+    compact ``json.dumps`` of the whole document."""
     metadata = json.dumps({"user_metadata": user_metadata}).encode()
     bounded_json.check_bounds(metadata, "user_metadata")
-    document = {
+    head = {
         "format": format_string(INDEXED_FORMAT, features),
         "step": step,
         "attempt": attempt,
@@ -359,12 +363,26 @@ def root_json(
         "parts": [
             {"key": p.key, "size": p.size, "crc32c": p.crc32c, "rank": p.rank} for p in parts
         ],
-        "tensors": {fqn: _tensor_json(t) for fqn, t in tensors.items()},
+    }
+    tail = {
         "values": {fqn: _value_json(record, v) for fqn, (record, v) in values.items()},
         "planner_data": dict(planner_data),
         "user_metadata": dict(user_metadata),
     }
-    return json.dumps(document, separators=(",", ":")).encode()
+    encoded = tensors if isinstance(tensors, str) else tensors_json(tensors)
+    # `{head...,"tensors":...,tail...}`: what json.dumps writes for the document in this order
+    text = f'{_compact(head)[:-1]},"tensors":{encoded},{_compact(tail)[1:]}'
+    return text.encode()
+
+
+def tensors_json(tensors: Mapping[str, IndexedTensor]) -> str:
+    """The ``tensors`` member of a root, encoded: it depends on the save's layout alone (shapes,
+    tilings, writers), so a save whose layout did not change may reuse it (`root_json`)."""
+    return _compact({fqn: _tensor_json(t) for fqn, t in tensors.items()})
+
+
+def _compact(document: Any) -> str:
+    return json.dumps(document, separators=(",", ":"))
 
 
 def _value_json(record: ObjectRecord, location: ChunkLocation) -> dict[str, Any]:
