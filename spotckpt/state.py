@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from spotckpt.engine.flat_state import is_stateful
 from spotckpt.errors import InvalidArgumentError, InvalidTypeError
 from spotckpt.loader_rng import (
     RECORD_KEY,
@@ -708,7 +709,7 @@ def as_dcp_state(state: TrainState | Mapping[str, Any], step: int | None = None)
                     f"{len(modules)}); use TrainState for several"
                 )
             converted[key] = EncodedStateful(OptimizerState(modules[0], value), str(key))
-        elif isinstance(value, Stateful):
+        elif is_stateful(value):
             converted[key] = EncodedStateful(value, str(key))
         else:
             converted[key] = encode(value, str(key))

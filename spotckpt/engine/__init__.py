@@ -6,6 +6,8 @@ knows nothing of policy.
 
 - `checkpointer`: the one caller of ``dcp.save``, ``dcp.async_save`` and ``dcp.load`` (groups,
   staging, DCP's errors turned into spotckpt's).
+- `flat_state`: a big plain state dict handed to DCP under one top-level key (DCP's cost per
+  top-level key), with planners that unwrap it.
 - `writer`: `ObjectStoreWriter`, DCP's storage writer: one streamed safetensors object per rank,
   then the commit.
 - `manifests`: what each rank reports of its writes, and the manifest (or indexed root) built

@@ -16,7 +16,9 @@ whose upload process died fails naming it, and the next save starts a new one on
 Call order of a manager's save: `save` (blocking) or `async_save` (returns when staged; the
 upload's future completes later); when either fails, `save_failure` gives the error to raise.
 Of a restore: `load`, with a `spotckpt.engine.reader.ObjectStoreReader` and a
-`spotckpt.engine.planners.CheckedLoadPlanner`.
+`spotckpt.engine.planners.CheckedLoadPlanner`. All three hand DCP a big plain state dict under one
+top-level key, with a planner that unwraps it (`spotckpt.engine.flat_state`: DCP's cost per
+top-level key), writing and loading exactly what the unwrapped dict would.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from spotckpt.distributed import Collective, RankProgress
+from spotckpt.engine.flat_state import for_load, for_save
 from spotckpt.engine.global_plan import PlanCache
 from spotckpt.engine.writer import ObjectStoreWriter
 from spotckpt.errors import (
@@ -75,11 +78,14 @@ class Checkpointer:
 
     def save(self, state_dict: dict[str, Any], writer: ObjectStoreWriter) -> None:
         """Write and commit `state_dict` through `writer` on every rank; returns when committed."""
+        state, planner = for_save(
+            state_dict, writer.save_planner(self.collective.world_size, self.plan_cache)
+        )
         try:
             dcp.save(
-                state_dict,
+                state,
                 storage_writer=writer,
-                planner=writer.save_planner(self.collective.world_size, self.plan_cache),
+                planner=planner,
                 process_group=self.collective.save_group,
                 no_dist=self._no_dist,
             )
@@ -94,10 +100,13 @@ class Checkpointer:
         kind = AsyncCheckpointerType.PROCESS if self.process_mode else AsyncCheckpointerType.THREAD
         if self.process_mode:
             self._renew_dead_upload_process()
+        state, planner = for_save(
+            state_dict, writer.save_planner(self.collective.world_size, self.plan_cache)
+        )
         response = dcp.async_save(
-            state_dict,
+            state,
             storage_writer=writer,
-            planner=writer.save_planner(self.collective.world_size, self.plan_cache),
+            planner=planner,
             process_group=self.collective.save_group,
             async_checkpointer_type=kind,
             async_stager=self._async_stager(),
@@ -117,9 +126,10 @@ class Checkpointer:
         A rank's corruption, key mismatch or unloadable value is raised as it is (the restore's
         fallback acts on it); anything else as a `CheckpointError` naming each rank's cause.
         """
+        state, planner = for_load(state_dict, planner)
         try:
             dcp.load(
-                state_dict,
+                state,
                 storage_reader=reader,
                 planner=planner,
                 process_group=self.collective.group,

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan
-from torch.distributed.checkpoint.stateful import Stateful
 
+from spotckpt.engine.flat_state import is_stateful
 from spotckpt.engine.global_plan import PlanCache, apply_global, plan_global, summarize
 from spotckpt.engine.packing import RUN_PREFIX, Run, Unpack, adopt_runs
 from spotckpt.errors import InvalidArgumentError, KeyMismatchError
@@ -139,8 +139,9 @@ def local_plan(
 
 
 def plain_state(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The dict DCP plans a load of: each Stateful replaced by its state_dict()."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    """The dict DCP plans a load of: each Stateful replaced by its state_dict() (plain values
+    told apart without the runtime Protocol check, `spotckpt.engine.flat_state.is_stateful`)."""
+    return {k: v.state_dict() if is_stateful(v) else v for k, v in state_dict.items()}
 
 
 def wanted_boxes(state_dict: dict[str, Any]) -> tuple[dict[str, list[Box]], set[str]]:

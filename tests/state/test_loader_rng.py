@@ -9,6 +9,7 @@ to the end. Real torchdata loaders, with 0 and 2 worker processes. Without spotc
 
 from __future__ import annotations
 
+import gc
 import io
 from typing import Any
 
@@ -82,15 +83,25 @@ def run(loader: Any, epochs: range, trace: Trace, stop: int | None = None) -> An
 
 def cut_and_resume(kind: str, workers: int, stop: int, hooked: bool) -> tuple[Trace, Trace]:
     reference: Trace = []
-    run(hook(make(kind, workers), hooked), range(EPOCHS), reference)
+    run(fresh(kind, workers, hooked), range(EPOCHS), reference)
     resumed: Trace = []
-    saved, rng = run(hook(make(kind, workers), hooked), range(EPOCHS), resumed, stop)
-    loader = hook(make(kind, workers), hooked)
+    saved, rng = run(fresh(kind, workers, hooked), range(EPOCHS), resumed, stop)
+    loader = fresh(kind, workers, hooked)
     loader.load_state_dict(saved)
     torch.set_rng_state(rng)
     # The loop finishes the cut epoch first (nothing is left of it when cut at its end).
     run(loader, range((stop - 1) // per_epoch(kind), EPOCHS), resumed)
     return reference, resumed
+
+
+def fresh(kind: str, workers: int, hooked: bool) -> StatefulDataLoader:
+    """A new loader, made after a garbage collection: the iterators of the runs before (one cut
+    mid-epoch holds its workers in a reference cycle) must not be left for a forked worker's
+    collector, whose finalizers then import during the worker's first import (numpy.random)
+    and break it with a KeyError in importlib's module lock (Python 3.11). Whether that happens
+    depended on the allocation counts of whatever the process imported before."""
+    gc.collect()
+    return hook(make(kind, workers), hooked)
 
 
 def hook(loader: StatefulDataLoader, hooked: bool) -> StatefulDataLoader:
