@@ -257,29 +257,29 @@ def parse_strong_hash(entry: dict[str, Any], where: str) -> str | None:
     return value
 
 
-def _location_json(location: ChunkLocation) -> dict[str, Any]:
-    document = {
-        "key": location.key,
-        "offset": location.offset,
-        "length": location.length,
-        "block_crc32c": list(location.block_crc32c),
-    }
+def _location_json(location: ChunkLocation, **leading: Any) -> dict[str, Any]:
+    """`location`'s fields, after the `leading` ones (a chunk's offsets and sizes). Tuples stay
+    tuples: json.dumps writes a tuple exactly as the list of its items."""
+    document = leading
+    document["key"] = location.key
+    document["offset"] = location.offset
+    document["length"] = location.length
+    document["block_crc32c"] = location.block_crc32c
     if location.blake3:
         document["blake3"] = location.blake3
     if location.codec:
         document["codec"] = location.codec
-        document["stored_lengths"] = list(location.stored_lengths)
-        document["stored_crc32c"] = list(location.stored_crc32c)
+        document["stored_lengths"] = location.stored_lengths
+        document["stored_crc32c"] = location.stored_crc32c
     return document
 
 
 def _tensor_json(tensor: TensorRecord) -> dict[str, Any]:
     return {
         "dtype": tensor.dtype,
-        "shape": list(tensor.shape),
+        "shape": tensor.shape,
         "chunks": [
-            {"offsets": list(c.offsets), "sizes": list(c.sizes), **_location_json(c.location)}
-            for c in tensor.chunks
+            _location_json(c.location, offsets=c.offsets, sizes=c.sizes) for c in tensor.chunks
         ],
     }
 
@@ -301,15 +301,22 @@ def _get(document: dict[str, Any], name: str, kind: type | tuple[type, ...], whe
 
 
 def _count(document: dict[str, Any], name: str, where: str) -> int:
-    value: int = _get(document, name, int, where)
+    value = document.get(name)
+    if type(value) is not int:  # the common case, a plain int, needs no second look
+        value = _get(document, name, int, where)  # raises unless an int (missing, another type)
     if not 0 <= value <= MAX_INT:
         raise _fail(f"{where}: {name!r} must be a non-negative integer below 2**63, got {value}")
     return value
 
 
-def _ints(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(v) is int and 0 <= v <= MAX_INT for v in value):
-        raise _fail(f"{where}: expected a list of non-negative integers below 2**63")
+def _ints(document: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
+    """Field `name` of `document`: a list of non-negative integers below 2**63, as a tuple."""
+    value = document.get(name)
+    if type(value) is not list:  # the common case, a plain list, needs no second look
+        value = _get(document, name, list, where)  # raises unless a list (missing, another type)
+    for item in value:  # one pass, no generator: most lists hold one or two items
+        if type(item) is not int or not 0 <= item <= MAX_INT:
+            raise _fail(f"{where}: expected a list of non-negative integers below 2**63")
     return tuple(value)
 
 
@@ -352,21 +359,19 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
     both = tensors_json.keys() & values_json.keys()
     if both:
         raise _fail(f"manifest lists {sorted(both)[0]!r} both as a tensor and as a value")
+    compressed = ENCODED in features
     tensors = {
-        fqn: _parse_tensor(fqn, entry, objects, block_size, ENCODED in features)
+        fqn: _parse_tensor(fqn, entry, objects, block_size, compressed)
         for fqn, entry in tensors_json.items()
     }
     _check_tilings(tensors)
     values = {
-        fqn: parse_location(entry, objects, block_size, f"value {fqn!r}", ENCODED in features)
+        fqn: parse_location(entry, objects, block_size, f"value {fqn!r}", compressed)
         for fqn, entry in values_json.items()
     }
     check_disjoint(itertools.chain(stored_chunks(tensors.items()), stored_values(values.items())))
     planner_data = document.get("planner_data", {})
-    if not isinstance(planner_data, dict) or not all(
-        isinstance(p, list) and all(isinstance(x, (str, int)) for x in p)
-        for p in planner_data.values()
-    ):
+    if not isinstance(planner_data, dict) or not all(map(_is_path, planner_data.values())):
         raise _fail("manifest planner_data must map names to lists of keys")
     user_metadata = document.get("user_metadata", {})
     versions = document.get("versions", {})
@@ -387,6 +392,12 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         format=version,
         incremental=incremental,
     )
+
+
+def _is_path(path: Any) -> bool:
+    """Whether `path` is a planner_data path: a list of keys (strings and integers)."""
+    # map, not a generator: one call per tensor, and most paths hold one key
+    return isinstance(path, list) and all(map(isinstance, path, itertools.repeat((str, int))))
 
 
 def _parse_incremental(entry: Any) -> Incremental | None:
@@ -451,14 +462,15 @@ def parse_location(
     if record is None:
         raise _fail(f"{where}: refers to object {key!r} that the manifest does not list")
     offset, length = _count(entry, "offset", where), _count(entry, "length", where)
-    crcs = _ints(_get(entry, "block_crc32c", list, where), where)
-    if len(crcs) != max(1, -(-length // block_size)) or any(c >= 1 << 32 for c in crcs):
+    crcs = _ints(entry, "block_crc32c", where)
+    # max(crcs): a count that matches is at least one
+    if len(crcs) != max(1, -(-length // block_size)) or max(crcs) >= 1 << 32:
         raise _fail(f"{where}: block_crc32c does not match its length of {length} bytes")
     digest = entry.get("blake3", "")
     if not isinstance(digest, str) or (digest and (len(digest) != 64 or set(digest) - _HEX)):
         raise _fail(f"{where}: blake3 is not 64 lowercase hex digits")
-    location = ChunkLocation(
-        key=key, offset=offset, length=length, block_crc32c=crcs, blake3=digest
+    location = ChunkLocation(  # the record's key: one string for all its chunks, fast to compare
+        key=record.key, offset=offset, length=length, block_crc32c=crcs, blake3=digest
     )
     if "codec" in entry:
         if not compressed:
@@ -480,8 +492,8 @@ def _compressed_location(
     codec = _get(entry, "codec", str, where)
     if not ENCODINGS.knows(codec):
         raise _fail(f"{where}: unknown codec {codec[:40]!r}; known: {ENCODINGS.known()}")
-    lengths = _ints(_get(entry, "stored_lengths", list, where), where)
-    crcs = _ints(_get(entry, "stored_crc32c", list, where), where)
+    lengths = _ints(entry, "stored_lengths", where)
+    crcs = _ints(entry, "stored_crc32c", where)
     blocks = len(location.block_crc32c)
     raw = [min(block_size, location.length - n * block_size) for n in range(blocks)]
     if len(lengths) != blocks or len(crcs) != blocks or any(c >= 1 << 32 for c in crcs):
@@ -504,22 +516,22 @@ def _parse_tensor(
     dtype = BY_NAME.get(_get(entry, "dtype", str, where))
     if dtype is None:
         raise _fail(f"{where}: unknown dtype {entry.get('dtype')!r}")
-    shape = _ints(_get(entry, "shape", list, where), where)
+    shape = _ints(entry, "shape", where)
     if len(shape) > MAX_DIMS:
         raise _fail(f"{where}: {len(shape)} dimensions, more than {MAX_DIMS}")
-    if math.prod(shape) > MAX_INT:
+    elements = math.prod(shape)
+    if elements > MAX_INT:
         raise _fail(f"{where}: shape {list(shape)} has 2**63 elements or more")
     chunks = [
         _parse_chunk(chunk, shape, dtype.itemsize, objects, block_size, where, compressed)
         for chunk in _get(entry, "chunks", list, where)
     ]
-    stored_elements = sum(math.prod(c.sizes) for c in chunks)
-    if stored_elements != math.prod(shape):
-        raise _fail(
-            f"{where}: chunks hold {stored_elements} elements, shape needs {math.prod(shape)}"
-        )
-    if len({c.offsets for c in chunks}) != len(chunks):
-        raise _fail(f"{where}: two chunks start at the same offsets")
+    if len(chunks) != 1 or chunks[0].sizes != shape:  # else one chunk of the whole tensor
+        stored_elements = sum([math.prod(c.sizes) for c in chunks])
+        if stored_elements != elements:
+            raise _fail(f"{where}: chunks hold {stored_elements} elements, shape needs {elements}")
+        if len({c.offsets for c in chunks}) != len(chunks):
+            raise _fail(f"{where}: two chunks start at the same offsets")
     return TensorRecord(dtype=dtype.name, shape=shape, chunks=tuple(chunks))
 
 
@@ -534,11 +546,13 @@ def _parse_chunk(
 ) -> TensorChunk:
     if not isinstance(chunk, dict):
         raise _fail(f"{where}: chunk must be a JSON object")
-    offsets = _ints(_get(chunk, "offsets", list, where), where)
-    sizes = _ints(_get(chunk, "sizes", list, where), where)
+    offsets = _ints(chunk, "offsets", where)
+    sizes = _ints(chunk, "sizes", where)
     if len(offsets) != len(shape) or len(sizes) != len(shape):
         raise _fail(f"{where}: chunk rank differs from the tensor's {len(shape)} dimensions")
-    if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+    if sizes == shape and not any(offsets):
+        sizes = shape  # the whole tensor, inside it; one tuple for both
+    elif any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
         raise _fail(
             f"{where}: chunk at {list(offsets)} of size {list(sizes)} reaches outside shape "
             f"{list(shape)}"
@@ -558,11 +572,14 @@ def _check_tilings(tensors: dict[str, TensorRecord]) -> None:
 
     A tensor's chunks lie inside its shape and hold as many elements as it has (checked when
     parsed), so what remains is that no two overlap. Only the chunks that hold elements matter,
-    and only the dimensions along which some of them do not span the whole shape.
+    and only the dimensions along which some of them do not span the whole shape. A lone chunk
+    so checked is the whole tensor or holds no element: nothing to check.
     """
     checks = []
     corners = 0
     for fqn, tensor in tensors.items():
+        if len(tensor.chunks) < 2:
+            continue
         boxes = [(c.offsets, c.sizes) for c in tensor.chunks if all(c.sizes)]
         split = [
             d
