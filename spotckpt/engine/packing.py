@@ -22,6 +22,11 @@ planner that finds every member of a run in its destination, as plain contiguous
 the stored dtype and shape, loads the run instead (`adopt_runs`): one read item and one ranged
 read, every member's CRC32Cs checked on its own bytes, then one copy per member. Members whose
 destinations differ are planned one by one, as before.
+
+The copies into a pack and out of a run are numpy's, on the calling thread: torch's copies of
+these sizes wake its intra-op thread pool, whose threads spin on the very cores that the uploads,
+the object store and the training need (on 2 cores, a 20,000-tensor save to SeaweedFS spent
+6.5 s in ``torch.cat`` instead of 0.4 s, and its process 8.8 CPU s instead of 3.0).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -90,8 +96,12 @@ class Pack:
 
     def data(self) -> torch.Tensor:
         """The pack's bytes, built now: the writer asks for one pack at a time, so a save holds
-        at most one pack's copy, never one of every small tensor at once."""
-        return torch.cat([_flat_bytes(tensor) for tensor in self.sources])
+        at most one pack's copy, never one of every small tensor at once. On the CPU, numpy
+        copies them on this thread (see the module docstring)."""
+        pieces = [_flat_bytes(tensor) for tensor in self.sources]
+        if all(piece.device.type == "cpu" for piece in pieces):
+            return torch.from_numpy(np.concatenate([piece.numpy() for piece in pieces]))
+        return torch.cat(pieces)
 
     def placeholder(self) -> torch.Tensor:
         """What DCP plans with: a uint8 tensor of the pack's size that holds no memory."""
@@ -251,9 +261,11 @@ class Unpack:
     targets: tuple[tuple[torch.Tensor, int, int], ...]
 
     def __call__(self, run_bytes: torch.Tensor) -> None:
-        """Copy each member's bytes from the loaded run into its destination."""
+        """Copy each member's bytes from the loaded run into its destination (CPU tensors, see
+        `adopt_runs`), by numpy on this thread (see the module docstring)."""
+        run = run_bytes.numpy()
         for target, start, end in self.targets:
-            target.copy_(run_bytes[start:end])
+            np.copyto(target.numpy(), run[start:end])
 
 
 def adopt_runs(
