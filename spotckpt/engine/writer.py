@@ -449,9 +449,8 @@ class ObjectStoreWriter(StorageWriter):
                 f"save of step {self.step} refused: objects {missing[:3]} have no BLAKE3, and a "
                 "signed manifest vouches only for strong hashes"
             )
-        plain = manifest.to_json()
-        data = self._seal(plain, FORMAT_VERSION)
-        digest = step_digest(data, manifest.objects.values(), canonical_bytes=data is plain)
+        data = self.encode(manifest)
+        digest = step_digest(data, manifest.objects.values())
         self.catalog.commit(manifest, data)
         self.manifest, self.digest = manifest, digest  # committed: nothing may undo it now
         self.manifest_size = len(data)

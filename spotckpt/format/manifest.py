@@ -169,12 +169,9 @@ class Manifest:
         return sum(loc.stored_length for loc in self.locations() if is_reference(loc.key))
 
     def to_json(self) -> bytes:
-        """Serialise to UTF-8 JSON, canonically (keys sorted, compact, ASCII: what
-        `spotckpt.format.signing.canonical` makes of the document, so that the digest of an
-        unsigned step hashes these bytes as they are); ValueError if `user_metadata` is beyond
-        what `from_json` reads (nested too deep, or a number of too many digits). An indexed
-        manifest (read from a ``spotckpt/2`` root and its parts) is written by its writer only,
-        never re-encoded."""
+        """Serialise to UTF-8 JSON; ValueError if `user_metadata` is beyond what `from_json` reads
+        (nested too deep, or a number of too many digits). An indexed manifest (read from a
+        ``spotckpt/2`` root and its parts) is written by its writer only, never re-encoded."""
         if self.format.split("+")[0] != FORMAT_VERSION:
             raise ManifestError(f"a {self.format} manifest is not re-encoded as one document")
         metadata = json.dumps({"user_metadata": self.user_metadata}).encode()
@@ -198,7 +195,7 @@ class Manifest:
                 "job": self.incremental.job,
                 "depth": self.incremental.depth,
             }
-        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(document, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, expected_step: int | None = None) -> Manifest:
