@@ -32,7 +32,7 @@ from spotckpt.errors import (
     StoreClockError,
 )
 from spotckpt.format.index import Root
-from spotckpt.format.manifest import Manifest
+from spotckpt.format.manifest import Manifest, check_manifest_size
 from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.layout import (
     ATTEMPT_PREFIX,
@@ -205,11 +205,19 @@ class Catalog:
         StorageError when the steps keep changing, or the store fails."""
         return self._readings.read()
 
-    def learn_committed(self, manifest: Manifest, size: int) -> None:
-        """Take the reading of a step this process just committed (`manifest`, or an indexed
-        root's summary; `size`: the bytes committed) for the retention after the commit, instead
-        of reading it back (`spotckpt.step_readings.StepReadings.committed`)."""
-        self._readings.committed(manifest, size)
+    def learn_committed(self, manifest: Manifest, data: bytes) -> None:
+        """Take `manifest` (or an indexed root's summary), committed by this process as `data`,
+        for the retention after the commit instead of reading it back
+        (`spotckpt.step_readings.StepReadings.committed`), once `data` passes what a reader
+        checks before it parses: the size bound and, with a keyring, the signature. What fails
+        is left for retention to read back and judge (an unsigned step under a keyring that
+        requires signatures takes no slot of keep_last)."""
+        try:
+            check_manifest_size(len(data), manifest.step)
+            self._manifests.check_signed(data, manifest.step, f"manifest of step {manifest.step}")
+        except ManifestError:
+            return
+        self._readings.committed(manifest, len(data))
 
     def committed_attempt(self, step: int) -> str | None:
         """The attempt id a step's manifest names; None if it has none or it does not parse."""

@@ -249,8 +249,8 @@ class Committer:
         failures are warnings (the commit stands)."""
         if self.keep_last is None:
             return
-        if writer.manifest is not None and writer.manifest_size is not None:
-            self.catalog.learn_committed(writer.manifest, writer.manifest_size)
+        if writer.manifest is not None and writer.manifest_data is not None:
+            self.catalog.learn_committed(writer.manifest, writer.manifest_data)
         try:
             for step in self.catalog.retire(self.keep_last):
                 log.info("retention: deleted checkpoint step %d", step)

@@ -94,7 +94,7 @@ class ManifestReader:
         if data is None:
             data = self.raw(step)
         header = self.parse(data, step)
-        self._check_signed(data, step, f"manifest of step {step}")
+        self.check_signed(data, step, f"manifest of step {step}")
         if isinstance(header, Manifest):
             if REFERENCES in header.features:
                 self._check_job(header)
@@ -105,7 +105,7 @@ class ManifestReader:
         chunks = overlapping_chunks(header, boxes)
         return self._from_parts(header, chunks, values, part_ranks(header, chunks))
 
-    def _check_signed(self, data: bytes, step: int, what: str) -> None:
+    def check_signed(self, data: bytes, step: int, what: str) -> None:
         """SignatureError unless `data` is signed for `step` of this root's job (only with a
         keyring; the job identity is read when first needed)."""
         if self.keyring is None:
@@ -160,7 +160,7 @@ class ManifestReader:
         except ObjectNotFoundError:
             raise ObjectMissingError(f"index part {key} of rank {rank} is missing") from None
         part = parse_part(data, root, rank, folder)
-        self._check_signed(data, root.step, f"index part {key}")
+        self.check_signed(data, root.step, f"index part {key}")
         own = {rank_object_key(root.attempt, rank, spread) for spread in (False, True)}
         if part.record.key not in own:
             raise ManifestError(

@@ -70,7 +70,7 @@ class StepReadings:
         self._read_manifest = read_manifest
         self._step_listing = step_listing
         self._known: dict[int, tuple[ObjectInfo, StepReading]] = {}
-        self._committed: dict[int, tuple[int, StepReading]] = {}
+        self._committed: dict[int, tuple[int, Manifest]] = {}
 
     @property
     def uri(self) -> str:
@@ -83,6 +83,12 @@ class StepReadings:
         retention or gc elsewhere) means a new listing, so that no step that commits meanwhile
         goes unseen. A manifest read before, unchanged in the listing, is not read
         again. StorageError when the steps keep changing, or the store fails."""
+        try:
+            return self._read()
+        finally:
+            self._committed.clear()  # a seed is for the retention right after its commit
+
+    def _read(self) -> list[StepReading]:
         for _ in range(READ_STEPS_TRIES):
             listing = self._step_listing()
             manifests = {
@@ -102,11 +108,12 @@ class StepReadings:
         )
 
     def committed(self, manifest: Manifest, size: int) -> None:
-        """Learn the reading of a manifest this process just committed (`size` bytes, create-only,
-        its objects checked by the commit), so that the retention right after the commit does
-        not read back and parse what it wrote: the next listing that shows a manifest of that
-        size at that step takes this reading."""
-        self._committed[manifest.step] = (size, reading_of(manifest.step, manifest))
+        """Learn a manifest this process just committed (`size` bytes, create-only, already
+        checked as a reader would: `spotckpt.catalog.Catalog.learn_committed`), so that the
+        retention right after the commit does not read back and parse what it wrote: the next
+        listing that shows a manifest of that size at that step takes it. Its objects are
+        checked then all the same, as for a manifest read back."""
+        self._committed[manifest.step] = (size, manifest)
 
     def _readings(self, manifests: dict[int, ObjectInfo]) -> list[StepReading]:
         """The readings of the listed `manifests`, reading those not known from before (a
@@ -117,14 +124,15 @@ class StepReadings:
             for step, (info, reading) in self._known.items()
             if manifests.get(step) == info and info.last_modified is not None
         }
-        for step, (size, reading) in list(self._committed.items()):
-            listed = manifests.get(step)
-            if listed is not None and step not in known and listed.size == size:
-                known[step] = reading
-        fresh = [step for step in manifests if step not in known]
+        seeded = {
+            step: manifest
+            for step, (size, manifest) in self._committed.items()
+            if step in manifests and step not in known and manifests[step].size == size
+        }
+        fresh = [step for step in manifests if step not in known and step not in seeded]
         with ThreadPoolExecutor(max(1, min(PART_READS, len(fresh)))) as pool:
             known.update(zip(fresh, pool.map(self._reading, fresh), strict=True))
-        self._committed.clear()
+        known.update((step, self._judged(step, manifest)) for step, manifest in seeded.items())
         self._known = {step: (manifests[step], reading) for step, reading in known.items()}
         return [known[step] for step in sorted(manifests)]
 
@@ -142,6 +150,11 @@ class StepReadings:
             manifest = self._read_manifest(step, _NO_CHUNKS)
         except (ManifestError, CorruptCheckpointError, BoundedJSONError) as error:
             return StepReading(step, None, f"{type(error).__name__}: {error}")
+        return self._judged(step, manifest)
+
+    def _judged(self, step: int, manifest: Manifest) -> StepReading:
+        """The reading of a readable `manifest`: unreadable when an object it names is missing
+        or of another size."""
         missing = missing_objects(
             self.store, step, {k: r.size for k, r in manifest.objects.items()}
         )

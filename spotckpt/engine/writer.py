@@ -211,8 +211,8 @@ class ObjectStoreWriter(StorageWriter):
         self._stream: ObjectStream | None = None
         self.digest: str | None = None
         """The committed step's digest (`spotckpt.digest`), for its save event."""
-        self.manifest_size: int | None = None
-        """The committed manifest's (or indexed root's) size in bytes, for retention's reading."""
+        self.manifest_data: bytes | None = None
+        """The committed manifest's (or indexed root's) bytes, for retention's reading."""
         self.cancellation = Cancellation()
         """Set at a notice that leaves this save no time: its next write raises."""
 
@@ -434,7 +434,7 @@ class ObjectStoreWriter(StorageWriter):
             digest = step_digest(data, summary.objects.values())
             self.catalog.commit_bytes(self.step, summary.attempt, data, referenced)
             self.manifest, self.digest = summary, digest  # committed: nothing may undo it now
-            self.manifest_size = len(data)
+            self.manifest_data = data
             return
         manifest = self.build_manifest(metadata, results)
         features = set()
@@ -453,7 +453,7 @@ class ObjectStoreWriter(StorageWriter):
         digest = step_digest(data, manifest.objects.values())
         self.catalog.commit(manifest, data)
         self.manifest, self.digest = manifest, digest  # committed: nothing may undo it now
-        self.manifest_size = len(data)
+        self.manifest_data = data
 
     def encode(self, manifest: Manifest) -> bytes:
         """The bytes of a flat manifest as this save commits it: signed when the writer has a

@@ -98,3 +98,40 @@ def test_retention_after_a_commit_reads_nothing_back_and_agrees_with_the_bucket(
         for key, value in _state(step).items():
             assert torch.equal(restored[key], value), (step, key)
         assert verify_checkpoint(store, step, keyring=manager.keyring).problems == []
+
+
+def test_a_step_committed_unsigned_under_a_verifying_keyring_takes_no_slot(tmp_path: Path) -> None:
+    """A job that signed its steps restarts with only the public key (a reader's keyring): its
+    writer cannot sign, so its new steps are unsigned and no reader with that keyring takes
+    them. The retention after their commits must judge them as a reader would (unreadable: no
+    slot of keep_last), not trust them because this process wrote them, or it deletes the only
+    steps that still restore."""
+    from cryptography.hazmat.primitives import serialization
+
+    private = write_signing_key(tmp_path / "signing.pem")
+    key = serialization.load_pem_private_key(private.read_bytes(), password=None)
+    public = tmp_path / "public.pem"
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    root = tmp_path / "root"
+    with CheckpointManager(
+        str(root), keep_last=2, preemption=False, signing_key=str(private)
+    ) as manager:
+        for step in (1, 2):
+            manager.save(step, _state(step), blocking=True)
+    with CheckpointManager(
+        str(root), keep_last=2, preemption=False, verify_keys=str(public)
+    ) as manager:
+        for step in (3, 4):
+            manager.save(step, _state(step), blocking=True)
+    kept = sorted(
+        int(p.parent.name.removeprefix("step-")) for p in root.glob("step-*/manifest.json")
+    )
+    assert kept == [1, 2, 3, 4]
+    with CheckpointManager(str(root), preemption=False, signing_key=str(private)) as manager:
+        restored = {k: torch.empty_like(v) for k, v in _state(2).items()}
+        assert manager.restore(restored) == 2
+    assert all(torch.equal(restored[k], v) for k, v in _state(2).items())
