@@ -372,9 +372,13 @@ class ShieldedWorkerInit:
     deliver SIGTERM to data-loader workers too; their default reaction is to die, and the trainer
     then fails with "DataLoader worker is killed by signal" before it can save. A shielded worker
     ignores those signals while the trainer saves. Once released (after an emergency save
-    commits, and always when the trainer process exits) the next such signal ends the worker as
-    usual, so the DataLoader's and multiprocessing's shutdown, which terminate workers with
-    SIGTERM, cannot hang on a worker that ignores it.
+    commits, and always when the trainer process exits) the next such signal ends the worker with
+    status 0, so the DataLoader's and multiprocessing's shutdown, which terminate workers with
+    SIGTERM, cannot hang on a worker that ignores it. Status 0, not death by the signal (torch's
+    own worker handler does the same for its parent's SIGTERM): Python runs a handler when the
+    worker is next scheduled, so the group's signal, sent while shielded, can be handled after the
+    release, and a worker dead of it would fail the trainer's exit with "DataLoader worker is
+    killed by signal".
 
     The release flag lives in shared memory inherited by the workers, so it works with fork,
     spawn and forkserver loaders alike.
@@ -393,10 +397,9 @@ class ShieldedWorkerInit:
             self.original(worker_id)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Runs in a worker: ignore while shielded, otherwise die of the signal as by default.
+        # Runs in a worker: ignore while shielded, otherwise end at once (see the class's note).
         if self.released.value:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            os._exit(0)
 
 
 _RELEASE_FLAGS: list[Any] = []

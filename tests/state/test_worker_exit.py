@@ -9,8 +9,8 @@ never got them, each waited out a 5 s join and was then terminated (a 10-20 s la
 2-worker loader, past a launcher's kill deadline).
 
 Each case runs a child script; after spotckpt's exit hook (registered after the probe's, so it
-runs first), the probe records the workers' exit codes: 0 when they stopped on their message,
-negative when they were terminated.
+runs first), the probe records the workers' exit codes, and each worker leaves a file when it
+returns from its loop (a worker ended by a signal exits 0 too, but leaves none).
 """
 
 from __future__ import annotations
@@ -45,9 +45,20 @@ SCRIPT = textwrap.dedent(
     from torchdata.stateful_dataloader import StatefulDataLoader
     from spotckpt import TrainState
 
+    from multiprocessing.util import Finalize
+
+    def stopped_normally(worker_id):
+        with open(f"{out}.{worker_id}", "w") as file:
+            file.write("stopped on its message")
+
+    def note_a_normal_stop(worker_id):
+        # Runs only when the worker returns from its loop (not when a signal ends it).
+        Finalize(None, stopped_normally, args=(worker_id,), exitpriority=0)
+
     data = TensorDataset(torch.arange(64.0))
     loader = StatefulDataLoader(data, batch_size=4, shuffle=True, num_workers=2,
-                                generator=torch.Generator().manual_seed(0))
+                                generator=torch.Generator().manual_seed(0),
+                                worker_init_fn=note_a_normal_stop)
     state = TrainState(dataloader=loader)
     iterator = iter(loader)
     workers += iterator._workers
@@ -74,3 +85,5 @@ def test_workers_stop_on_their_message_at_exit(tmp_path: Path, hold: str) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     assert "killed by signal" not in done.stderr
     assert json.loads(out.read_text()) == [0, 0], done.stderr[-3000:]
+    for worker_id in (0, 1):  # a terminated worker also exits 0 (ShieldedWorkerInit)
+        assert Path(f"{out}.{worker_id}").exists(), done.stderr[-3000:]
