@@ -31,7 +31,7 @@ module knows nothing of the bucket layout.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -47,7 +47,7 @@ from spotckpt.format.codecs import encoding_of
 from spotckpt.format.manifest import ChunkLocation, Manifest, ObjectRecord
 from spotckpt.format.references import object_path
 from spotckpt.format.signing import SIGNED, new_hasher
-from spotckpt.storage.base import ObjectNotFoundError, ObjectStore
+from spotckpt.storage.base import ObjectNotFoundError, ObjectStore, get_range_into_views
 
 _NAMES_SHOWN = 3
 _OBJECT_PIECE = 16 << 20
@@ -282,17 +282,24 @@ class ChunkReader:
         """Bytes `start`.. of object `key` into `buffer` (all of it), checked by `check_range`
         first and then for a short answer; `names` (what the bytes hold) only serve the error
         messages."""
-        end = start + buffer.nbytes
+        self.read_into_views(key, start, (buffer,), names)
+
+    def read_into_views(
+        self, key: str, start: int, views: Sequence[memoryview], names: Iterable[str]
+    ) -> None:
+        """`read_into` for several buffers filled in turn from one range (one request where the
+        store can: `spotckpt.storage.base.get_range_into_views`)."""
+        end = start + sum(view.nbytes for view in views)
         self.check_range(key, start, end, names)
         path = self.path(key)
         try:
-            placed = self.store.get_range_into(path, start, buffer)
+            placed = get_range_into_views(self.store, path, start, views)
         except ObjectNotFoundError:
             raise ObjectMissingError(
                 f"object {path} disappeared: bytes {start}..{end} ({describe(names)}) cannot be "
                 "read"
             ) from None
-        if placed != buffer.nbytes:
+        if placed != end - start:
             raise ObjectSizeError(
                 f"object {path} is truncated: bytes {start}..{end} ({describe(names)}) were "
                 f"asked, {placed} returned"

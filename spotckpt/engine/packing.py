@@ -20,8 +20,11 @@ lie back to back in one object (a pack's members, and DCP's own safetensors entr
 checkpoints alike) form a `Run`, which the reader offers DCP as one more uint8 item. A load
 planner that finds every member of a run in its destination, as plain contiguous CPU tensors of
 the stored dtype and shape, loads the run instead (`adopt_runs`): one read item and one ranged
-read, every member's CRC32Cs checked on its own bytes, then one copy per member. Members whose
-destinations differ are planned one by one, as before.
+read, every member's CRC32Cs checked on its own bytes. The reader lands the bytes straight in the
+members' destinations, the ranged read's answer filling each in turn (`RunDestinations`); only a
+run that one rank reads for its replicas (`spotckpt.engine.shared_reads`) is read into a buffer,
+broadcast, and copied out member by member. Members whose destinations differ are planned one by
+one, as before.
 
 The copies into a pack and out of a run are numpy's, on the calling thread: torch's copies of
 these sizes wake its intra-op thread pool, whose threads spin on the very cores that the uploads,
@@ -34,7 +37,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -266,6 +269,17 @@ class Unpack:
         run = run_bytes.numpy()
         for target, start, end in self.targets:
             np.copyto(target.numpy(), run[start:end])
+
+
+@runtime_checkable
+class RunDestinations(Protocol):
+    """A load planner that lets the reader land a run's bytes in its members' destinations
+    directly: no run buffer to fill and copy out of (on 20,000 small tensors that buffer was as
+    large as the state, and the copy a third of a restore)."""
+
+    def take_run(self, name: str) -> Unpack | None:
+        """The adopted run's `Unpack` (its members' destinations), handed over: the caller now
+        fills them, and committing the run copies nothing. None where the run was not adopted."""
 
 
 def adopt_runs(

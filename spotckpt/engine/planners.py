@@ -86,8 +86,13 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         self.wanted = sorted(self.state_dict)
         self.state_dict, self.unpacks = adopt_runs(self.state_dict, self.runs)
 
+    def take_run(self, name: str) -> Unpack | None:
+        """Hand the reader the destinations of adopted run `name`, which it then fills itself
+        (`spotckpt.engine.packing.RunDestinations`); committing the run copies nothing."""
+        return self.unpacks.pop(name, None)
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """A loaded run goes to its members' destinations."""
+        """A loaded run goes to its members' destinations (unless the reader took them)."""
         unpack = self.unpacks.get(read_item.dest_index.fqn)
         if unpack is not None:
             unpack(tensor)

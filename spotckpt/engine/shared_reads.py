@@ -45,7 +45,8 @@ class SharedReads:
     receive: dict[tuple[Any, ...], ReadItem]
 
 
-def _read_key(item: ReadItem) -> tuple[Any, ...]:
+def read_key(item: ReadItem) -> tuple[Any, ...]:
+    """What names a read item's piece alike on every rank (the shared-read plan's key)."""
     index = item.storage_index
     return (
         index.fqn,
@@ -64,7 +65,7 @@ def plan_shared_reads(
     for rank, plan in enumerate(plans):
         for item in plan.items:
             if item.type != LoadItemType.BYTE_IO:
-                wanted.setdefault(_read_key(item), []).append((rank, item))
+                wanted.setdefault(read_key(item), []).append((rank, item))
     load = [0] * len(plans)
     reads: list[SharedRead] = []
     dropped: list[set[int]] = [set() for _ in plans]  # id() of items others read for them
@@ -85,7 +86,7 @@ def plan_shared_reads(
             items=[i for i in plan.items if id(i) not in dropped[rank]],
             storage_data=SharedReads(
                 reads,
-                {_read_key(i): i for i in plan.items if id(i) in dropped[rank]},
+                {read_key(i): i for i in plan.items if id(i) in dropped[rank]},
             ),
         )
         for rank, plan in enumerate(plans)
@@ -104,7 +105,7 @@ def exchange(
     if flag.item():
         return
     rank = dist.get_rank(group)
-    mine = {_read_key(i): i for i in plan.items}
+    mine = {read_key(i): i for i in plan.items}
     for read in shared.reads:
         dtype = BY_NAME[read.dtype].torch_dtype
         if read.source == rank:

@@ -60,7 +60,7 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -456,13 +456,16 @@ class AzureStore(BucketStore[AzureOptions]):
             expected = int(response.headers.get("Content-Length", -1))
             return read_body(response.raw, deadline, self.options.read_timeout_s, expected)
 
-    def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
-        """One ranged Get Blob, its body read into `buffer` before the deadline."""
-        response = self._get_blob(key, f"bytes={start}-{start + buffer.nbytes - 1}")
+    def _download_into(
+        self, key: str, deadline: Deadline, start: int, views: Sequence[memoryview]
+    ) -> int:
+        """One ranged Get Blob, its body read into `views` before the deadline."""
+        last = start + sum(view.nbytes for view in views) - 1
+        response = self._get_blob(key, f"bytes={start}-{last}")
         if response is None:
             return 0
         with response:
-            return read_body_into(response.raw, deadline, self.options.read_timeout_s, buffer)
+            return read_body_into(response.raw, deadline, self.options.read_timeout_s, views)
 
     def head(self, key: str) -> ObjectInfo | None:
         """Get Blob Properties' size and time, or None when the blob does not exist."""

@@ -19,7 +19,9 @@ refuses one, or answers against these rules, is listed in full and rolled up cli
 one warning.
 
 ``get_range_into`` is ``get_range`` without an intermediate ``bytes`` object: a restore reads
-each tensor's bytes from the socket or file into the tensor's own memory.
+each tensor's bytes from the socket or file into the tensor's own memory. Its scatter form,
+`get_range_into_views`, fills several such buffers from one range, in one request where the store
+offers it (`ScatterReads`).
 
 Stores pickle as what rebuilds them (URI parts and options), so a storage writer can cross to
 another process, such as the child of DCP's process-mode async save; a ``memory://`` store cannot.
@@ -38,12 +40,12 @@ import builtins
 import logging
 import pickle
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, cast, runtime_checkable
 
 from typing_extensions import Self
 
@@ -165,6 +167,44 @@ class ObjectStore(Protocol):
 
     def close(self) -> None:
         """Release thread pools and connections."""
+
+
+class ScatterReads(Protocol):
+    """A store that reads one range into several buffers with one request (the bucket stores).
+
+    A restore reads neighbouring tensors with one request each; a store with per-request costs
+    (an HTTP round trip, signing, a first-byte latency) offers this, and `get_range_into_views`
+    uses it. An optional capability, so a store (or a wrapper around one) without it stays a
+    complete `ObjectStore`.
+    """
+
+    def get_range_into_views(self, key: str, start: int, views: Sequence[memoryview]) -> int:
+        """Read the bytes from `start` on into `views` in turn (back to back in the object);
+        returns how many arrived, fewer when the object is shorter. A retried attempt writes
+        every view again from its start."""
+
+
+def reads_scattered(store: ObjectStore) -> bool:
+    """Whether `store`'s class offers `ScatterReads`. The class, not the instance: a wrapper
+    that forwards unknown attributes to the store it wraps (``__getattr__``) must still see each
+    read through its own ``get_range_into``."""
+    return callable(getattr(type(store), "get_range_into_views", None))
+
+
+def get_range_into_views(
+    store: ObjectStore, key: str, start: int, views: Sequence[memoryview]
+) -> int:
+    """`ScatterReads.get_range_into_views` where the store offers it (`reads_scattered`);
+    otherwise one ``get_range_into`` per view, stopping at the first short one."""
+    if reads_scattered(store):
+        return cast(ScatterReads, store).get_range_into_views(key, start, views)
+    placed = 0
+    for view in views:
+        arrived = store.get_range_into(key, start + placed, view)
+        placed += arrived
+        if arrived < view.nbytes:
+            break
+    return placed
 
 
 class WriterBase(abc.ABC):

@@ -10,7 +10,8 @@ primitives that a service implements with its SDK:
   worth retrying, and what the storage layer calls the others;
 - `BucketStore.check_root`: which bucket names (and prefixes) the service accepts.
 
-From them it makes ``get``, ``get_range``, ``get_range_into``, ``exists``, ``list``,
+From them it makes ``get``, ``get_range``, ``get_range_into`` (and its scatter form,
+``get_range_into_views``), ``exists``, ``list``,
 ``list_delimited`` (with the fallback of `DelimiterSupport` for servers that mishandle a
 delimiter) and ``close``; every request runs through `BucketStore.call`, under the options'
 `RetryPolicy`. A service adds its writer, ``put``, ``head``, ``delete_many``, ``list_uploads`` and
@@ -34,7 +35,7 @@ from __future__ import annotations
 import abc
 import functools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
@@ -259,9 +260,11 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
         when the range starts at or past the object's end."""
 
     @abc.abstractmethod
-    def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
-        """One read of ``buffer.nbytes`` bytes from `start` into `buffer`, deadline-bound;
-        returns how many arrived."""
+    def _download_into(
+        self, key: str, deadline: Deadline, start: int, views: Sequence[memoryview]
+    ) -> int:
+        """One read of the bytes from `start` on into `views` in turn (as many as they hold
+        together), deadline-bound; returns how many arrived."""
 
     def get(self, key: str) -> bytes:
         """Read a whole object; raises ObjectNotFoundError."""
@@ -293,16 +296,22 @@ class BucketStore(abc.ABC, Generic[OptionsT]):
 
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         """Read ``buffer.nbytes`` bytes from `start` into `buffer`; fewer past the object's end."""
+        return self.get_range_into_views(key, start, (buffer,))
+
+    def get_range_into_views(self, key: str, start: int, views: Sequence[memoryview]) -> int:
+        """Read the bytes from `start` on into `views` in turn, in one ranged request (see
+        `spotckpt.storage.base.ScatterReads`); fewer past the object's end."""
         if start < 0:
             raise InvalidArgumentError("range start must be non-negative")
         self.full_name(key)
-        if buffer.nbytes == 0:
+        length = sum(view.nbytes for view in views)
+        if length == 0:
             return 0
-        what = f"get bytes {start}-{start + buffer.nbytes - 1} of {self.where(key)}"
+        what = f"get bytes {start}-{start + length - 1} of {self.where(key)}"
         deadline = self.options.retry.deadline(what)
         return self.call(
             what,
-            lambda: self._received_count(self._download_into(key, deadline, start, buffer)),
+            lambda: self._received_count(self._download_into(key, deadline, start, views)),
             deadline=deadline,
         )
 

@@ -63,7 +63,7 @@ import os
 import re
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -741,9 +741,12 @@ class GCSStore(BucketStore[GCSOptions]):
             response.status_code, message, errors=[{"message": message}] if message else []
         )
 
-    def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
-        """One ranged media GET into `buffer`, deadline-bound."""
-        response = self._media_get(key, deadline, start, start + buffer.nbytes - 1)
+    def _download_into(
+        self, key: str, deadline: Deadline, start: int, views: Sequence[memoryview]
+    ) -> int:
+        """One ranged media GET into `views`, deadline-bound."""
+        last = start + sum(view.nbytes for view in views) - 1
+        response = self._media_get(key, deadline, start, last)
         with response:
             status = response.status_code
             if status == 416:
@@ -751,7 +754,7 @@ class GCSStore(BucketStore[GCSOptions]):
             if status not in (200, 206):
                 raise self._error_answer(response, deadline)
             skip = start if status == 200 else 0  # the server ignored the range
-            return read_body_into(response.raw, deadline, self.timeout[1], buffer, skip)
+            return read_body_into(response.raw, deadline, self.timeout[1], views, skip)
 
     def head(self, key: str) -> ObjectInfo | None:
         """The object's size and time, or None when it does not exist."""

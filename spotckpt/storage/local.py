@@ -23,7 +23,7 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -268,16 +268,15 @@ class LocalStore:
             return file.read(length)
 
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        return self.get_range_into_views(key, start, (buffer,))
+
+    def get_range_into_views(self, key: str, start: int, views: Sequence[memoryview]) -> int:
+        """The scatter read (`spotckpt.storage.base.ScatterReads`): ``preadv`` fills up to
+        ``IOV_MAX`` views a system call."""
         if start < 0:
             raise InvalidArgumentError("range start must be non-negative")
         with self._open_object(key) as file:
-            placed = 0
-            while placed < buffer.nbytes:
-                got = os.preadv(file.fileno(), [buffer[placed:]], start + placed)
-                if got == 0:
-                    break
-                placed += got
-            return placed
+            return _read_into_views(file.fileno(), views, start)
 
     def head(self, key: str) -> ObjectInfo | None:
         name = key.rsplit("/", 1)[-1]
@@ -512,3 +511,28 @@ def open_local_store(uri: str, options: dict[str, Any]) -> LocalStore:
     if options:
         raise InvalidArgumentError(f"local store takes no options {sorted(options)}")
     return LocalStore(Path(path).expanduser(), fsync=bool(fsync))
+
+
+IOV_MAX = 1024
+"""Views one ``preadv`` fills at most (Linux's and macOS's limit)."""
+
+
+def _read_into_views(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """Fill `views` in turn from byte `offset` of file `fd`; returns the bytes placed, fewer
+    at the end of the file."""
+    pending = [memoryview(view).cast("B") for view in views if view.nbytes]
+    placed = 0
+    first = 0
+    while first < len(pending):
+        got = os.preadv(fd, pending[first : first + IOV_MAX], offset + placed)
+        if got == 0:
+            break
+        placed += got
+        while got:  # past the views filled whole; the next keeps only what it still lacks
+            size = pending[first].nbytes
+            if got < size:
+                pending[first] = pending[first][got:]
+                break
+            got -= size
+            first += 1
+    return placed

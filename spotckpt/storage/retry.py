@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -210,50 +210,73 @@ def read_body(raw: Any, deadline: Deadline, read_timeout_s: float, expected: int
     `expected` (the Content-Length, if known) only improves the error message.
     """
     out = bytearray()
+    body = _Body(raw, deadline, read_timeout_s)
     while True:
-        doing = f"reading the answer ({len(out)} of {expected if expected >= 0 else '?'} bytes)"
-        left = deadline.check(doing)
-        _set_socket_timeout(raw, min(read_timeout_s, left))
-        try:
-            chunk = raw.read1(READ_SIZE)
-        except Exception as error:
-            if deadline.remaining() <= 0:
-                raise deadline.exceeded(doing) from error
-            raise
+        chunk = body.read1(READ_SIZE, len(out), expected)
         if not chunk:
             return bytes(out)
         out += chunk
 
 
 def read_body_into(
-    raw: Any, deadline: Deadline, read_timeout_s: float, buffer: memoryview, skip: int = 0
+    raw: Any,
+    deadline: Deadline,
+    read_timeout_s: float,
+    views: Sequence[memoryview],
+    skip: int = 0,
 ) -> int:
-    """Like `read_body`, but into `buffer` after discarding the first `skip` bytes (for a server
-    that ignored a range); stops when the buffer is full or the body ends; returns the bytes
-    placed. Each step is one ``read1``: a trickling body cannot pass the deadline."""
+    """Like `read_body`, but into `views`, filled in turn (a scatter read: the body holds their
+    bytes back to back), after discarding the first `skip` bytes (for a server that ignored a
+    range); stops when the last view is full or the body ends; returns the bytes placed. Each
+    step is one ``read1``: a trickling body cannot pass the deadline."""
+    wanted = sum(view.nbytes for view in views)
     placed = 0
-    while placed < buffer.nbytes:
-        doing = f"reading the answer ({placed} of {buffer.nbytes} bytes)"
-        left = deadline.check(doing)
-        _set_socket_timeout(raw, min(read_timeout_s, left))
-        try:
-            chunk = raw.read1(min(READ_SIZE, skip or buffer.nbytes - placed))
-        except Exception as error:
-            if deadline.remaining() <= 0:
-                raise deadline.exceeded(doing) from error
-            raise
-        if not chunk:
-            break
-        if skip:
-            skip -= len(chunk)
-            continue
-        buffer[placed : placed + len(chunk)] = chunk
-        placed += len(chunk)
+    body = _Body(raw, deadline, read_timeout_s)
+    for view in views:
+        filled = 0
+        while filled < view.nbytes:
+            chunk = body.read1(min(READ_SIZE, skip or view.nbytes - filled), placed, wanted)
+            if not chunk:
+                return placed
+            if skip:
+                skip -= len(chunk)
+                continue
+            view[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+            placed += len(chunk)
     return placed
 
 
-def _set_socket_timeout(raw: Any, timeout: float) -> None:
-    connection = getattr(raw, "connection", None)
-    sock = getattr(connection, "sock", None)
-    if sock is not None:
-        sock.settimeout(max(timeout, 0.001))
+class _Body:
+    """One response body read step by step under a deadline: before each ``read1`` the
+    socket's timeout is cut to the time left (set only when it changes: a system call each,
+    which cost a reading thread as much as checking the CRCs of what it read)."""
+
+    def __init__(self, raw: Any, deadline: Deadline, read_timeout_s: float) -> None:
+        self.raw = raw
+        self.deadline = deadline
+        self.read_timeout_s = read_timeout_s
+        self.sock = getattr(getattr(raw, "connection", None), "sock", None)
+        self.timeout = -1.0
+
+    def read1(self, size: int, done: int, expected: int) -> bytes:
+        """What has arrived, at most `size` bytes (empty at the end); `done` of `expected`
+        (negative: unknown) name how far the read got when the deadline passes."""
+        left = self.deadline.remaining()
+        if left <= 0:
+            raise self.deadline.exceeded(self._doing(done, expected))
+        timeout = max(min(self.read_timeout_s, left), 0.001)
+        if self.sock is not None and timeout != self.timeout:
+            self.sock.settimeout(timeout)
+            self.timeout = timeout
+        try:
+            chunk: bytes = self.raw.read1(size)
+        except Exception as error:
+            if self.deadline.remaining() <= 0:
+                raise self.deadline.exceeded(self._doing(done, expected)) from error
+            raise
+        return chunk
+
+    @staticmethod
+    def _doing(done: int, expected: int) -> str:
+        return f"reading the answer ({done} of {expected if expected >= 0 else '?'} bytes)"

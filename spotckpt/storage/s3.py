@@ -37,7 +37,7 @@ from __future__ import annotations
 import builtins
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -435,13 +435,16 @@ class S3Store(BucketStore[S3Options]):
         with response["Body"] as raw:  # the urllib3 response under botocore's wrapper
             return read_body(raw, deadline, self.options.read_timeout_s, expected)
 
-    def _download_into(self, key: str, deadline: Deadline, start: int, buffer: memoryview) -> int:
-        """One ranged GetObject, its body read into `buffer` before the deadline."""
-        response = self._get_object(key, f"bytes={start}-{start + buffer.nbytes - 1}")
+    def _download_into(
+        self, key: str, deadline: Deadline, start: int, views: Sequence[memoryview]
+    ) -> int:
+        """One ranged GetObject, its body read into `views` before the deadline."""
+        last = start + sum(view.nbytes for view in views) - 1
+        response = self._get_object(key, f"bytes={start}-{last}")
         if response is None:
             return 0
         with response["Body"] as raw:
-            return read_body_into(raw, deadline, self.options.read_timeout_s, buffer)
+            return read_body_into(raw, deadline, self.options.read_timeout_s, views)
 
     def head(self, key: str) -> ObjectInfo | None:
         """HeadObject's size and time, or None when the object does not exist."""

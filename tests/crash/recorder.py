@@ -3,7 +3,7 @@ and applies a fault at one named call when asked to.
 
 A call is named ``rank:op:key#n``: the rank, the operation (``put``, ``open``, ``write``,
 ``commit``, ``abort``, ``part`` (a back end handing off one multipart part), ``get``, ``get_range``,
-``get_range_into``, ``head``, ``exists``, ``list``,
+``get_range_into``, ``get_range_into_views``, ``head``, ``exists``, ``list``,
 ``list_delimited``, ``delete_many``, ``list_uploads``, ``abort_upload``), the key (the prefix for
 listings, the first key for a deletion; tier calls start with ``tier/``) and how many times this
 rank made that same call before. Concurrent uploads that reorder between runs still give every
@@ -26,7 +26,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from spotckpt.storage import (
     StorageError,
     UploadInfo,
 )
+from spotckpt.storage.base import get_range_into_views
 
 MUTATING = frozenset({"put", "commit", "delete_many"})
 TIER = "tier/"
@@ -328,6 +329,10 @@ class RecordingStore:
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         self._call("get_range_into", key)
         return self.inner.get_range_into(key, start, buffer)
+
+    def get_range_into_views(self, key: str, start: int, views: Sequence[memoryview]) -> int:
+        self._call("get_range_into_views", key)
+        return get_range_into_views(self.inner, key, start, views)
 
     def head(self, key: str) -> ObjectInfo | None:
         self._call("head", key)

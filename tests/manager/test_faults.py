@@ -269,7 +269,7 @@ def test_ctrl_c_during_a_restore_interrupts_it(
     with CheckpointManager(str(tmp_path / "ck"), preemption=False) as mgr:
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))
-        ctrl_c = _CtrlC(monkeypatch, "get_range_into")
+        ctrl_c = _CtrlC(monkeypatch, "get_range_into_views")
         ctrl_c.armed = True
         with pytest.raises(KeyboardInterrupt):
             mgr.restore(_empty())

@@ -25,7 +25,7 @@ from spotckpt.storage import (
     ObjectStore,
     open_store,
 )
-from spotckpt.storage.base import roll_up
+from spotckpt.storage.base import get_range_into_views, roll_up
 
 from gcs_emulator import EMULATOR_IGNORES_PRECONDITIONS
 
@@ -172,6 +172,36 @@ def test_ranged_reads_into_a_buffer_at_edges(store: ObjectStore) -> None:
     assert _read_into(store, "r", 1000, 10) == (0, b"")
     with pytest.raises(ObjectNotFoundError):
         store.get_range_into("nope", 0, memoryview(bytearray(10)))
+
+
+@pytest.mark.parametrize(
+    ("start", "sizes"),
+    [(0, [1000]), (3, [10, 0, 500, 7]), (900, [50, 50]), (990, [4, 30, 6]), (1000, [5, 5])],
+)
+def test_a_scatter_read_fills_its_views_in_turn(
+    store: ObjectStore, start: int, sizes: list[int]
+) -> None:
+    """`get_range_into_views`: one request where the store can (`ScatterReads`), a read per view
+    otherwise; either way the views hold the range's bytes back to back, short at the end, and
+    nothing is written past them."""
+    data = _payload(1000, seed=3)
+    store.put("r", data)
+    buffer = bytearray(b"\xee" * (sum(sizes) + len(sizes)))
+    views, at = [], 0
+    for size in sizes:  # one guard byte after each view
+        views.append(memoryview(buffer)[at : at + size])
+        at += size + 1
+    placed = get_range_into_views(store, "r", start, views)
+    expected = data[start : start + sum(sizes)]
+    assert placed == len(expected)
+    joined = b"".join(bytes(view) for view in views)
+    assert joined[:placed] == expected
+    at = 0
+    for size in sizes:
+        assert buffer[at + size] == 0xEE  # the guard after each view is untouched
+        at += size + 1
+    with pytest.raises(ObjectNotFoundError):
+        get_range_into_views(store, "nope", 0, [memoryview(bytearray(10))])
 
 
 def test_ranged_read_into_a_tensor_of_a_streamed_object(store: ObjectStore) -> None:
