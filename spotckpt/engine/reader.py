@@ -33,6 +33,7 @@ import io
 import itertools
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from spotckpt.engine.chunks import ChunkReader, strong_hashes
-from spotckpt.engine.packing import Run, RunDestinations, RunMember, small_runs
+from spotckpt.engine.packing import Run, RunDestinations, RunMember, Unpack, small_runs
 from spotckpt.engine.shared_reads import SharedReads, exchange, plan_shared_reads, read_key
 from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from spotckpt.format.dtypes import BY_NAME
@@ -65,9 +66,10 @@ IN_PLACE_SHARE = 2
 straight into its destination, in pieces of at most ``max_read_bytes`` read in parallel; smaller
 ones are coalesced with their neighbours into ranged reads of up to ``max_read_bytes`` and
 copied out: a request of its own per mid-sized tensor would cost more than the copy."""
-SCATTER_SHARE = 4
+SCATTER_SHARE = 2
 """In-place pieces back to back in an object are read by one request of up to
-``SCATTER_SHARE * max_read_bytes`` (64 MiB by default; `ObjectStoreReader._scatter`)."""
+``SCATTER_SHARE * max_read_bytes`` (32 MiB by default; `ObjectStoreReader._scatter`): larger
+requests gained nothing more, and each must arrive whole within the retry policy's deadline."""
 
 
 @dataclass
@@ -118,10 +120,46 @@ class _Landing:
     target: torch.Tensor
     need: _Need
     pieces: int
+    unpack: Unpack | None = None
+    """For a run read into its buffer after the reader took its destinations: the copy out."""
     pieces_left: int = -1
 
     def __post_init__(self) -> None:
         self.pieces_left = self.pieces
+
+
+class _Claims:
+    """The memory that reads land in directly. Each piece is checked on its destination's bytes
+    once they arrive, so a destination that shares memory with another (tied weights, saved
+    untied) would have them overwritten before its check: it is read into a buffer of its own
+    and copied instead, as before reads landed in place (the last copy wins)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def claim(self, spans: list[tuple[int, int]]) -> bool:
+        """Claim every (start, end) address span, or none when any overlaps another."""
+        spans = sorted((start, end) for start, end in spans if end > start)
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                return False
+        for start, end in spans:
+            at = bisect.bisect_right(self.starts, start)
+            if (at and self.ends[at - 1] > start) or (
+                at < len(self.starts) and self.starts[at] < end
+            ):
+                return False
+        for start, end in spans:
+            at = bisect.bisect_right(self.starts, start)
+            self.starts.insert(at, start)
+            self.ends.insert(at, end)
+        return True
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses a contiguous tensor's bytes occupy."""
+    return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
 
 
 @dataclass
@@ -283,16 +321,29 @@ class ObjectStoreReader(StorageReader):
         landing: dict[int, _Landing] = {}  # by id() of the read item
         shared = plan.storage_data if isinstance(plan.storage_data, SharedReads) else None
         broadcast = {read.key for read in shared.reads} if shared is not None else set()
+        claims = _Claims()
+        shares_memory: set[int] = set()  # read items copied once every read has landed
+        late: list[Callable[[], None]] = []
+
+        def deliver(need: _Need, view: memoryview, start: int) -> None:
+            if id(need.request) in shares_memory:
+                late.append(functools.partial(self._deliver, need, view, start, planner))
+            else:
+                self._deliver(need, view, start, planner)
+
         for need in (self._need(item) for item in plan.items):
             # a run this rank reads for others is broadcast from its buffer: it must be filled
             sent = read_key(need.request) in broadcast
-            into_members = None if sent else self._run_into_members(need, planner)
+            into_members = None if sent else self._run_into_members(need, planner, claims)
             if into_members is not None:
-                run_buffer, pieces = into_members
-                landing[id(need.request)] = _Landing(run_buffer, need, len(pieces))
+                run_buffer, pieces, unpack = into_members
+                landing[id(need.request)] = _Landing(run_buffer, need, len(pieces), unpack)
                 in_place += pieces
                 continue
             target = self._in_place_target(need, planner)
+            if target is not None and not claims.claim([_span(target)]):
+                target = None  # it shares memory with another destination: copied, last
+                shares_memory.add(id(need.request))
             if need.location.codec:
                 to_decode = self._encoded_pieces(need, target)
                 if target is not None:
@@ -325,22 +376,22 @@ class ObjectStoreReader(StorageReader):
                     if fetch.decode:  # one decoded view per need, in its destination or not
                         for need, view in zip(fetch.needs, done.result(), strict=True):
                             if need.into is None:
-                                self._deliver(
-                                    need, view, need.location.offset + need.start, planner
-                                )
+                                deliver(need, view, need.location.offset + need.start)
                             else:
-                                self._land(landing[id(need.request)], planner)
+                                self._land(landing[id(need.request)], planner, late)
                         continue
                     buffer = done.result()
                     for need in fetch.needs:
                         if buffer is None:  # landed in place
-                            self._land(landing[id(need.request)], planner)
+                            self._land(landing[id(need.request)], planner, late)
                         else:
-                            self._deliver(need, buffer, fetch.start, planner)
+                            deliver(need, buffer, fetch.start)
             except Exception as error:
                 raise _first_failure(pending, error) from None
+        for copy in late:  # into memory that in-place reads shared (`_Claims`), now all in
+            copy()
 
-    def _land(self, landed: _Landing, planner: LoadPlanner) -> None:
+    def _land(self, landed: _Landing, planner: LoadPlanner, late: list[Callable[[], None]]) -> None:
         """One more piece of a tensor read in place has arrived (its CRCs checked); after the
         last, the whole chunk's BLAKE3 is checked (a signed step's: a single piece was checked
         whole already) and the tensor is committed."""
@@ -351,6 +402,14 @@ class ObjectStoreReader(StorageReader):
             memory = landed.target.reshape(-1).view(torch.uint8).numpy().data
             request = landed.need.request
             self.chunks.check_strong(memory, landed.need.location, request.storage_index.fqn)
+        if landed.unpack is not None:  # a run whose members share memory: copied out last
+            late.append(functools.partial(self._unpack, landed, landed.unpack, planner))
+            return
+        planner.commit_tensor(landed.need.request, landed.target)
+
+    def _unpack(self, landed: _Landing, unpack: Unpack, planner: LoadPlanner) -> None:
+        """Copy a run read into its buffer out to its members, then commit it."""
+        unpack(landed.target)
         planner.commit_tensor(landed.need.request, landed.target)
 
     def _check_objects(self, fetches: list[_Fetch], pool: ThreadPoolExecutor) -> None:
@@ -414,14 +473,15 @@ class ObjectStoreReader(StorageReader):
         return fetches
 
     def _run_into_members(
-        self, need: _Need, planner: LoadPlanner
-    ) -> tuple[torch.Tensor, list[_Fetch]] | None:
-        """A whole run whose members' destinations the planner hands over (`RunDestinations`)
+        self, need: _Need, planner: LoadPlanner, claims: _Claims
+    ) -> tuple[torch.Tensor, list[_Fetch], Unpack | None] | None:
+        """A whole run whose members' destinations the planner hands over (`RunDestinations`),
         as fetches straight into those members, no run buffer and no copy: pieces of about
         `max_read_bytes` cut at member boundaries, each one ranged read filling its members in
         turn (only where the store reads scattered in one request), each member checked on its
-        own bytes; with the run's (untouched) buffer, which
-        is committed once they all landed. None when the run is not read that way."""
+        own bytes. Returns the run's (untouched) buffer, committed once they all landed, the
+        fetches and None; or, when members share memory (`_Claims`), fetches into the buffer
+        and the `Unpack` that copies out of it. None when the planner keeps the run."""
         fqn = need.request.storage_index.fqn
         run = self.runs.get(fqn)
         whole = run is not None and (need.wanted_start, need.wanted_end) == (0, run.length)
@@ -432,6 +492,8 @@ class ObjectStoreReader(StorageReader):
         if unpack is None:
             return None
         run_buffer = planner.resolve_tensor(need.request).detach()
+        if not claims.claim([_span(target) for target, _start, _end in unpack.targets]):
+            return run_buffer, self._pieces(need, run_buffer), unpack
         cuts = _member_cuts(run, self.max_read_bytes)
         views: list[list[memoryview]] = [[] for _ in cuts]
         members: list[list[RunMember]] = [[] for _ in cuts]
@@ -448,7 +510,7 @@ class ObjectStoreReader(StorageReader):
             fetches.append(
                 _Fetch(run.key, run.offset + start, run.offset + end, [piece], into, checks)
             )
-        return run_buffer, fetches
+        return run_buffer, fetches, None
 
     def _scatter(self, pieces: list[_Fetch]) -> list[_Fetch]:
         """In-place pieces back to back in an object joined into one ranged read each, which
@@ -456,6 +518,8 @@ class ObjectStoreReader(StorageReader):
         (signing, a round trip, a first byte; on a 2-core loopback 32 reads of 8 MiB took 30 %
         longer than 8 of 32 MiB), so a read spans up to an even share of the in-place bytes per
         reader thread, at least `max_read_bytes` and at most ``SCATTER_SHARE`` times it."""
+        if not reads_scattered(self.store):
+            return pieces  # a read per view anyway: nothing to gain
         total = sum(piece.end - piece.start for piece in pieces)
         share = -(-total // max(1, self.max_parallel_reads))
         span = min(max(self.max_read_bytes, share), SCATTER_SHARE * self.max_read_bytes)

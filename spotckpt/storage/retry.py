@@ -249,14 +249,16 @@ def read_body_into(
 
 class _Body:
     """One response body read step by step under a deadline: before each ``read1`` the
-    socket's timeout is cut to the time left (set only when it changes: a system call each,
-    which cost a reading thread as much as checking the CRCs of what it read)."""
+    socket's timeout is cut to the time left. It is set only when it changes (a system call
+    each, which cost a reading thread as much as checking the CRCs of what it read), and looked
+    up on every step: the read that delivers a body's last bytes hands its connection back to
+    the pool, where another request may be using it by the next step."""
 
     def __init__(self, raw: Any, deadline: Deadline, read_timeout_s: float) -> None:
         self.raw = raw
         self.deadline = deadline
         self.read_timeout_s = read_timeout_s
-        self.sock = getattr(getattr(raw, "connection", None), "sock", None)
+        self.sock: Any = None
         self.timeout = -1.0
 
     def read1(self, size: int, done: int, expected: int) -> bytes:
@@ -266,9 +268,10 @@ class _Body:
         if left <= 0:
             raise self.deadline.exceeded(self._doing(done, expected))
         timeout = max(min(self.read_timeout_s, left), 0.001)
-        if self.sock is not None and timeout != self.timeout:
-            self.sock.settimeout(timeout)
-            self.timeout = timeout
+        sock = getattr(getattr(self.raw, "connection", None), "sock", None)
+        if sock is not None and (sock is not self.sock or timeout != self.timeout):
+            sock.settimeout(timeout)
+            self.sock, self.timeout = sock, timeout
         try:
             chunk: bytes = self.raw.read1(size)
         except Exception as error:

@@ -198,6 +198,31 @@ def test_a_scatter_read_past_the_end_fills_what_exists_and_says_how_much(
         assert b"".join(bytes(view) for view in views)[:cut] == data[:cut]
 
 
+@pytest.mark.parametrize("where", ["s3", "local"])
+@pytest.mark.parametrize("tied", ["packed", "in-place"])
+def test_destinations_that_share_memory_restore_what_was_stored(
+    request: pytest.FixtureRequest, tmp_path: Path, where: str, tied: str
+) -> None:
+    """Tied weights restored from a checkpoint saved untied: each piece is checked on its own
+    bytes before the other lands on them, so the step restores (one of the two values wins)
+    instead of failing its CRC32C and being passed over as corrupt."""
+    uri = request.getfixturevalue("s3_uri") if where == "s3" else str(tmp_path / "ck")
+    if tied == "packed":  # 20 small tensors: one run
+        generator = torch.Generator().manual_seed(3)
+        saved = {f"t{i:02d}": torch.randn(64, generator=generator) for i in range(20)}
+        a, b = "t03", "t07"
+    else:  # tensors of 2 MiB, read in place
+        saved, a, b = _state(1), "w2", "w3"
+    with CheckpointManager(uri, preemption=False) as manager:
+        manager.save(1, saved)
+        target = {name: torch.zeros_like(tensor) for name, tensor in saved.items()}
+        target[b] = target[a]  # one tensor under two names
+        assert manager.restore(target) == 1
+    assert target[a] is target[b]
+    assert torch.equal(target[a], saved[a]) or torch.equal(target[a], saved[b])
+    assert all(torch.equal(target[k], v) for k, v in saved.items() if k not in (a, b))
+
+
 def test_a_folder_fills_more_views_than_one_system_call_takes(tmp_path: Path) -> None:
     """``preadv`` takes at most ``IOV_MAX`` views a call: thousands of members of a run (some
     empty) land in turn across several calls, and the object's end cuts the last ones short."""
