@@ -130,9 +130,10 @@ class _Landing:
 
 class _Claims:
     """The memory that reads land in directly. Each piece is checked on its destination's bytes
-    once they arrive, so a destination that shares memory with another (tied weights, saved
-    untied) would have them overwritten before its check: it is read into a buffer of its own
-    and copied instead, as before reads landed in place (the last copy wins)."""
+    once they arrive, so nothing else may write there meanwhile: a destination that shares
+    memory with one (tied weights, saved untied; a view of another) is read into a buffer of its
+    own and copied once every read has landed (the last copy wins), and so are runs read into
+    their buffers, whose members the planner copies out."""
 
     def __init__(self) -> None:
         self.starts: list[int] = []
@@ -144,22 +145,37 @@ class _Claims:
         for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
                 return False
-        for start, end in spans:
-            at = bisect.bisect_right(self.starts, start)
-            if (at and self.ends[at - 1] > start) or (
-                at < len(self.starts) and self.starts[at] < end
-            ):
-                return False
+        if any(self.overlaps(start, end) for start, end in spans):
+            return False
         for start, end in spans:
             at = bisect.bisect_right(self.starts, start)
             self.starts.insert(at, start)
             self.ends.insert(at, end)
         return True
 
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any claimed span overlaps ``start``..``end``."""
+        at = bisect.bisect_right(self.starts, start)
+        return (at > 0 and self.ends[at - 1] > start) or (
+            at < len(self.starts) and self.starts[at] < end
+        )
+
+    def touches(self, tensor: torch.Tensor | None) -> bool:
+        """Whether a claimed span overlaps the memory a CPU `tensor` spans."""
+        if tensor is None or tensor.device.type != "cpu" or not self.starts:
+            return False
+        return self.overlaps(*_span(tensor))
+
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The addresses a contiguous tensor's bytes occupy."""
-    return tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    """The addresses from a tensor's first element to past its last (a strided view's whole
+    extent, its gaps included)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
 
 
 @dataclass
@@ -325,9 +341,14 @@ class ObjectStoreReader(StorageReader):
         shares_memory: set[int] = set()  # read items copied once every read has landed
         late: list[Callable[[], None]] = []
 
+        def commit_late(item: ReadItem, tensor: torch.Tensor) -> None:
+            late.append(functools.partial(planner.commit_tensor, item, tensor))
+
         def deliver(need: _Need, view: memoryview, start: int) -> None:
-            if id(need.request) in shares_memory:
+            if id(need.request) in shares_memory or claims.touches(need.target):
                 late.append(functools.partial(self._deliver, need, view, start, planner))
+            elif need.request.storage_index.fqn in self.runs:  # the planner copies it out
+                self._deliver(need, view, start, planner, commit_late)
             else:
                 self._deliver(need, view, start, planner)
 
@@ -404,8 +425,12 @@ class ObjectStoreReader(StorageReader):
             self.chunks.check_strong(memory, landed.need.location, request.storage_index.fqn)
         if landed.unpack is not None:  # a run whose members share memory: copied out last
             late.append(functools.partial(self._unpack, landed, landed.unpack, planner))
-            return
-        planner.commit_tensor(landed.need.request, landed.target)
+        elif landed.need.request.storage_index.fqn in self.runs:  # the planner copies it out
+            late.append(
+                functools.partial(planner.commit_tensor, landed.need.request, landed.target)
+            )
+        else:
+            planner.commit_tensor(landed.need.request, landed.target)
 
     def _unpack(self, landed: _Landing, unpack: Unpack, planner: LoadPlanner) -> None:
         """Copy a run read into its buffer out to its members, then commit it."""
@@ -688,9 +713,16 @@ class ObjectStoreReader(StorageReader):
                 self.chunks.verify(member_bytes, member.location, 0, member.fqn)
 
     def _deliver(
-        self, need: _Need, buffer: memoryview, buffer_start: int, planner: LoadPlanner
+        self,
+        need: _Need,
+        buffer: memoryview,
+        buffer_start: int,
+        planner: LoadPlanner,
+        commit: Callable[[ReadItem, torch.Tensor], None] | None = None,
     ) -> None:
-        """Hand a need's verified bytes, read into a fetch buffer, to the planner."""
+        """Hand a need's verified bytes, read into a fetch buffer, to the planner (committed
+        by `commit`, by default the planner's)."""
+        commit = planner.commit_tensor if commit is None else commit
         base = need.location.offset + need.start - buffer_start
         view = buffer[base : base + need.end - need.start]
         item = need.request
@@ -701,7 +733,7 @@ class ObjectStoreReader(StorageReader):
         target = need.target if need.target is not None else planner.resolve_tensor(item).detach()
         if need.contiguous:
             target.reshape(-1).view(torch.uint8).numpy().data[:] = wanted
-            planner.commit_tensor(item, target)
+            commit(item, target)
             return
         dtype, sizes = self.chunk_sizes[item.storage_index]
         source = _strided_view(
@@ -713,7 +745,7 @@ class ObjectStoreReader(StorageReader):
                 f"destination {tuple(target.shape)}"
             )
         target.copy_(source)
-        planner.commit_tensor(item, target)
+        commit(item, target)
 
 
 def _member_cuts(run: Run, step: int) -> list[int]:

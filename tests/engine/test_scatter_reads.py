@@ -223,6 +223,40 @@ def test_destinations_that_share_memory_restore_what_was_stored(
     assert all(torch.equal(target[k], v) for k, v in saved.items() if k not in (a, b))
 
 
+@pytest.mark.parametrize("where", ["s3", "local", "memory"])
+@pytest.mark.parametrize("copied", ["buffered-tensor", "run-member"])
+def test_a_copy_into_memory_a_read_lands_in_waits_for_that_read(
+    request: pytest.FixtureRequest, tmp_path: Path, where: str, copied: str
+) -> None:
+    """A destination that is a view into another one read in place (saved untied): its copy,
+    a tensor's (too small to read in place) or a run member's (which the planner copies out of
+    the run), comes once every read has landed, never while that read is being checked."""
+    uri = {
+        "s3": lambda: request.getfixturevalue("s3_uri"),
+        "local": lambda: str(tmp_path / "ck"),
+        "memory": lambda: request.getfixturevalue("memory_uri"),
+    }[where]()
+    generator = torch.Generator().manual_seed(9)
+    saved = {"big": torch.randn(MIB, generator=generator)}  # 4 MiB: read in place
+    if copied == "buffered-tensor":
+        saved["view"] = torch.randn(3 * MIB // 8, generator=generator)  # 1.5 MiB: buffered
+        small = saved["view"].numel()
+    else:
+        saved |= {f"s{i:02d}": torch.randn(256, generator=generator) for i in range(20)}
+        saved["view"], small = saved.pop("s05"), 256  # one member of their run
+    with CheckpointManager(uri, preemption=False) as manager:
+        manager.save(1, saved)
+        for _ in range(5):  # the copy and the read race: give them several chances
+            target = {name: torch.zeros_like(tensor) for name, tensor in saved.items()}
+            target["view"] = target["big"][:small]
+            assert manager.restore(target) == 1
+            head = target["big"][:small]
+            assert torch.equal(head, saved["view"]) or torch.equal(head, saved["big"][:small])
+            assert torch.equal(target["big"][small:], saved["big"][small:])
+            for name in set(saved) - {"big", "view"}:
+                assert torch.equal(target[name], saved[name]), name
+
+
 def test_a_folder_fills_more_views_than_one_system_call_takes(tmp_path: Path) -> None:
     """``preadv`` takes at most ``IOV_MAX`` views a call: thousands of members of a run (some
     empty) land in turn across several calls, and the object's end cuts the last ones short."""
