@@ -611,6 +611,30 @@ def notice_while_waiting(rank: int, world: int, args: dict[str, Any]) -> None:
     watcher.stop()
 
 
+def replicated_state(rank: int) -> dict[str, torch.Tensor]:
+    """40 small tensors every rank holds (a DDP model's), and one of this rank's own, too large
+    to be packed with them (so every rank's destination holds the whole run)."""
+    generator = torch.Generator().manual_seed(5)
+    state = {f"model.p{i:02d}": torch.randn(100 + i, generator=generator) for i in range(40)}
+    state[f"rank{rank}.seen"] = torch.full((1 << 20,), float(rank))
+    return state
+
+
+def replicated_run(rank: int, world: int, args: dict[str, Any]) -> None:
+    """One rank (tests/engine/test_scatter_reads.py): save, then restore into a blank state;
+    records whether it came back exact, and the job's bytes read."""
+    with CheckpointManager(args["uri"], preemption=False) as manager:
+        manager.save(1, replicated_state(rank))
+        state = {
+            name: torch.full_like(tensor, -1.0) for name, tensor in replicated_state(rank).items()
+        }
+        manager.restore(state)
+        stats = manager.last_read_stats
+    exact = all(torch.equal(state[k], v) for k, v in replicated_state(rank).items())
+    result = {"exact": exact, "read": stats.bytes_read if stats else None}
+    (Path(args["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "fsdp_incremental_save": fsdp_incremental_save,
     "notice_while_waiting": notice_while_waiting,
@@ -629,6 +653,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], None]] = {
     "rebalance_hint": rebalance_hint,
     "async_commit_skew": async_commit_skew,
     "notice_cancels_upload": notice_cancels_upload,
+    "replicated_run": replicated_run,
 }
 
 

@@ -341,16 +341,21 @@ class ObjectStoreReader(StorageReader):
         shares_memory: set[int] = set()  # read items copied once every read has landed
         late: list[Callable[[], None]] = []
 
-        def commit_late(item: ReadItem, tensor: torch.Tensor) -> None:
-            late.append(functools.partial(planner.commit_tensor, item, tensor))
+        def commit(item: ReadItem, tensor: torch.Tensor) -> None:
+            if item.storage_index.fqn in self.runs:  # the planner copies its members out: last
+                late.append(functools.partial(planner.commit_tensor, item, tensor))
+            else:
+                planner.commit_tensor(item, tensor)
 
         def deliver(need: _Need, view: memoryview, start: int) -> None:
             if id(need.request) in shares_memory or claims.touches(need.target):
-                late.append(functools.partial(self._deliver, need, view, start, planner))
-            elif need.request.storage_index.fqn in self.runs:  # the planner copies it out
-                self._deliver(need, view, start, planner, commit_late)
+                late.append(
+                    functools.partial(
+                        self._deliver, need, view, start, planner, planner.commit_tensor
+                    )
+                )
             else:
-                self._deliver(need, view, start, planner)
+                self._deliver(need, view, start, planner, commit)
 
         for need in (self._need(item) for item in plan.items):
             # a run this rank reads for others is broadcast from its buffer: it must be filled
@@ -399,12 +404,12 @@ class ObjectStoreReader(StorageReader):
                             if need.into is None:
                                 deliver(need, view, need.location.offset + need.start)
                             else:
-                                self._land(landing[id(need.request)], planner, late)
+                                self._land(landing[id(need.request)], commit, late)
                         continue
                     buffer = done.result()
                     for need in fetch.needs:
                         if buffer is None:  # landed in place
-                            self._land(landing[id(need.request)], planner, late)
+                            self._land(landing[id(need.request)], commit, late)
                         else:
                             deliver(need, buffer, fetch.start)
             except Exception as error:
@@ -412,7 +417,12 @@ class ObjectStoreReader(StorageReader):
         for copy in late:  # into memory that in-place reads shared (`_Claims`), now all in
             copy()
 
-    def _land(self, landed: _Landing, planner: LoadPlanner, late: list[Callable[[], None]]) -> None:
+    def _land(
+        self,
+        landed: _Landing,
+        commit: Callable[[ReadItem, torch.Tensor], None],
+        late: list[Callable[[], None]],
+    ) -> None:
         """One more piece of a tensor read in place has arrived (its CRCs checked); after the
         last, the whole chunk's BLAKE3 is checked (a signed step's: a single piece was checked
         whole already) and the tensor is committed."""
@@ -424,18 +434,8 @@ class ObjectStoreReader(StorageReader):
             request = landed.need.request
             self.chunks.check_strong(memory, landed.need.location, request.storage_index.fqn)
         if landed.unpack is not None:  # a run whose members share memory: copied out last
-            late.append(functools.partial(self._unpack, landed, landed.unpack, planner))
-        elif landed.need.request.storage_index.fqn in self.runs:  # the planner copies it out
-            late.append(
-                functools.partial(planner.commit_tensor, landed.need.request, landed.target)
-            )
-        else:
-            planner.commit_tensor(landed.need.request, landed.target)
-
-    def _unpack(self, landed: _Landing, unpack: Unpack, planner: LoadPlanner) -> None:
-        """Copy a run read into its buffer out to its members, then commit it."""
-        unpack(landed.target)
-        planner.commit_tensor(landed.need.request, landed.target)
+            late.append(functools.partial(landed.unpack, landed.target))
+        commit(landed.need.request, landed.target)
 
     def _check_objects(self, fetches: list[_Fetch], pool: ThreadPoolExecutor) -> None:
         """Before any byte is read: every object exists with the size the manifest says, and
@@ -718,11 +718,10 @@ class ObjectStoreReader(StorageReader):
         buffer: memoryview,
         buffer_start: int,
         planner: LoadPlanner,
-        commit: Callable[[ReadItem, torch.Tensor], None] | None = None,
+        commit: Callable[[ReadItem, torch.Tensor], None],
     ) -> None:
-        """Hand a need's verified bytes, read into a fetch buffer, to the planner (committed
-        by `commit`, by default the planner's)."""
-        commit = planner.commit_tensor if commit is None else commit
+        """Hand a need's verified bytes, read into a fetch buffer, to the planner (a tensor
+        committed by `commit`)."""
         base = need.location.offset + need.start - buffer_start
         view = buffer[base : base + need.end - need.start]
         item = need.request

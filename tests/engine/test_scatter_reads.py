@@ -12,17 +12,13 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
-import sys
 import threading
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import spotckpt.restore
 from spotckpt import CheckpointManager, CorruptCheckpointError
@@ -32,7 +28,7 @@ from spotckpt.storage import open_store
 from spotckpt.storage.base import get_range_into_views
 from spotckpt.storage.local import IOV_MAX, LocalStore
 
-from dist_worker import launch_ranks
+from dist_worker import launch_ranks, replicated_state
 from fault_proxy import FaultProxy
 from tests_support import write_signing_key
 
@@ -223,7 +219,7 @@ def test_destinations_that_share_memory_restore_what_was_stored(
     assert all(torch.equal(target[k], v) for k, v in saved.items() if k not in (a, b))
 
 
-@pytest.mark.parametrize("where", ["s3", "local", "memory"])
+@pytest.mark.parametrize("where", ["s3", "gcs", "azure", "local", "memory"])
 @pytest.mark.parametrize("copied", ["buffered-tensor", "run-member"])
 def test_a_copy_into_memory_a_read_lands_in_waits_for_that_read(
     request: pytest.FixtureRequest, tmp_path: Path, where: str, copied: str
@@ -233,6 +229,8 @@ def test_a_copy_into_memory_a_read_lands_in_waits_for_that_read(
     the run), comes once every read has landed, never while that read is being checked."""
     uri = {
         "s3": lambda: request.getfixturevalue("s3_uri"),
+        "gcs": lambda: request.getfixturevalue("gcs_uri"),
+        "azure": lambda: request.getfixturevalue("az_uri"),
         "local": lambda: str(tmp_path / "ck"),
         "memory": lambda: request.getfixturevalue("memory_uri"),
     }[where]()
@@ -299,53 +297,18 @@ def test_a_store_wrapper_sees_each_read_through_its_own_get_range_into(
 # Replicas: a run read once and broadcast -----------------------------------------------------
 
 
-def _replicated(rank: int) -> dict[str, torch.Tensor]:
-    """40 small tensors every rank holds (a DDP model's), and one of this rank's own, too large
-    to be packed with them (so every rank's destination holds the whole run)."""
-    generator = torch.Generator().manual_seed(5)
-    state = {f"model.p{i:02d}": torch.randn(100 + i, generator=generator) for i in range(40)}
-    state[f"rank{rank}.seen"] = torch.full((MIB,), float(rank))
-    return state
-
-
-def replicas(rank: int, world: int, args: dict[str, Any]) -> None:
-    """One rank: save, then restore into a blank state; records whether it came back exact."""
-    with CheckpointManager(args["uri"], preemption=False) as manager:
-        manager.save(1, _replicated(rank))
-        state = {name: torch.full_like(tensor, -1.0) for name, tensor in _replicated(rank).items()}
-        manager.restore(state)
-        stats = manager.last_read_stats
-    exact = all(torch.equal(state[k], v) for k, v in _replicated(rank).items())
-    result = {"exact": exact, "read": stats.bytes_read if stats else None}
-    (Path(args["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
-
-
 def test_a_run_of_replicated_tensors_read_by_one_rank_reaches_the_other_exactly(
     tmp_path: Path,
 ) -> None:
     """The replicas' run is read by one of them and broadcast from its run buffer, so that
-    rank must fill the buffer, not only its own members (`SharedReads`)."""
+    rank must fill the buffer, not only its own members (`SharedReads`); the ranks run
+    `dist_worker.replicated_run`."""
     args = {"uri": str(tmp_path / "ck"), "out": str(tmp_path)}
-    for rank, result in enumerate(launch_ranks(2, "replicas", args, worker=__file__)):
+    for rank, result in enumerate(launch_ranks(2, "replicated_run", args)):
         assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["exact"] for r in ranks] == [True, True]
-    stored = sum(t.nbytes for k, t in _replicated(0).items() if k.startswith("model."))
+    stored = sum(t.nbytes for k, t in replicated_state(0).items() if k.startswith("model."))
     own = 2 * 4 * MIB  # the ranks' own tensors
     assert ranks[0]["read"] == ranks[1]["read"]  # the job's total, on every rank
     assert ranks[0]["read"] - own < 2 * stored, ranks  # the run was read once
-
-
-def main() -> None:
-    scenario, rank, world, port, raw = sys.argv[1:6]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=int(rank), world_size=int(world), timeout=timedelta(seconds=60)
-    )
-    {"replicas": replicas}[scenario](int(rank), int(world), json.loads(raw))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
