@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from spotckpt.checksum import crc32c
+from spotckpt.format.manifest import Manifest
 from spotckpt.format.safetensors_io import block_crcs
 from spotckpt.layout import EVENT_SUMMARY_KEY, event_key, event_stamp, manifest_key
 from spotckpt.storage import ObjectInfo, ObjectStore, ObjectWriter, UploadInfo
@@ -256,6 +257,19 @@ class Exploit:
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return (Path.touch, (str(self.path),))  # type: ignore[return-value]
+
+
+def plain_manifest_document(data: bytes) -> dict[str, Any]:
+    """A flat manifest's JSON with its packed records (`spotckpt.format.packed`) written out as
+    one ``"tensors"`` entry per tensor: the form in which a test forges one tensor's location
+    apart from its neighbours'. A signed manifest's ``job`` and ``signature`` are kept as they
+    were (the signature no longer matches: tests that keep the step signed sign it again)."""
+    original = json.loads(data)
+    manifest = Manifest.from_json(data)
+    manifest.format = "+".join(f for f in manifest.format.split("+") if f != "packed")
+    document = dict(json.loads(manifest.to_json()))
+    document.update({k: original[k] for k in ("job", "signature") if k in original})
+    return document
 
 
 def forge_value(root: Path, step: int, fqn: str, payload: bytes) -> None:

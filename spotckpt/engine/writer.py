@@ -86,6 +86,8 @@ from spotckpt.format.encodings import Encoding, ObjectStream
 from spotckpt.format.features import format_string
 from spotckpt.format.index import INDEXED_FORMAT
 from spotckpt.format.manifest import FORMAT_VERSION, ChunkLocation, Manifest, ObjectRecord
+from spotckpt.format.packed import FEATURE as PACKED
+from spotckpt.format.packed import pack_groups
 from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, StoredRange, TensorSpec
 from spotckpt.format.signing import Keyring
 from spotckpt.layout import (
@@ -443,6 +445,8 @@ class ObjectStoreWriter(StorageWriter):
             features |= features_of(manifest)
         if any(location.codec for location in manifest.locations()):
             features.add(ENCODED)
+        if pack_groups(manifest.tensors):  # runs of small tensors: one compact record each
+            features.add(PACKED)
         manifest.format = format_string(FORMAT_VERSION, features)
         if self.keyring is not None and (missing := unhashed(manifest)):
             raise SaveFailedError(

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from spotckpt.errors import UnknownFormatError
 
-KNOWN_FEATURES: frozenset[str] = frozenset({"compressed", "references", "signed"})
+KNOWN_FEATURES: frozenset[str] = frozenset({"compressed", "packed", "references", "signed"})
 """Every feature this spotckpt reads, by name; a writer may only use these."""
 MAX_FORMAT_CHARS = 256
 

@@ -24,6 +24,9 @@ from spotckpt.format.codecs import ENCODINGS
 from spotckpt.format.dtypes import BY_NAME, MAX_DIMS
 from spotckpt.format.encodings import FEATURE as ENCODED
 from spotckpt.format.features import parse_format
+from spotckpt.format.packed import FEATURE as PACKED
+from spotckpt.format.packed import pack_groups, pack_json, parse_packs, unpacked
+from spotckpt.format.records import ChunkLocation, ObjectRecord, TensorChunk, TensorRecord
 from spotckpt.format.references import FEATURE as REFERENCES
 from spotckpt.format.references import is_reference, referenced_step
 from spotckpt.storage.base import InvalidKeyError, check_key
@@ -47,69 +50,6 @@ def check_manifest_size(size: int, step: int) -> None:
         raise ManifestError(
             f"manifest of step {step} is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ObjectRecord:
-    """One data object of the checkpoint; `key` is relative to the step folder."""
-
-    key: str
-    size: int
-    crc32c: int
-    rank: int
-    blake3: str | None = None
-    """The object's BLAKE3 (hex), in signed manifests only (`spotckpt.format.signing`)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChunkLocation:
-    """Where one stored chunk's bytes lie, with a CRC32C per `block_size` block of its raw bytes;
-    `blake3` (hex, incremental saves only) is the hash of the chunk's bytes that a later save
-    compares with to reference them instead of uploading them again.
-
-    An encoded chunk (`codec` set, `spotckpt.format.encodings`) has `length` raw bytes, and
-    its blocks are stored one after another from `offset`, `stored_lengths` bytes each, with the
-    CRC32Cs `stored_crc32c` of the stored bytes."""
-
-    key: str
-    offset: int
-    length: int
-    block_crc32c: tuple[int, ...]
-    blake3: str = ""
-    codec: str = ""
-    stored_lengths: tuple[int, ...] = ()
-    stored_crc32c: tuple[int, ...] = ()
-
-    @property
-    def stored_length(self) -> int:
-        """Bytes the chunk takes in its object."""
-        return sum(self.stored_lengths) if self.codec else self.length
-
-    def stored_span(self, first_block: int, end_block: int, block_size: int) -> tuple[int, int]:
-        """Object bytes that hold blocks `first_block` up to (not including) `end_block`."""
-        if not self.codec:
-            start = self.offset + min(self.length, first_block * block_size)
-            return start, self.offset + min(self.length, end_block * block_size)
-        start = self.offset + sum(self.stored_lengths[:first_block])
-        return start, start + sum(self.stored_lengths[first_block:end_block])
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorChunk:
-    """A rectangular piece of a tensor, as DCP's ChunkStorageMetadata, plus its location."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    location: ChunkLocation
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorRecord:
-    """A tensor's dtype, global shape and stored chunks."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[TensorChunk, ...]
 
 
 @dataclass(frozen=True)
@@ -176,6 +116,7 @@ class Manifest:
             raise ManifestError(f"a {self.format} manifest is not re-encoded as one document")
         metadata = json.dumps({"user_metadata": self.user_metadata}).encode()
         bounded_json.check_bounds(metadata, "user_metadata")
+        groups = pack_groups(self.tensors) if PACKED in self.features else []
         document = {
             "format": self.format,
             "step": self.step,
@@ -185,11 +126,13 @@ class Manifest:
             "versions": self.versions,
             "block_size": self.block_size,
             "objects": [_object_json(o) for o in self.objects.values()],
-            "tensors": {fqn: _tensor_json(t) for fqn, t in self.tensors.items()},
+            "tensors": {fqn: _tensor_json(t) for fqn, t in unpacked(self.tensors, groups)},
             "values": {fqn: _location_json(v) for fqn, v in self.values.items()},
             "planner_data": self.planner_data,
             "user_metadata": self.user_metadata,
         }
+        if groups:
+            document["packs"] = [pack_json(self.tensors, group) for group in groups]
         if self.incremental is not None:
             document["incremental"] = {
                 "job": self.incremental.job,
@@ -354,11 +297,13 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         raise _fail("manifest uses references but does not say of which job (no 'incremental')")
     tensors_json = _get(document, "tensors", dict, "manifest")
     values_json = _get(document, "values", dict, "manifest")
-    if len(tensors_json) + len(values_json) > MAX_ENTRIES:
+    both_kinds = len(tensors_json) + len(values_json)
+    if both_kinds > MAX_ENTRIES:
         raise _fail(f"manifest lists more than {MAX_ENTRIES} tensors and values")
     both = tensors_json.keys() & values_json.keys()
     if both:
         raise _fail(f"manifest lists {sorted(both)[0]!r} both as a tensor and as a value")
+    packed, pack_ranges = _parse_packs(document, features, objects, block_size, both_kinds)
     compressed = ENCODED in features
     tensors = {
         fqn: _parse_tensor(fqn, entry, objects, block_size, compressed)
@@ -369,7 +314,12 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         fqn: parse_location(entry, objects, block_size, f"value {fqn!r}", compressed)
         for fqn, entry in values_json.items()
     }
-    check_disjoint(itertools.chain(stored_chunks(tensors.items()), stored_values(values.items())))
+    stored = (stored_chunks(tensors.items()), pack_ranges, stored_values(values.items()))
+    check_disjoint(itertools.chain(*stored))
+    clash = next((fqn for fqn in packed if fqn in tensors_json or fqn in values_json), None)
+    if clash is not None:
+        raise _fail(f"manifest lists {clash!r} both in a packed record and elsewhere")
+    tensors.update(packed)
     planner_data = document.get("planner_data", {})
     if not isinstance(planner_data, dict) or not all(map(_is_path, planner_data.values())):
         raise _fail("manifest planner_data must map names to lists of keys")
@@ -392,6 +342,23 @@ def _parse(data: bytes, expected_step: int | None) -> Manifest:
         format=version,
         incremental=incremental,
     )
+
+
+def _parse_packs(
+    document: dict[str, Any],
+    features: frozenset[str],
+    objects: dict[str, ObjectRecord],
+    block_size: int,
+    listed: int,
+) -> tuple[dict[str, TensorRecord], list[Stored]]:
+    """The tensors of the manifest's packed records (`spotckpt.format.packed`) and each record's
+    byte range; none where it has none, refused where it has some but does not name the feature."""
+    entries = document.get("packs")
+    if entries is None:
+        return {}, []
+    if PACKED not in features:
+        raise _fail("manifest has packed records, but its format does not name the feature")
+    return parse_packs(entries, objects, block_size, listed=listed, maximum=MAX_ENTRIES)
 
 
 def _is_path(path: Any) -> bool:

@@ -38,6 +38,8 @@ from spotckpt.layout import manifest_key, parse_step_folder, step_folder
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.verify import verify_checkpoint
 
+from tests_support import plain_manifest_document
+
 Document = dict[str, Any]
 
 
@@ -449,8 +451,10 @@ def test_an_item_pointed_at_another_items_bytes_is_refused_and_restore_falls_bac
     packed_root: Path, name: str
 ) -> None:
     """A forged location onto bytes that another tensor or value owns, its CRC32Cs copied, passes
-    every checksum: the overlap itself is refused, by restore (which falls back) and verify."""
-    document = _document(packed_root)
+    every checksum: the overlap itself is refused, by restore (which falls back) and verify.
+    (Inside a packed record no member can be pointed elsewhere: offsets follow from lengths;
+    tests/format/test_packed.py moves a whole record onto other bytes.)"""
+    document = plain_manifest_document((packed_root / manifest_key(2)).read_bytes())
     assert _entry(document, "meta.seen")["length"] == _entry(document, "meta.epoch")["length"]
     OVERLAPS[name](packed_root, document)
     _forge(packed_root, json.dumps(document).encode())

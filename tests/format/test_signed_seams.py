@@ -36,7 +36,7 @@ from spotckpt.format.signing import Keyring
 from spotckpt.layout import manifest_key, step_folder
 from spotckpt.storage import open_store
 
-from tests_support import flip_keeping_crc32c, write_signing_key
+from tests_support import flip_keeping_crc32c, plain_manifest_document, write_signing_key
 
 KIB = 1 << 10
 
@@ -74,7 +74,8 @@ def _manager(root: Path, **settings: Any) -> CheckpointManager:
 
 
 def _document(root: Path, step: int) -> dict[str, Any]:
-    return json.loads((root / manifest_key(step)).read_bytes())
+    """The manifest's JSON, one entry per tensor (packed records written out)."""
+    return plain_manifest_document((root / manifest_key(step)).read_bytes())
 
 
 def _location(root: Path, step: int, name: str) -> ChunkLocation:
