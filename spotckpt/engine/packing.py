@@ -259,16 +259,22 @@ def _close(group: list[RunMember], runs: dict[str, Run]) -> None:
 
 @dataclass(frozen=True)
 class Unpack:
-    """Where a loaded run's bytes go: each member's destination bytes and its range in the run."""
+    """Where a loaded run's bytes go: per member, its destination's bytes (a uint8 numpy view of
+    them), their address, and the member's range in the run. Numpy views and addresses are made
+    once, here, for every later use: torch calls cost a microsecond each, a few per member."""
 
-    targets: tuple[tuple[torch.Tensor, int, int], ...]
+    targets: tuple[tuple[np.ndarray, int, int, int], ...]
 
     def __call__(self, run_bytes: torch.Tensor) -> None:
         """Copy each member's bytes from the loaded run into its destination (CPU tensors, see
         `adopt_runs`), by numpy on this thread (see the module docstring)."""
         run = run_bytes.numpy()
-        for target, start, end in self.targets:
-            np.copyto(target.numpy(), run[start:end])
+        for target, _address, start, end in self.targets:
+            np.copyto(target, run[start:end])
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The memory of each destination: from its address to past its last byte."""
+        return [(address, address + end - start) for _t, address, start, end in self.targets]
 
 
 @runtime_checkable
@@ -297,13 +303,9 @@ def adopt_runs(
             if not _fits(target, member):
                 break
             start = member.location.offset - run.offset
-            targets.append(
-                (
-                    target.detach().reshape(-1).view(torch.uint8),
-                    start,
-                    start + member.location.length,
-                )
-            )
+            memory = target.detach().reshape(-1).view(torch.uint8)  # any dtype, 0-d ones too
+            end = start + member.location.length
+            targets.append((memory.numpy(), memory.data_ptr(), start, end))
         else:
             for member in run.members:
                 del adopted[member.fqn]
@@ -315,8 +317,8 @@ def adopt_runs(
 def _fits(target: Any, member: RunMember) -> bool:
     return (
         _plain_tensor(target)
-        and target.device.type == "cpu"
+        and target.is_cpu
         and target.dtype == BY_NAME[member.dtype].torch_dtype
-        and tuple(target.shape) == member.shape
+        and target.shape == member.shape  # a torch.Size is a tuple
         and target.is_contiguous()
     )

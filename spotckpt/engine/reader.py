@@ -53,7 +53,13 @@ from torch.futures import Future
 
 from spotckpt.engine.chunks import ChunkReader, strong_hashes
 from spotckpt.engine.packing import Run, RunDestinations, RunMember, Unpack, small_runs
-from spotckpt.engine.shared_reads import SharedReads, exchange, plan_shared_reads, read_key
+from spotckpt.engine.shared_reads import (
+    SharedReads,
+    StoredShapes,
+    exchange,
+    plan_shared_reads,
+    read_key,
+)
 from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError
 from spotckpt.format.dtypes import BY_NAME
 from spotckpt.format.manifest import ChunkLocation, Manifest
@@ -233,11 +239,7 @@ class ObjectStoreReader(StorageReader):
             strong=strong_hashes(manifest),
         )
         self.metadata, self.locations = manifest.to_dcp()
-        self.chunk_sizes = {
-            MetadataIndex(fqn, torch.Size(chunk.offsets)): (tensor.dtype, chunk.sizes)
-            for fqn, tensor in manifest.tensors.items()
-            for chunk in tensor.chunks
-        }
+        self.chunk_sizes = StoredShapes(self.metadata)
         self.offer_runs = offer_runs
         self.runs = small_runs(manifest) if offer_runs else {}
         for name, run in self.runs.items():
@@ -274,7 +276,6 @@ class ObjectStoreReader(StorageReader):
         self.locations[index] = ChunkLocation(
             key=run.key, offset=run.offset, length=run.length, block_crc32c=()
         )
-        self.chunk_sizes[index] = ("uint8", (run.length,))
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.stats = ReadStats()
@@ -517,14 +518,16 @@ class ObjectStoreReader(StorageReader):
         if unpack is None:
             return None
         run_buffer = planner.resolve_tensor(need.request).detach()
-        if not claims.claim([_span(target) for target, _start, _end in unpack.targets]):
+        if not claims.claim(unpack.spans()):
             return run_buffer, self._pieces(need, run_buffer), unpack
         cuts = _member_cuts(run, self.max_read_bytes)
         views: list[list[memoryview]] = [[] for _ in cuts]
         members: list[list[RunMember]] = [[] for _ in cuts]
-        for member, (target, _start, _end) in zip(run.members, unpack.targets, strict=True):
-            at = bisect.bisect_right(cuts, member.location.offset - run.offset) - 1
-            views[at].append(target.numpy().data)
+        for member, (target, _address, start, _end) in zip(
+            run.members, unpack.targets, strict=True
+        ):
+            at = bisect.bisect_right(cuts, start) - 1
+            views[at].append(target.data)
             members[at].append(member)
         fetches = []
         for (start, end), into, held in zip(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -255,6 +256,22 @@ def test_plan_check_bench_agrees_with_dcp_on_a_small_2d_layout() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "layout=fsdp x tp4 ranks=32 tensors=6 chunks=192" in proc.stdout, proc.stdout
+
+
+@pytest.mark.process
+def test_manifest_bench_compares_packed_records_with_the_json_form() -> None:
+    bench = REPO / "benchmarks" / "manifest_bench.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--tensors", "300", "--reps", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only, never a performance bound
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "manifest of 300 small tensors" in proc.stdout, proc.stdout
+    ratios = re.search(r"packed / json: bytes ([0-9.]+)x", proc.stdout)
+    assert ratios is not None and float(ratios.group(1)) < 1.0, proc.stdout
 
 
 @pytest.mark.process
