@@ -40,6 +40,7 @@ EMULATOR_IGNORES_PRECONDITIONS = frozenset(
         "test_create_only_put_conflicts",
         "test_create_only_streamed_conflicts_small_and_multipart",
         "test_concurrent_create_only_has_one_winner",
+        "test_a_create_only_copy_never_replaces",
     }
 )
 """Contract tests that need a server honouring ``ifGenerationMatch=0``; the emulator overwrites.

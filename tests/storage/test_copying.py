@@ -1,0 +1,104 @@
+"""Server-side copies on S3 (`S3Store.copy_within`, through `spotckpt.storage.copying`): between
+buckets, in several parts, create-only, with lost answers, and streamed where S3 cannot reach
+the source with the target's credentials. The copy into every store is in the storage contract.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from spotckpt.storage import AlreadyExistsError, open_store
+from spotckpt.storage import s3 as s3_module
+from spotckpt.storage.copying import copy_object
+from spotckpt.storage.retry import RetryPolicy
+
+from fault_proxy import FaultProxy
+
+pytestmark = pytest.mark.process
+
+MIB = 1 << 20
+PART = 5 * MIB
+
+
+def _payload(size: int) -> bytes:
+    return (bytes(range(251)) * (size // 251 + 1))[:size]
+
+
+@pytest.fixture
+def other_bucket(s3_client: Any) -> str:
+    name = f"mirror-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+def _retry() -> RetryPolicy:
+    return RetryPolicy(max_attempts=6, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def test_a_copy_to_another_bucket_runs_in_parts_on_the_server(
+    s3_uri: str, other_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(s3_module, "COPY_PART_SIZE", PART)
+    source = open_store(s3_uri, part_size=PART)
+    target = open_store(f"s3://{other_bucket}/mirror", part_size=PART)
+    payload = _payload(2 * PART + 12345)
+    source.put("step-1/a-x/r0.safetensors", payload)
+    copied = copy_object(source, "step-1/a-x/r0.safetensors", target, "step-1/a-x/r0.safetensors")
+    assert copied.server_side and copied.crc32c is None
+    assert target.get("step-1/a-x/r0.safetensors") == payload
+    assert target.list_uploads() == []
+    with pytest.raises(AlreadyExistsError):
+        copy_object(
+            source,
+            "step-1/a-x/r0.safetensors",
+            target,
+            "step-1/a-x/r0.safetensors",
+            create_only=True,
+        )
+
+
+def test_a_lost_answer_to_a_part_copy_is_retried(
+    s3_uri: str, other_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server copied a part and the answer was lost: the retry copies it again, and the copy
+    ends whole, committed once, with no upload left behind."""
+    monkeypatch.setattr(s3_module, "COPY_PART_SIZE", PART)
+
+    def lose_a_part_copy(method: str, path: str) -> bool:
+        return method == "PUT" and "partNumber=2" in path and not proxy.lost
+
+    proxy = FaultProxy(moto_endpoint, rate=0.0, lose_answer=lose_a_part_copy)
+    try:
+        through = {"part_size": PART, "endpoint_url": proxy.endpoint, "retry": _retry()}
+        source = open_store(s3_uri, **through)
+        target = open_store(f"s3://{other_bucket}/mirror", **through)
+        payload = _payload(3 * PART + 99)
+        open_store(s3_uri, part_size=PART).put("obj", payload)
+        copied = copy_object(source, "obj", target, "obj")
+        assert copied.server_side and len(proxy.lost) == 1  # the fault really happened
+        assert target.get("obj") == payload
+        assert target.list_uploads() == []
+    finally:
+        proxy.close()
+
+
+def test_other_credentials_or_endpoints_stream(
+    s3_uri: str, other_bucket: str, moto_endpoint: str
+) -> None:
+    source = open_store(s3_uri, part_size=PART)
+    source.put("obj", _payload(PART + 1))
+    others = [
+        open_store(
+            f"s3://{other_bucket}/m",
+            part_size=PART,
+            aws_access_key_id="AKIDOTHER",
+            aws_secret_access_key="other-secret",
+        ),
+        open_store(f"s3://{other_bucket}/n", part_size=PART, endpoint_url=moto_endpoint + "/"),
+    ]
+    for target in others:
+        copied = copy_object(source, "obj", target, "obj")
+        assert not copied.server_side and target.get("obj") == _payload(PART + 1)
