@@ -20,7 +20,9 @@ What can be derived is not stored: a member's length is its element count times 
 its offset the end of the member before it, its block count ``max(1, ceil(length / block
 size))``. The parser (`parse_packs`) checks everything over whole arrays with numpy, then yields
 the very `TensorRecord` each member had before it was packed: nothing past the manifest knows a
-tensor was packed, and a packed manifest re-encodes to the same bytes. Tensors that do not fit
+tensor was packed, and a packed manifest re-encodes to the same bytes. (One thing differs: the
+order of the manifest's tensors, which the tools follow, is those outside packed records in the
+writer's order, then the packed ones in byte order.) Tensors that do not fit
 (several chunks, compressed, a run too short) stay in ``"tensors"`` as before. A manifest
 without such a run does not name the feature, so older spotckpt versions keep reading it.
 """
@@ -43,6 +45,10 @@ FEATURE = "packed"
 MIN_MEMBERS = 16
 """The fewest back-to-back tensors written as one packed record: below it, the JSON form's cost
 is small, and the step stays readable by spotckpt versions that predate the feature."""
+MAX_MEMBERS = 2_000_000
+"""The most tensors all packed records of a manifest may hold. A packed tensor takes about 16
+bytes of manifest but its records about 700 bytes of memory: this keeps what a packed manifest
+may cost about where the JSON form's size bound keeps it (1.6 million tensors)."""
 _DIGEST_BYTES = 32
 
 _Stored = tuple[str, int, int, str, str, tuple[int, ...]]
@@ -130,8 +136,11 @@ def parse_packs(
         if not isinstance(entry, dict):
             raise ManifestError(f"{where}: must be a JSON object")
         names = entry.get("names")
-        if isinstance(names, list) and listed + len(tensors) + len(names) > maximum:
+        held = len(tensors) + (len(names) if isinstance(names, list) else 0)
+        if listed + held > maximum:
             raise ManifestError(f"manifest lists more than {maximum} tensors and values")
+        if held > MAX_MEMBERS:
+            raise ManifestError(f"manifest's packed records hold more than {MAX_MEMBERS} tensors")
         members = _parse_pack(entry, objects, block_size, where)
         for fqn, record in members:
             if tensors.setdefault(fqn, record) is not record:
@@ -259,10 +268,9 @@ def _offset(entry: dict[str, Any], where: str) -> int:
 def _array(entry: dict[str, Any], name: str, dtype: Any, count: int, where: str) -> np.ndarray:
     """Field `name`: base64 of exactly `count` little-endian items of `dtype`."""
     raw = _decoded(entry, name, where)
-    array = np.frombuffer(raw, dtype)
-    if len(raw) != count * array.itemsize:
+    if len(raw) != count * np.dtype(dtype).itemsize:  # before numpy sees a partial item
         raise ManifestError(f"{where}: {name!r} holds {len(raw)} bytes, {count} items expected")
-    return array
+    return np.frombuffer(raw, dtype)
 
 
 def _digests(entry: dict[str, Any], count: int, where: str) -> list[str]:

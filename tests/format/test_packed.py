@@ -237,6 +237,8 @@ FORGERIES: list[tuple[str, Any, str]] = [
     ("crc short", _arr("crc32c", lambda a: a[:-1]), "items expected"),
     ("crc long", _arr("crc32c", lambda a: np.concatenate([a, a[:1]])), "items expected"),
     ("not base64", _set("crc32c", "@@@@"), "not base64"),
+    ("dims not whole items", _set("dims", base64.b64encode(bytes(7)).decode()), "items expected"),
+    ("crcs not whole items", _set("crc32c", base64.b64encode(bytes(3)).decode()), "items expected"),
     ("blake3 short", _set("blake3", base64.b64encode(b"x" * 31).decode()), "32 bytes per tensor"),
     ("bytes of another tensor", _set("offset", 0), "overlap"),
 ]
@@ -270,6 +272,18 @@ def test_a_zero_dimension_makes_an_empty_member_whatever_the_others(
     parsed = Manifest.from_json(json.dumps(document).encode())
     assert parsed.tensors[name].shape == tuple(shape)
     assert parsed.tensors[name].chunks[0].location.length == 0
+
+
+def test_more_packed_members_than_the_bound_are_refused(
+    packed_document: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed members cost far more memory than manifest bytes: their own bound, below the
+    manifest's bound on entries."""
+    from spotckpt.format import packed as packed_module
+
+    monkeypatch.setattr(packed_module, "MAX_MEMBERS", 45)  # the first record holds 40, then 16
+    with pytest.raises(ManifestError, match="packed records hold more than 45 tensors"):
+        Manifest.from_json(json.dumps(packed_document).encode())
 
 
 def test_too_many_members_are_refused(

@@ -60,15 +60,17 @@ def test_a_copy_to_another_bucket_runs_in_parts_on_the_server(
         )
 
 
-def test_a_lost_answer_to_a_part_copy_is_retried(
+def test_lost_answers_to_a_part_copy_and_the_completion_are_retried(
     s3_uri: str, other_bucket: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The server copied a part and the answer was lost: the retry copies it again, and the copy
-    ends whole, committed once, with no upload left behind."""
+    """The server copied a part, then completed the copy, and each answer was lost: the retries
+    ask again, and the create-only copy ends whole, committed once, no upload left behind."""
     monkeypatch.setattr(s3_module, "COPY_PART_SIZE", PART)
 
     def lose_a_part_copy(method: str, path: str) -> bool:
-        return method == "PUT" and "partNumber=2" in path and not proxy.lost
+        part = method == "PUT" and "partNumber=2" in path
+        completion = method == "POST" and "uploadId=" in path
+        return (part or completion) and not any(p.startswith(method) for p in proxy.lost)
 
     proxy = FaultProxy(moto_endpoint, rate=0.0, lose_answer=lose_a_part_copy)
     try:
@@ -77,8 +79,8 @@ def test_a_lost_answer_to_a_part_copy_is_retried(
         target = open_store(f"s3://{other_bucket}/mirror", **through)
         payload = _payload(3 * PART + 99)
         open_store(s3_uri, part_size=PART).put("obj", payload)
-        copied = copy_object(source, "obj", target, "obj")
-        assert copied.server_side and len(proxy.lost) == 1  # the fault really happened
+        copied = copy_object(source, "obj", target, "obj", create_only=True)
+        assert copied.server_side and len(proxy.lost) == 2  # the faults really happened
         assert target.get("obj") == payload
         assert target.list_uploads() == []
     finally:
