@@ -35,6 +35,8 @@ from spotckpt.checksum import crc32c
 from spotckpt.engine.packing import PACK_PREFIX, PackedMember
 from spotckpt.errors import CheckpointError
 from spotckpt.format.dtypes import dtype_of
+from spotckpt.format.encodings import FEATURE as ENCODED
+from spotckpt.format.features import format_string
 from spotckpt.format.index import (
     INDEXED_FORMAT,
     IndexedTensor,
@@ -46,12 +48,15 @@ from spotckpt.format.index import (
     tiling_of,
 )
 from spotckpt.format.manifest import (
+    FORMAT_VERSION,
     ChunkLocation,
     Manifest,
     ObjectRecord,
     TensorChunk,
     TensorRecord,
 )
+from spotckpt.format.packed import FEATURE as PACKED
+from spotckpt.format.packed import pack_groups
 
 
 @dataclass(frozen=True)
@@ -301,7 +306,7 @@ def build_manifest(
             dtype=dtype_of(entry.properties.dtype).name, shape=tuple(entry.size), chunks=chunks
         )
     planner_data = {fqn: list(path) for fqn, path in (metadata.planner_data or {}).items()}
-    return Manifest(
+    manifest = Manifest(
         step=header.step,
         attempt=header.attempt,
         world_size=len(results),
@@ -313,6 +318,21 @@ def build_manifest(
         user_metadata=dict(header.user_metadata),
         planner_data=planner_data,
     )
+    manifest.format = format_string(FORMAT_VERSION, stored_features(manifest))
+    return manifest
+
+
+def stored_features(manifest: Manifest) -> set[str]:
+    """The format features a flat manifest needs for how it stores its tensors: compressed
+    chunks, and packed records for runs of small ones. Decided here, once, for every writer that
+    builds one (the bucket's and the fast tier's: a tier's manifest is the bucket's, byte for
+    byte, once drained); what it references is the incremental save's to add."""
+    features = set()
+    if any(location.codec for location in manifest.locations()):
+        features.add(ENCODED)
+    if pack_groups(manifest.tensors):  # runs of small tensors: one compact record each
+        features.add(PACKED)
+    return features
 
 
 def _member_record(item: WrittenItem) -> TensorRecord:

@@ -81,13 +81,10 @@ from spotckpt.errors import (
 )
 from spotckpt.format.compression import Compression
 from spotckpt.format.dtypes import BY_NAME, dtype_of
-from spotckpt.format.encodings import FEATURE as ENCODED
 from spotckpt.format.encodings import Encoding, ObjectStream
 from spotckpt.format.features import format_string
 from spotckpt.format.index import INDEXED_FORMAT
 from spotckpt.format.manifest import FORMAT_VERSION, ChunkLocation, Manifest, ObjectRecord
-from spotckpt.format.packed import FEATURE as PACKED
-from spotckpt.format.packed import pack_groups
 from spotckpt.format.safetensors_io import DEFAULT_BLOCK_SIZE, StoredRange, TensorSpec
 from spotckpt.format.signing import Keyring
 from spotckpt.layout import (
@@ -438,16 +435,11 @@ class ObjectStoreWriter(StorageWriter):
             self.manifest, self.digest = summary, digest  # committed: nothing may undo it now
             self.manifest_data = data
             return
-        manifest = self.build_manifest(metadata, results)
-        features = set()
+        manifest = self.build_manifest(metadata, results)  # its format names how it stores
         if self.incremental:
             manifest.incremental = record_of(manifest, self.job or "", self.base)
-            features |= features_of(manifest)
-        if any(location.codec for location in manifest.locations()):
-            features.add(ENCODED)
-        if pack_groups(manifest.tensors):  # runs of small tensors: one compact record each
-            features.add(PACKED)
-        manifest.format = format_string(FORMAT_VERSION, features)
+            features = manifest.features | features_of(manifest)
+            manifest.format = format_string(FORMAT_VERSION, features)
         if self.keyring is not None and (missing := unhashed(manifest)):
             raise SaveFailedError(
                 f"save of step {self.step} refused: objects {missing[:3]} have no BLAKE3, and a "
