@@ -162,15 +162,18 @@ class Manifest:
 
         state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         locations: dict[MetadataIndex, ChunkLocation] = {}
+        # one properties value per dtype, one Size per shape for a whole-tensor chunk: a restore
+        # of 20,000 small tensors spent a tenth of its time building these
+        properties = {name: TensorProperties(dtype=BY_NAME[name].torch_dtype) for name in BY_NAME}
         for fqn, tensor in self.tensors.items():
+            shape = torch.Size(tensor.shape)
             chunks = []
             for chunk in tensor.chunks:
-                chunks.append(
-                    ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
-                )
-                locations[MetadataIndex(fqn, torch.Size(chunk.offsets))] = chunk.location
-            properties = TensorProperties(dtype=BY_NAME[tensor.dtype].torch_dtype)
-            state[fqn] = TensorStorageMetadata(properties, torch.Size(tensor.shape), chunks)
+                offsets = torch.Size(chunk.offsets)
+                sizes = shape if chunk.sizes == tensor.shape else torch.Size(chunk.sizes)
+                chunks.append(ChunkStorageMetadata(offsets, sizes))
+                locations[MetadataIndex(fqn, offsets)] = chunk.location
+            state[fqn] = TensorStorageMetadata(properties[tensor.dtype], shape, chunks)
         for fqn, location in self.values.items():
             state[fqn] = BytesStorageMetadata()
             locations[MetadataIndex(fqn)] = location
