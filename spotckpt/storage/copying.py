@@ -6,12 +6,14 @@ the provider copies the bytes itself and none pass through this process: a store
 that as the optional `ServerSideCopy` capability, as `ScatterReads` offers scattered reads.
 Everywhere else, between providers or accounts, `copy_object` streams: one ranged read at a time
 into one reused buffer, each piece written to the target's streamed writer before the next is
-read, so memory stays at one piece whatever the object's size. A streamed copy computes the
-CRC32C of every byte it wrote, which a caller compares with what the source's manifest records;
-a server-side copy returns none (the provider moved the bytes), and a caller that must know reads
-the copy back. Either way the target's rules hold: a create-only copy onto an existing key raises
-`AlreadyExistsError`, and a copy that fails midway leaves no object at the key (the target's
-writer aborts).
+read, so the copy holds one piece besides what the target's writer buffers (a bucket store's
+parts in flight), whatever the object's size. A streamed copy computes the CRC32C of every byte
+it writes and checks it before the commit: against the caller's `Expected` size and CRC32C (a
+manifest's), and told nothing, that the source ends where its listing said. A copy told what to
+expect always streams, since only then is the check made before anything is committed; a
+server-side copy returns no CRC32C (the provider moved the bytes). Either way the target's rules
+hold: a create-only copy onto an existing key raises `AlreadyExistsError`, and a copy that fails
+midway leaves no object at the key (the target's writer aborts).
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from spotckpt.checksum import crc32c
-from spotckpt.errors import InvalidArgumentError, ObjectNotFoundError, StorageError
+from spotckpt.errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from spotckpt.storage.base import ObjectInfo, ObjectStore
 
 DEFAULT_PIECE_BYTES = 8 << 20
@@ -37,6 +44,14 @@ class ServerSideCopy(Protocol):
         """Copy `source_key` of `source` to `key` of this store without the bytes passing through
         this process; None where the provider cannot (another provider, endpoint or account):
         the caller then streams."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the object to copy must be: its size and CRC32C (as a manifest records them)."""
+
+    size: int
+    crc32c: int
 
 
 @dataclass(frozen=True)
@@ -62,23 +77,26 @@ def copy_object(
     key: str,
     *,
     create_only: bool = False,
+    expected: Expected | None = None,
     piece_bytes: int = DEFAULT_PIECE_BYTES,
     on_piece: Callable[[int], None] | None = None,
 ) -> Copied:
     """Copy `source_key` of `source` to `key` of `target`: server-side where `target` offers it
     for this source, else streamed in pieces of `piece_bytes` (`on_piece` sees each piece's size
-    before it is read: a bandwidth limit waits there). Raises ObjectNotFoundError when the source
-    is missing, AlreadyExistsError when create-only finds the key taken; a failed copy leaves no
-    object at `key`."""
+    before it is read: a bandwidth limit waits there). With `expected` (a manifest's size and
+    CRC32C of the object), the copy always streams and commits only bytes that match: a source
+    that differs leaves nothing at `key` (CorruptCheckpointError). Raises ObjectNotFoundError
+    when the source is missing, AlreadyExistsError when create-only finds the key taken; a
+    failed copy leaves no object at `key`."""
     if piece_bytes < 1:
         raise InvalidArgumentError(f"a copy's piece must be at least 1 byte, got {piece_bytes}")
-    if copies_server_side(target):
+    if expected is None and copies_server_side(target):
         info = cast(ServerSideCopy, target).copy_within(
             source, source_key, key, create_only=create_only
         )
         if info is not None:
             return Copied(info, None, server_side=True)
-    return _stream(source, source_key, target, key, create_only, piece_bytes, on_piece)
+    return _stream(source, source_key, target, key, create_only, expected, piece_bytes, on_piece)
 
 
 def _stream(
@@ -87,26 +105,49 @@ def _stream(
     target: ObjectStore,
     key: str,
     create_only: bool,
+    expected: Expected | None,
     piece_bytes: int,
     on_piece: Callable[[int], None] | None,
 ) -> Copied:
     head = source.head(source_key)  # the size first: a missing source creates nothing
     if head is None:
         raise ObjectNotFoundError(f"copy of {source_key!r}: no such object in {source.uri}")
-    piece = memoryview(bytearray(min(piece_bytes, max(1, head.size))))
-    checksum = 0
+    size = head.size if expected is None else expected.size
+    if head.size != size:
+        raise CorruptCheckpointError(
+            f"copy of {source_key!r}: the source holds {head.size} bytes, not the {size} expected"
+        )
+    piece = memoryview(bytearray(min(piece_bytes, max(1, size))))
+    checksum = copied = 0
     with target.open_writer(key, create_only=create_only) as writer:
-        while writer.bytes_written < head.size:
-            wanted = piece[: min(piece.nbytes, head.size - writer.bytes_written)]
+        while copied < size:
+            wanted = piece[: min(piece.nbytes, size - copied)]
             if on_piece is not None:
                 on_piece(wanted.nbytes)
-            arrived = source.get_range_into(source_key, writer.bytes_written, wanted)
-            if arrived < wanted.nbytes:  # objects are written once: it changed or was cut
+            arrived = source.get_range_into(source_key, copied, wanted)
+            if arrived != wanted.nbytes:  # objects are written once: it changed or was cut
                 raise StorageError(
-                    f"copy of {source_key!r}: the source ended at byte "
-                    f"{writer.bytes_written + arrived}, its listing said {head.size}"
+                    f"copy of {source_key!r}: the source ended at byte {copied + arrived}, its "
+                    f"listing said {size}"
                 )
             writer.write(wanted)
             checksum = crc32c(wanted, checksum)
-        written = writer.bytes_written
-    return Copied(ObjectInfo(key, written), checksum, server_side=False)
+            copied += arrived
+        _check_whole(source, source_key, size, checksum, expected)  # before the commit
+    return Copied(ObjectInfo(key, copied), checksum, server_side=False)
+
+
+def _check_whole(
+    source: ObjectStore, source_key: str, size: int, checksum: int, expected: Expected | None
+) -> None:
+    """The bytes copied are the object the caller expects (its CRC32C), or, told nothing, the
+    whole of the source (it ends where its listing said): else the copy must not commit."""
+    if expected is not None:
+        if checksum != expected.crc32c:
+            raise CorruptCheckpointError(
+                f"copy of {source_key!r}: its bytes have CRC32C {checksum:08x}, not the "
+                f"{expected.crc32c:08x} expected; nothing was written"
+            )
+        return
+    if source.get_range_into(source_key, size, memoryview(bytearray(1))):
+        raise StorageError(f"copy of {source_key!r}: the source grew past its {size} bytes")

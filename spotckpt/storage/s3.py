@@ -60,6 +60,7 @@ from spotckpt.storage.base import (
     PermissionDeniedError,
     StorageError,
     UploadInfo,
+    log,
 )
 from spotckpt.storage.bucket import BucketOptions, BucketStore, BytesInFlight, Page
 from spotckpt.storage.retry import Deadline, read_body, read_body_into
@@ -147,6 +148,18 @@ def _error_code(error: botocore.exceptions.ClientError) -> tuple[str, int]:
     code = str(error.response.get("Error", {}).get("Code", ""))
     status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
     return code, status
+
+
+_COPY_REFUSED_CODES = ("NotImplemented", "InvalidRequest", "AccessDenied")
+"""What a server answers a server-side copy it will not make; the copy then streams."""
+
+
+def _copy_refused(error: StorageError) -> bool:
+    """Whether `error` (translated) says the server refuses server-side copies here."""
+    text = str(error)
+    return isinstance(error, PermissionDeniedError) or any(
+        f": {code} " in text for code in _COPY_REFUSED_CODES
+    )
 
 
 def translate_error(error: botocore.exceptions.ClientError, what: str) -> StorageError:
@@ -423,7 +436,8 @@ class S3Store(BucketStore[S3Options]):
         """Have S3 copy an object of another S3 store that this one's endpoint and credentials
         reach (`spotckpt.storage.copying.ServerSideCopy`): UploadPartCopy in parts of up to
         `COPY_PART_SIZE`, then a create-only completion where asked (CopyObject stops at 5 GiB and
-        has no create-only form). None for any other source: the caller streams."""
+        has no create-only form). None for any other source, and where the server refuses the
+        first part (a bucket policy, a server without UploadPartCopy): the caller streams."""
         if not isinstance(source, S3Store) or not self._same_identity(source):
             return None
         size = source.head(source_key)
@@ -436,30 +450,44 @@ class S3Store(BucketStore[S3Options]):
             f"start copy to {self.where(key)}",
             lambda: self.client.create_multipart_upload(Bucket=self.bucket, Key=name),
         )
-        upload = str(started["UploadId"])
+        upload = UploadInfo(key, str(started["UploadId"]))
         origin = {"Bucket": source.bucket, "Key": source.full_name(source_key)}
         try:
             parts = []
             for number, first in enumerate(range(0, size.size, COPY_PART_SIZE), start=1):
                 last = min(size.size, first + COPY_PART_SIZE) - 1
-                answer = self.call(
-                    f"copy part {number} of {source.where(source_key)} to {self.where(key)}",
-                    functools.partial(
-                        self.client.upload_part_copy,
-                        Bucket=self.bucket,
-                        Key=name,
-                        UploadId=upload,
-                        PartNumber=number,
-                        CopySource=origin,
-                        CopySourceRange=f"bytes={first}-{last}",
-                    ),
-                )
+                try:
+                    answer = self.call(
+                        f"copy part {number} of {source.where(source_key)} to {self.where(key)}",
+                        functools.partial(
+                            self.client.upload_part_copy,
+                            Bucket=self.bucket,
+                            Key=name,
+                            UploadId=upload.upload_id,
+                            PartNumber=number,
+                            CopySource=origin,
+                            CopySourceRange=f"bytes={first}-{last}",
+                        ),
+                    )
+                except StorageError as error:
+                    if number == 1 and _copy_refused(error):
+                        self._abort_quietly(upload)
+                        return None
+                    raise
                 parts.append({"PartNumber": number, "ETag": answer["CopyPartResult"]["ETag"]})
-            self.complete_multipart(key, upload, parts, create_only=create_only)
+            self.complete_multipart(key, upload.upload_id, parts, create_only=create_only)
         except BaseException:
-            self.abort_upload(UploadInfo(key, upload))
+            self._abort_quietly(upload)
             raise
         return ObjectInfo(key, size.size)
+
+    def _abort_quietly(self, upload: UploadInfo) -> None:
+        """Abort `upload`, logging (not raising) a failure: the error being handled matters more,
+        and gc removes an upload left behind."""
+        try:
+            self.abort_upload(upload)
+        except StorageError as error:
+            log.warning("could not abort the copy upload to %s: %s", self.where(upload.key), error)
 
     def _same_identity(self, other: S3Store) -> bool:
         """Whether `other` is reached through this store's endpoint with its credentials (the

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from spotckpt.checksum import crc32c
 from spotckpt.storage import AlreadyExistsError, open_store
 from spotckpt.storage import s3 as s3_module
 from spotckpt.storage.copying import copy_object
@@ -104,3 +105,35 @@ def test_other_credentials_or_endpoints_stream(
     for target in others:
         copied = copy_object(source, "obj", target, "obj")
         assert not copied.server_side and target.get("obj") == _payload(PART + 1)
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(501, "NotImplemented"), (403, "AccessDenied"), (400, "InvalidRequest")]
+)
+def test_a_server_that_refuses_part_copies_gets_a_streamed_copy(
+    s3_uri: str, other_bucket: str, moto_endpoint: str, status: int, code: str
+) -> None:
+    """An S3-compatible server without UploadPartCopy, or a bucket policy that denies it: the
+    refused upload is aborted and the object streams instead."""
+    body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code></Error>'.encode()
+    refused: list[str] = []
+
+    def refuse_the_first_part_copy(method: str, path: str) -> tuple[int, bytes] | None:
+        if method == "PUT" and "partNumber=" in path:  # only part copies: the stream is one PUT
+            refused.append(path)
+            return status, body
+        return None
+
+    proxy = FaultProxy(moto_endpoint, rate=0.0, answer=refuse_the_first_part_copy)
+    try:
+        through = {"part_size": PART, "endpoint_url": proxy.endpoint, "retry": _retry()}
+        source = open_store(s3_uri, **through)
+        target = open_store(f"s3://{other_bucket}/mirror", **through)
+        payload = _payload(PART - 5)  # streamed in one PUT (below the part size)
+        source.put("obj", payload)
+        copied = copy_object(source, "obj", target, "obj", create_only=True)
+        assert refused and not copied.server_side and copied.crc32c == crc32c(payload)
+        assert target.get("obj") == payload
+        assert target.list_uploads() == []
+    finally:
+        proxy.close()

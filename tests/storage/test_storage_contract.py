@@ -7,6 +7,7 @@ A new back end joins by adding a fixture parameter to `store`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import uuid
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from spotckpt.checksum import crc32c
-from spotckpt.errors import InvalidArgumentError
+from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 from spotckpt.storage import (
     AlreadyExistsError,
     InvalidKeyError,
@@ -27,7 +28,7 @@ from spotckpt.storage import (
     open_store,
 )
 from spotckpt.storage.base import get_range_into_views, roll_up
-from spotckpt.storage.copying import copy_object
+from spotckpt.storage.copying import Expected, copy_object
 
 from gcs_emulator import EMULATOR_IGNORES_PRECONDITIONS
 
@@ -456,3 +457,42 @@ def test_a_copy_that_fails_midway_leaves_nothing(store: ObjectStore, memory_uri:
         copy_object(FailingSource(source, 2), "big", store, "half", piece_bytes=PART)  # type: ignore[arg-type]
     assert not store.exists("half")
     assert [u for u in store.list_uploads() if u.key == "half"] == []
+
+
+class ShortHead:
+    """A source whose listing says `less` bytes fewer than the object holds (it grew since)."""
+
+    def __init__(self, inner: ObjectStore, less: int) -> None:
+        self.inner, self.less = inner, less
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def head(self, key: str) -> object:
+        found = self.inner.head(key)
+        return None if found is None else dataclasses.replace(found, size=found.size - self.less)
+
+
+def test_a_copy_commits_only_what_the_caller_expects(store: ObjectStore, memory_uri: str) -> None:
+    """Told the object's size and CRC32C (a manifest's), a copy checks them before it commits,
+    and streams even where the store could copy server-side; told nothing, it checks that the
+    source ends where its listing said."""
+    payload = _payload(PART + 17, seed=3)
+    for origin in (open_store(memory_uri), store):
+        origin.put("src", payload)
+        good = Expected(len(payload), crc32c(payload))
+        copied = copy_object(origin, "src", store, "ok", expected=good)
+        assert not copied.server_side and copied.crc32c == good.crc32c
+        assert store.get("ok") == payload
+        store.delete_many(["ok"])
+        for wrong in (
+            Expected(len(payload), good.crc32c ^ 1),
+            Expected(len(payload) - 1, good.crc32c),
+        ):
+            with pytest.raises(CorruptCheckpointError):
+                copy_object(origin, "src", store, "bad", expected=wrong, create_only=True)
+            assert not store.exists("bad")
+        with pytest.raises(StorageError, match="grew past"):
+            copy_object(ShortHead(origin, 5), "src", store, "grown", piece_bytes=PART)  # type: ignore[arg-type]
+        assert not store.exists("grown")
+    assert [u for u in store.list_uploads() if u.key in ("bad", "grown")] == []
