@@ -14,6 +14,8 @@ writes once, like any replicated tensor.
 The writer stores a pack's bytes as they are and records every member in the manifest as a
 tensor of its own, one chunk with its own location and block CRC32Cs inside the pack's bytes:
 the manifest, and so every export and verify, cannot tell a packed tensor from one saved alone.
+(Its bytes can: a run of 16 or more members is written as one packed record of arrays,
+`spotckpt.format.packed`, which parses back to the same records.)
 
 Restores get the same saving from the manifest alone (`small_runs`): small whole tensors that
 lie back to back in one object (a pack's members, and DCP's own safetensors entries of older
