@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from spotckpt.errors import InvalidTypeError
 from spotckpt.format.dtypes import BY_NAME, dtype_of
 from spotckpt.format.manifest import ChunkLocation, Manifest
+from spotckpt.format.packed import back_to_back
 
 PACK_PREFIX = "__spotckpt_pack__/"
 PACK_MAX_TENSOR_BYTES = 1 << 20
@@ -222,41 +223,28 @@ def small_runs(manifest: Manifest) -> dict[str, Run]:
     """Every run of at least `PACK_MIN_TENSORS` small whole tensors lying back to back in an
     object of `manifest` (at most `PACK_MAX_BYTES` each), by run name."""
     candidates = [
-        RunMember(fqn, record.dtype, record.shape, record.chunks[0].location)
+        (fqn, record.chunks[0].location)
         for fqn, record in manifest.tensors.items()
         if len(record.chunks) == 1
         and record.chunks[0].location.length <= PACK_MAX_TENSOR_BYTES
         and not record.chunks[0].location.codec  # a compressed chunk is read on its own
     ]
-    candidates.sort(key=lambda m: (m.location.key, m.location.offset, m.fqn))
     runs: dict[str, Run] = {}
-    group: list[RunMember] = []
-    for member in candidates:
-        if group and not _extends(group, member.location):
-            _close(group, runs)
-            group = []
-        group.append(member)
-    _close(group, runs)
+    for run in back_to_back(candidates, PACK_MIN_TENSORS, _within_a_pack):
+        first, last = run[0][1], run[-1][1]
+        members = tuple(
+            RunMember(fqn, manifest.tensors[fqn].dtype, manifest.tensors[fqn].shape, location)
+            for fqn, location in run
+        )
+        length = last.offset + last.length - first.offset
+        runs[f"{RUN_PREFIX}{first.key}@{first.offset}"] = Run(
+            first.key, first.offset, length, members
+        )
     return runs
 
 
-def _extends(group: list[RunMember], location: ChunkLocation) -> bool:
-    first, last = group[0].location, group[-1].location
-    return (
-        location.key == last.key
-        and location.offset == last.offset + last.length
-        and location.offset + location.length - first.offset <= PACK_MAX_BYTES
-    )
-
-
-def _close(group: list[RunMember], runs: dict[str, Run]) -> None:
-    if len(group) < PACK_MIN_TENSORS:
-        return
-    first, last = group[0].location, group[-1].location
-    length = last.offset + last.length - first.offset
-    runs[f"{RUN_PREFIX}{first.key}@{first.offset}"] = Run(
-        first.key, first.offset, length, tuple(group)
-    )
+def _within_a_pack(first: ChunkLocation, location: ChunkLocation) -> bool:
+    return location.offset + location.length - first.offset <= PACK_MAX_BYTES
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -57,32 +57,54 @@ _Stored = tuple[str, int, int, str, str, tuple[int, ...]]
 # Writing ---------------------------------------------------------------------------------------
 
 
+Placed = tuple[str, ChunkLocation]
+"""A named item and where its bytes lie."""
+
+
+def back_to_back(
+    items: Iterable[Placed], least: int, joins: Callable[[ChunkLocation, ChunkLocation], bool]
+) -> list[list[Placed]]:
+    """The runs of at least `least` of `items` whose bytes lie back to back in one object, each
+    in byte order; `joins(first, location)` may end a run before an item that would extend it (a
+    bound on a run's bytes, a property its items must share). The one finder of such runs, for
+    the packed records written here and the runs a restore reads whole
+    (`spotckpt.engine.packing.small_runs`)."""
+    ordered = sorted(items, key=lambda i: (i[1].key, i[1].offset, i[1].length, i[0]))
+    runs: list[list[Placed]] = []
+    run: list[Placed] = []
+    for item in ordered:
+        location = item[1]
+        if run:
+            first, last = run[0][1], run[-1][1]
+            adjacent = location.key == last.key and location.offset == last.offset + last.length
+            if not adjacent or not joins(first, location):
+                if len(run) >= least:
+                    runs.append(run)
+                run = []
+        run.append(item)
+    if len(run) >= least:
+        runs.append(run)
+    return runs
+
+
 def pack_groups(tensors: Mapping[str, TensorRecord]) -> list[list[str]]:
     """The names of the tensors written as packed records, one list per record in byte order:
-    runs of at least `MIN_MEMBERS` tensors (`TensorRecord`s) stored whole, uncompressed, back to
-    back in one object, all with a BLAKE3 or all without."""
-    candidates = []
-    for fqn, record in tensors.items():
-        if len(record.chunks) != 1:
-            continue
-        chunk = record.chunks[0]
-        location = chunk.location
-        if chunk.sizes == record.shape and not location.codec and not any(chunk.offsets):
-            candidates.append((location.key, location.offset, location.length, fqn, location))
-    candidates.sort(key=lambda c: (c[0], c[1], c[2], c[3]))
-    groups: list[list[str]] = []
-    group: list[str] = []
-    end, key, hashed = -1, "", False
-    for item_key, offset, length, fqn, location in candidates:
-        if item_key != key or offset != end or bool(location.blake3) != hashed:
-            if len(group) >= MIN_MEMBERS:
-                groups.append(group)
-            group, key, hashed = [], item_key, bool(location.blake3)
-        group.append(fqn)
-        end = offset + length
-    if len(group) >= MIN_MEMBERS:
-        groups.append(group)
-    return groups
+    runs of at least `MIN_MEMBERS` tensors stored whole, uncompressed, back to back in one
+    object, all with a BLAKE3 or all without."""
+    candidates = [
+        (fqn, record.chunks[0].location)
+        for fqn, record in tensors.items()
+        if len(record.chunks) == 1
+        and record.chunks[0].sizes == record.shape
+        and not record.chunks[0].location.codec
+        and not any(record.chunks[0].offsets)
+    ]
+    runs = back_to_back(candidates, MIN_MEMBERS, _same_hashing)
+    return [[fqn for fqn, _location in run] for run in runs]
+
+
+def _same_hashing(first: ChunkLocation, location: ChunkLocation) -> bool:
+    return bool(first.blake3) == bool(location.blake3)
 
 
 def pack_json(tensors: Mapping[str, TensorRecord], names: list[str]) -> dict[str, Any]:

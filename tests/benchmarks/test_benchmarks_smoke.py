@@ -246,32 +246,29 @@ def test_scale_simulator_reports_every_phase_for_a_small_fsdp_case() -> None:
 
 @pytest.mark.process
 def test_plan_check_bench_agrees_with_dcp_on_a_small_2d_layout() -> None:
-    bench = REPO / "benchmarks" / "plan_check_bench.py"
-    proc = subprocess.run(
-        [sys.executable, str(bench), "--ranks", "32", "--tensors", "6", "--tp", "4"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard only, never a performance bound
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "layout=fsdp x tp4 ranks=32 tensors=6 chunks=192" in proc.stdout, proc.stdout
+    stdout = _bench("plan_check_bench.py", "--ranks", "32", "--tensors", "6", "--tp", "4")
+    assert "layout=fsdp x tp4 ranks=32 tensors=6 chunks=192" in stdout, stdout
 
 
 @pytest.mark.process
 def test_manifest_bench_compares_packed_records_with_the_json_form() -> None:
-    bench = REPO / "benchmarks" / "manifest_bench.py"
+    stdout = _bench("manifest_bench.py", "--tensors", "300", "--reps", "1")
+    assert "manifest of 300 small tensors" in stdout, stdout
+    ratios = re.search(r"packed / json: bytes ([0-9.]+)x", stdout)
+    assert ratios is not None and float(ratios.group(1)) < 1.0, stdout
+
+
+def _bench(script: str, *args: str) -> str:
+    """The standard output of benchmarks/`script` run with `args`; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(bench), "--tensors", "300", "--reps", "1"],
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,  # a hang guard only, never a performance bound
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "manifest of 300 small tensors" in proc.stdout, proc.stdout
-    ratios = re.search(r"packed / json: bytes ([0-9.]+)x", proc.stdout)
-    assert ratios is not None and float(ratios.group(1)) < 1.0, proc.stdout
+    return proc.stdout
 
 
 @pytest.mark.process
