@@ -1049,7 +1049,9 @@ def stop(signum, frame):
 
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGUSR1, stop)
-(out / "ready").write_text(str(os.getpid()))
+# Written whole and then renamed: a signal that lands mid-write must not leave an empty file.
+(out / "ready.tmp").write_text(str(os.getpid()))
+os.replace(out / "ready.tmp", out / "ready")
 if sys.argv[1] == "--exit":
     sys.exit(int(sys.argv[2]))
 time.sleep(120)
