@@ -1083,7 +1083,8 @@ def _wait_for(predicate: Any, timeout: float, proc: subprocess.Popen[str]) -> No
 
 def _kill_tree(proc: subprocess.Popen[str], pid_files: list[Path]) -> None:
     """Clean-up after a failure: the launcher's group, then each worker's own session."""
-    for group in [proc.pid] + [int(p.read_text()) for p in pid_files if p.exists()]:
+    written = [p.read_text() for p in pid_files if p.exists()]
+    for group in [proc.pid] + [int(text) for text in written if text]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
     proc.wait(timeout=30)
