@@ -25,6 +25,7 @@ from spotckpt.errors import (
     CheckpointAlreadyCommittedError,
     InvalidKeyError,
     ManifestError,
+    MirrorConflictError,
     NoCheckpointError,
     ObjectNotFoundError,
     SaveFailedError,
@@ -59,6 +60,7 @@ from spotckpt.policy import RetentionDecision, StepReading
 from spotckpt.step_readings import MISSING_NAMED, StepReadings, missing_objects
 from spotckpt.step_removal import StepRemoval
 from spotckpt.storage.base import Listing, ObjectInfo, ObjectStore, UploadInfo, check_key
+from spotckpt.storage.copying import Expected
 
 log = logging.getLogger("spotckpt")
 
@@ -195,6 +197,18 @@ class Catalog:
         needs; `data`: the manifest's bytes when already fetched)."""
         return self._manifests.read(step, wanted, data=data)
 
+    def stored_objects(self, step: int, data: bytes) -> dict[str, Expected]:
+        """Every object a committed step needs, by key relative to the root, with what it must
+        be (`spotckpt.manifest_reading.ManifestReader.stored_objects`): what a copy of the step
+        elsewhere copies and checks."""
+        return self._manifests.stored_objects(step, data)
+
+    def check_signed(self, data: bytes, step: int) -> None:
+        """SignatureError unless manifest `data` of `step` is signed as this root's keyring
+        requires (nothing to check without one)."""
+        check_manifest_size(len(data), step)
+        self._manifests.check_signed(data, step, f"manifest of step {step}")
+
     def _parse(self, data: bytes, step: int) -> Manifest | Root:
         """A flat manifest whole, or an indexed one's root."""
         return self._manifests.parse(data, step)
@@ -260,6 +274,23 @@ class Catalog:
                 raise StorageError(f"{self.uri}/{JOB_KEY} vanished while it was created") from None
             return winner
         return created
+
+    def adopt_job(self, identity: JobIdentity) -> None:
+        """Give this root another root's job `identity` (create-only), as a mirror of that root
+        needs for its signatures and references to check; MirrorConflictError when the root
+        belongs to another job already."""
+        found = self.job()
+        if found is None:
+            try:
+                self.store.put(JOB_KEY, identity.to_json(), create_only=True)
+                return
+            except AlreadyExistsError:
+                found = self.job()
+        if found is None or found.id != identity.id:
+            raise MirrorConflictError(
+                f"{self.uri} belongs to job {found.id if found else None!r}, not to job "
+                f"{identity.id!r}: a root holds one job's checkpoints"
+            )
 
     def scan(self, *, with_uploads: bool = True) -> Scan:
         """Step folders by step from one listing, and (if asked) the unfinished uploads."""

@@ -130,6 +130,11 @@ class UnknownFormatError(ManifestError):
     """
 
 
+class MirrorConflictError(CheckpointError):
+    """A mirror holds what its source does not: another job's identity, or another commit of
+    a step; nothing there is overwritten."""
+
+
 class NoCheckpointError(CheckpointError, LookupError):
     """The requested step has no committed checkpoint."""
 

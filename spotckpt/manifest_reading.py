@@ -33,9 +33,11 @@ from spotckpt.format.index import (
 )
 from spotckpt.format.manifest import Manifest, check_manifest_size
 from spotckpt.format.references import FEATURE as REFERENCES
+from spotckpt.format.references import object_path
 from spotckpt.format.signing import Keyring
 from spotckpt.layout import JobIdentity, manifest_key, rank_object_key, step_folder
 from spotckpt.storage.base import ObjectStore
+from spotckpt.storage.copying import Expected
 
 PART_READS = 16
 """Index parts of an indexed manifest are read this many at a time."""
@@ -104,6 +106,25 @@ class ManifestReader:
         boxes, values = wanted(header)
         chunks = overlapping_chunks(header, boxes)
         return self._from_parts(header, chunks, values, part_ranks(header, chunks))
+
+    def stored_objects(self, step: int, data: bytes) -> dict[str, Expected]:
+        """Every object committed step `step` (manifest bytes `data`) needs, by key relative to
+        the root, with the size, CRC32C and (signed) BLAKE3 it must have: its own data objects,
+        those of earlier steps it references, and an indexed root's parts. The manifest and
+        every part are read and checked as `read` checks them."""
+        manifest = self.read(step, data=data)
+        folder = step_folder(step)
+        needed = {
+            object_path(folder, key): Expected(record.size, record.crc32c, record.blake3)
+            for key, record in manifest.objects.items()
+        }
+        header = self.parse(data, step)
+        if isinstance(header, Root):
+            needed.update(
+                (f"{folder}/{part.key}", Expected(part.size, part.crc32c))
+                for part in header.parts.values()
+            )
+        return needed
 
     def check_signed(self, data: bytes, step: int, what: str) -> None:
         """SignatureError unless `data` is signed for `step` of this root's job (only with a

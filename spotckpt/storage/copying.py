@@ -1,19 +1,19 @@
 """Copying one object from a store to another: server-side where the provider can, else streamed.
 
 Mirroring a step to a second region or cloud copies every object of it. Where both sides are one
-provider's and the target's credentials reach the source (two S3 buckets through one endpoint),
-the provider copies the bytes itself and none pass through this process: a store class offers
-that as the optional `ServerSideCopy` capability, as `ScatterReads` offers scattered reads.
-Everywhere else, between providers or accounts, `copy_object` streams: one ranged read at a time
-into one reused buffer, each piece written to the target's streamed writer before the next is
-read, so the copy holds one piece besides what the target's writer buffers (a bucket store's
-parts in flight), whatever the object's size. A streamed copy computes the CRC32C of every byte
-it writes and checks it before the commit: against the caller's `Expected` size and CRC32C (a
-manifest's), and told nothing, that the source ends where its listing said. A copy told what to
-expect always streams, since only then is the check made before anything is committed; a
-server-side copy returns no CRC32C (the provider moved the bytes). Either way the target's rules
-hold: a create-only copy onto an existing key raises `AlreadyExistsError`, and a copy that fails
-midway leaves no object at the key (the target's writer aborts).
+provider's and the target's credentials reach the source (two S3 buckets through one endpoint), the
+provider copies the bytes itself and none pass through this process: a store class offers that as
+the optional `ServerSideCopy` capability, as `ScatterReads` offers scattered reads. Everywhere else,
+between providers or accounts, `copy_object` streams: one ranged read at a time into one reused
+buffer, each piece written to the target's streamed writer before the next is read, so the copy
+holds one piece besides what the target's writer buffers (a bucket store's parts in flight),
+whatever the object's size. A streamed copy computes the CRC32C of every byte it writes and checks
+it before the commit: against the caller's `Expected` size and CRC32C (a manifest's; and its BLAKE3
+where a signed manifest records one), and told nothing, that the source ends where its listing said.
+A copy told what to expect always streams, since only then is the check made before anything is
+committed; a server-side copy returns no CRC32C (the provider moved the bytes). Either way the
+target's rules hold: a create-only copy onto an existing key raises `AlreadyExistsError`, and a copy
+that fails midway leaves no object at the key (the target's writer aborts).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
+
+import blake3
 
 from spotckpt.checksum import crc32c
 from spotckpt.errors import (
@@ -48,10 +50,13 @@ class ServerSideCopy(Protocol):
 
 @dataclass(frozen=True)
 class Expected:
-    """What the object to copy must be: its size and CRC32C (as a manifest records them)."""
+    """What the object to copy must be: its size and CRC32C (as a manifest records them), and
+    its BLAKE3 (hex) where a signed manifest records one: a CRC32C guards against accidents,
+    only the strong hash against bytes made to match it."""
 
     size: int
     crc32c: int
+    blake3: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,7 @@ def _stream(
         )
     piece = memoryview(bytearray(min(piece_bytes, max(1, size))))
     checksum = copied = 0
+    strong = blake3.blake3() if expected is not None and expected.blake3 is not None else None
     with target.open_writer(key, create_only=create_only) as writer:
         while copied < size:
             wanted = piece[: min(piece.nbytes, size - copied)]
@@ -132,21 +138,35 @@ def _stream(
                 )
             writer.write(wanted)
             checksum = crc32c(wanted, checksum)
+            if strong is not None:
+                strong.update(wanted)
             copied += arrived
-        _check_whole(source, source_key, size, checksum, expected)  # before the commit
+        digest = strong.hexdigest() if strong is not None else None
+        _check_whole(source, source_key, size, checksum, digest, expected)  # before the commit
     return Copied(ObjectInfo(key, copied), checksum, server_side=False)
 
 
 def _check_whole(
-    source: ObjectStore, source_key: str, size: int, checksum: int, expected: Expected | None
+    source: ObjectStore,
+    source_key: str,
+    size: int,
+    checksum: int,
+    digest: str | None,
+    expected: Expected | None,
 ) -> None:
-    """The bytes copied are the object the caller expects (its CRC32C), or, told nothing, the
-    whole of the source (it ends where its listing said): else the copy must not commit."""
+    """The bytes copied are the object the caller expects (its CRC32C, and BLAKE3 when given),
+    or, told nothing, the whole of the source (it ends where its listing said): else the copy
+    must not commit."""
     if expected is not None:
         if checksum != expected.crc32c:
             raise CorruptCheckpointError(
                 f"copy of {source_key!r}: its bytes have CRC32C {checksum:08x}, not the "
                 f"{expected.crc32c:08x} expected; nothing was written"
+            )
+        if expected.blake3 is not None and digest != expected.blake3:
+            raise CorruptCheckpointError(
+                f"copy of {source_key!r}: its bytes' BLAKE3 is not the one its signed manifest "
+                "records; nothing was written"
             )
         return
     if source.get_range_into(source_key, size, memoryview(bytearray(1))):
