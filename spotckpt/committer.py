@@ -78,6 +78,12 @@ class Committer:
         self.is_coordinator = collective.rank == 0
         self.pending: PendingSave | None = None
         self.last_save_seconds: float | None = None
+        self._listeners: list[Callable[[int], None]] = []
+
+    def on_commit(self, listener: Callable[[int], None]) -> None:
+        """Call `listener` with each step this coordinator commits to the bucket, after its
+        retention (mirroring starts there); it must return at once and never raise."""
+        self._listeners.append(listener)
 
     def progress_log(self, what: str, sample: Sample) -> ProgressLog:
         """Progress of a transfer, logged by the coordinator only (its own rank's bytes)."""
@@ -164,6 +170,8 @@ class Committer:
             )
         if self.is_coordinator:
             self._apply_retention(writer)
+            for listener in self._listeners:
+                listener(step)
 
     def run_fast(self, step: int, run: Callable[[], Any], progress: RankProgress) -> None:
         """A fast-only save: its failure costs the cached copy, never the training run.

@@ -39,6 +39,7 @@ from spotckpt.engine.options import AsyncMode, HealthCheck, HealthCheckName, Rep
 from spotckpt.environment import FEATURE_VARIABLES
 from spotckpt.errors import ConfigError, InvalidArgumentError, MissingURIError
 from spotckpt.format.compression import CompressionMode
+from spotckpt.mirror_spec import parse_mirrors
 from spotckpt.redact import redact, secret_values
 from spotckpt.redundancy import check_redundancy
 
@@ -52,10 +53,10 @@ _CONFIG_VARIABLE = f"{ENV_PREFIX}CONFIG"
 _NOT_SETTINGS = FEATURE_VARIABLES | {_CONFIG_VARIABLE}
 _MAX_SHOWN = 60
 
-SECRET_SETTINGS = frozenset({"storage_options", "signing_key", "verify_keys"})
-"""Settings whose values may be secrets (credentials among the options; the signing key, or PEM
-text given where a path belongs; a private key among the verify keys): an error about one names
-the setting and the value's type, never the value."""
+SECRET_SETTINGS = frozenset({"storage_options", "signing_key", "verify_keys", "mirrors"})
+"""Settings whose values may be secrets (credentials among the options, a mirror's among them;
+the signing key, or PEM text given where a path belongs; a private key among the verify keys): an
+error about one names the setting and the value's type, never the value."""
 _PEM_MARK = "-----BEGIN"
 
 DEFAULT_MAX_INTERVAL_STEPS = 10_000
@@ -169,6 +170,13 @@ class Settings:
       key-management hook); used instead of the two paths.
     - `accept_unsigned`: with a key, still read steps that carry no signature (saved before the
       key was set); a wrong signature is refused all the same.
+    - `mirrors`: roots in other regions or clouds that every committed step is also copied to,
+      in the background on the coordinator (`spotckpt.mirroring`): URIs separated by commas, a
+      list, or a table from URI to that mirror's storage options (`spotckpt.mirror_spec`).
+    - `mirror_bandwidth`: bytes per second the mirror copies may take together (None: no cap).
+    - `mirror_wait_s`: how long `wait` and `close` wait for mirror copies in flight; what is
+      left is copied by the next run (a copy never commits half a step). After a preemption
+      notice mirror copies stop at once: the emergency save gets the bandwidth.
     """
 
     keep_last: int | None = field(default=3, metadata=_AT_LEAST_ONE)
@@ -202,6 +210,11 @@ class Settings:
     verify_keys: str | None = field(default=None, metadata=_KEY_PATH)
     key_provider: Callable[[], Any] | None = None
     accept_unsigned: bool = False
+    mirrors: str | list[str] | dict[str, Any] | None = field(
+        default=None, metadata=_Checks(parse=parse_mirrors)
+    )
+    mirror_bandwidth: float | None = field(default=None, metadata=_POSITIVE)
+    mirror_wait_s: float = field(default=300.0, metadata=_POSITIVE)
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -237,7 +250,10 @@ class Settings:
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
-        return redact(f"{type(self).__name__}({shown})", secret_values(self.storage_options))
+        secrets = secret_values(self.storage_options)
+        for target in parse_mirrors(self.mirrors):
+            secrets |= secret_values(dict(target.storage_options))
+        return redact(f"{type(self).__name__}({shown})", secrets)
 
     def manager_kwargs(self) -> dict[str, Any]:
         """The settings as CheckpointManager keyword arguments."""
@@ -529,7 +545,7 @@ def _parse_env(name: str, raw: str, kinds: tuple[type, ...]) -> Any:
     text = raw.strip()
     if type(None) in kinds and text.lower() in ("", "none"):
         return None
-    if dict in kinds:
+    if dict in kinds and (str not in kinds or text.startswith("{")):
         return _parse_json_object(name, text)
     try:
         if bool in kinds:

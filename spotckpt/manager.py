@@ -38,6 +38,7 @@ from spotckpt.format.manifest import Manifest
 from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.ledger import Ledger
+from spotckpt.mirroring import start_mirrors
 from spotckpt.policy import SaveDecisionPolicy
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.redundancy import parse_redundancy
@@ -140,7 +141,17 @@ class CheckpointManager:
             events=self.goodput.events,
             uri=self.uri,
         )
+        self._mirrors = (
+            start_mirrors(self.settings, self.store, self.keyring, self._preempted)
+            if self.rank == 0
+            else None
+        )
+        if self._mirrors is not None:
+            self._saver.committer.on_commit(self._mirrors.committed)
         self._closed = False
+
+    def _preempted(self) -> bool:
+        return self.watcher is not None and self.watcher.preempted
 
     @classmethod
     def from_config(cls, config: Config | None = None, **overrides: Any) -> CheckpointManager:
@@ -201,8 +212,11 @@ class CheckpointManager:
         return self._saver.stopped
 
     def wait(self) -> None:
-        """Block until an asynchronous save has committed; raise its error if it failed."""
+        """Block until an asynchronous save has committed (raising its error if it failed), and
+        until its mirror copies are done (at most `mirror_wait_s`; see `spotckpt.mirroring`)."""
         self._saver.wait()
+        if self._mirrors is not None:
+            self._mirrors.wait(self.settings.mirror_wait_s)
 
     def emergency_estimate(self) -> EmergencyEstimate:
         """How long an emergency save would take now, and by which route: unpacks as
@@ -315,13 +329,18 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed")
 
     def close(self) -> None:
-        """Wait for pending uploads (raising their error), stop the watcher, free resources."""
+        """Wait for pending uploads (raising their error) and mirror copies (at most
+        `mirror_wait_s`), stop the watcher, free resources."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
+            if self._mirrors is not None:
+                self._mirrors.close()
+                for store in self._mirrors.stores():
+                    store.close()
             if self.watcher is not None:
                 self.watcher.stop()
             self.checkpointer.close()

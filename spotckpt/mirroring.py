@@ -39,20 +39,29 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from spotckpt.catalog import Catalog
+from spotckpt.config import Settings
 from spotckpt.errors import (
     AlreadyExistsError,
     CheckpointError,
+    ConfigError,
     CorruptCheckpointError,
     InvalidArgumentError,
     MirrorConflictError,
 )
+from spotckpt.format.signing import Keyring
 from spotckpt.layout import manifest_key, step_folder
+from spotckpt.mirror_spec import parse_mirrors
+from spotckpt.storage import ObjectStore, open_store
 from spotckpt.storage.copying import DEFAULT_PIECE_BYTES, Expected, copy_object
 
 log = logging.getLogger("spotckpt")
 
 DEFAULT_COPIES = 4
 """Objects copied at once."""
+STOP_CHECK_S = 0.5
+"""How often held copies look whether they are to stop for good."""
+CLOSE_JOIN_S = 60.0
+"""How long `MirrorFollower.close` waits for a stopped copy to end (one piece and its abort)."""
 
 
 class BandwidthLimit:
@@ -68,8 +77,14 @@ class BandwidthLimit:
         self._lock = threading.Lock()
 
     def take(self, count: int) -> None:
-        """Wait until `count` bytes may go (more than a second's worth waits for a second's)."""
-        wanted = min(float(count), self.bytes_per_s)
+        """Wait until `count` bytes may go (more than a second's worth, a second's at a time)."""
+        left = float(count)
+        while left > 0:
+            wanted = min(left, self.bytes_per_s)
+            self._take(wanted)
+            left -= wanted
+
+    def _take(self, wanted: float) -> None:
         with self._lock:  # one waiter at a time: the bucket is served in order
             now = time.monotonic()
             self._available = min(
@@ -84,13 +99,21 @@ class BandwidthLimit:
             self._available -= wanted
 
 
-class Pause:
-    """Holds every mirror copy between two pieces while a preemption notice's emergency save
-    runs: the save gets the bandwidth, the mirror catches up after the restart."""
+class MirrorStoppedError(CheckpointError):
+    """Mirror copies were stopped (a preemption notice): the step in flight stays uncommitted
+    at the mirror, and the next run copies it."""
 
-    def __init__(self) -> None:
+
+class Pause:
+    """Holds every mirror copy between two pieces (`hold`), or stops it there for good once
+    `stop_when` says so (a preemption notice: the emergency save gets the bandwidth, and the
+    mirror catches up after the restart)."""
+
+    def __init__(self, stop_when: Callable[[], bool] | None = None) -> None:
         self._running = threading.Event()
         self._running.set()
+        self._stopped = False
+        self.stop_when = stop_when
 
     def hold(self) -> None:
         """Stop copies at their next piece."""
@@ -105,9 +128,21 @@ class Pause:
         """Whether copies are held."""
         return not self._running.is_set()
 
+    def stop(self) -> None:
+        """Stop copies for good at their next piece."""
+        self._stopped = True
+        self._running.set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether copies are to stop for good."""
+        return self._stopped or (self.stop_when is not None and self.stop_when())
+
     def wait_running(self) -> None:
-        """Return once copies may go on."""
-        self._running.wait()
+        """Return once copies may go on; MirrorStoppedError once they are to stop."""
+        while not self._running.wait(STOP_CHECK_S) or self.stopped:
+            if self.stopped:
+                raise MirrorStoppedError("mirror copies stopped: a preemption notice arrived")
 
 
 @dataclass(frozen=True)
@@ -207,6 +242,8 @@ class Mirror:
             self.target.adopt_job(identity)
         self.target.check_signed(data, step)  # the mirror's keys must accept what it commits
         copied, present = self._copy_objects(needed)
+        if self.pause is not None and self.pause.stopped:  # the last call may still commit
+            raise MirrorStoppedError(f"mirror copy of step {step} stopped before its commit")
         folder = f"{step_folder(step)}/"
         attempt = self.source.committed_attempt(step) or ""
         self.target.commit_bytes(
@@ -305,7 +342,7 @@ class Mirror:
         for step in wanted:
             try:
                 report.copied.append(self.copy_step(step))
-            except MirrorConflictError:
+            except (MirrorConflictError, MirrorStoppedError):
                 raise
             except CheckpointError as error:
                 log.warning("step %d was not mirrored to %s: %s", step, self.target.uri, error)
@@ -348,3 +385,148 @@ def _relative(key: str, folder: str) -> str:
     """A key relative to the root as the step folder `folder` (``step-N/``) names it: its own
     objects without the folder, earlier steps' (references) as they are."""
     return key[len(folder) :] if key.startswith(folder) else key
+
+
+class MirrorFollower:
+    """Copies what a job commits to each of its mirrors, in one background thread: at start
+    (what an earlier run left uncopied, after a notice stopped it) and after each commit
+    (`committed`) every mirror catches up (`Mirror.catch_up`: the newest `keep_last`
+    steps it lacks, then its retention), so steps committed faster than they copy are skipped,
+    never queued without bound. A mirror that fails (unreachable, refused) is a warning, and is
+    tried again after the next commit; `errors` holds the last failure of each mirror.
+
+    `wait` blocks until every commit seen so far is mirrored (or `timeout` passes); `close`
+    stops the thread after the copies in flight, at most `wait_s` later (unless stopped by its
+    `Pause`, which ends them at once). What is left is copied by the next run.
+    """
+
+    def __init__(
+        self, mirrors: list[Mirror], *, keep_last: int | None, wait_s: float, pause: Pause
+    ) -> None:
+        self.mirrors = mirrors
+        self.keep_last = keep_last
+        self.wait_s = wait_s
+        self.pause = pause
+        self.errors: dict[str, str] = {}
+        self.reports: dict[str, MirrorReport] = {}
+        self._lock = threading.Condition()
+        self._asked = 1  # commits seen, and the catch-up at start (what an earlier run left)
+        self._done = 0  # commits whose catch-up has finished
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="spotckpt-mirrors", daemon=True)
+        self._thread.start()
+
+    def committed(self, step: int) -> None:
+        """The job committed `step`: bring every mirror up to date."""
+        with self._lock:
+            self._asked += 1
+            self._lock.notify_all()
+        log.debug("step %d committed: mirroring to %d mirrors", step, len(self.mirrors))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every commit seen so far is mirrored; False if `timeout` passed first
+        or the copies were stopped (they end at their next piece: nothing to wait for)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            asked = self._asked
+            while self._done < asked and self._thread.is_alive():
+                if self.pause.stopped:
+                    return False
+                left = STOP_CHECK_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, STOP_CHECK_S))
+            return True
+
+    def stores(self) -> list[ObjectStore]:
+        """The mirrors' stores (the caller closes them after `close`)."""
+        return [mirror.target.store for mirror in self.mirrors]
+
+    def close(self) -> None:
+        """Stop after the copies in flight (at most `wait_s`; at once when stopped)."""
+        if not self.wait(self.wait_s) and not self.pause.stopped:
+            log.warning(
+                "mirror copies still running after %.0f s at close: left for the next run "
+                "(a mirror never shows a step whose copy did not finish)",
+                self.wait_s,
+            )
+        self.pause.stop()  # what still runs ends at its next piece, uncommitted
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        self._thread.join(CLOSE_JOIN_S)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._closing or self._asked > self._done)
+                if self._closing:
+                    return
+                asked = self._asked
+            try:
+                for mirror in self.mirrors:
+                    self._catch_up(mirror)
+            except MirrorStoppedError:
+                log.info("mirror copies stopped; the next run resumes them")
+                with self._lock:
+                    self._done = self._asked
+                    self._lock.notify_all()
+                return
+            with self._lock:
+                self._done = asked
+                self._lock.notify_all()
+
+    def _catch_up(self, mirror: Mirror) -> None:
+        uri = mirror.target.uri
+        try:
+            report = mirror.catch_up(keep_last=self.keep_last)
+        except MirrorStoppedError:
+            raise
+        except CheckpointError as error:  # the job goes on; the next commit tries again
+            self.errors[uri] = f"{type(error).__name__}: {error}"
+            log.warning("mirroring to %s failed: %s", uri, error)
+            return
+        self.reports[uri] = report
+        if report.failed:
+            self.errors[uri] = "; ".join(report.failed.values())
+        else:
+            self.errors.pop(uri, None)
+        for copied in report.copied:
+            if not copied.already:
+                log.info(
+                    "step %d mirrored to %s: %d objects, %d bytes in %.2f s",
+                    copied.step,
+                    uri,
+                    copied.copied_objects,
+                    copied.copied_bytes,
+                    copied.seconds,
+                )
+
+
+def start_mirrors(
+    settings: Settings,
+    store: ObjectStore,
+    keyring: Keyring | None,
+    stop_when: Callable[[], bool],
+) -> MirrorFollower | None:
+    """The coordinator's `MirrorFollower` for the `mirrors` of `settings` (None without any):
+    the job's root `store` read through a catalog of its own, each mirror opened with its own
+    storage options, one `mirror_bandwidth` cap shared by all, and copies stopped for good once
+    `stop_when` (a preemption notice) says so."""
+    targets = parse_mirrors(settings.mirrors)
+    if not targets:
+        return None
+    opened = [open_store(target.uri, **dict(target.storage_options)) for target in targets]
+    if any(mirror.uri.rstrip("/") == store.uri.rstrip("/") for mirror in opened):
+        for mirror in opened:
+            mirror.close()
+        raise ConfigError("mirrors: names the job's own root; a mirror is another root")
+    limit = BandwidthLimit(settings.mirror_bandwidth) if settings.mirror_bandwidth else None
+    pause = Pause(stop_when)
+    mirrors = [
+        Mirror(Catalog(store, keyring), Catalog(mirror, keyring), limit=limit, pause=pause)
+        for mirror in opened
+    ]
+    return MirrorFollower(
+        mirrors, keep_last=settings.keep_last, wait_s=settings.mirror_wait_s, pause=pause
+    )

@@ -1,4 +1,4 @@
-"""The ``spotckpt`` command line: ls, inspect, verify, gc, export-hf, stats, launch.
+"""The ``spotckpt`` command line: ls, inspect, verify, gc, mirror, export-hf, stats, launch.
 
 The checkpoint URI argument may be left out when ``SPOTCKPT_URI`` or ``uri`` in ``spotckpt.toml``
 (see `spotckpt.config.Config`) gives it. Storage options come from the config's
@@ -7,11 +7,16 @@ The checkpoint URI argument may be left out when ``SPOTCKPT_URI`` or ``uri`` in 
 Exit status: 0 success; 1 a checkpoint failed verification (``verify`` found problems, or another
 command met corrupt data or an invalid manifest); 2 anything else that stops a command (bad
 usage or URI, a checkpoint root that does not exist, missing step, unreadable config, storage
-errors), with a one-line message on stderr. With ``--json`` every outcome is one JSON document on
-stdout, errors included (``{"error": "...", "exit_code": 2}``), with the same exit status.
+errors, a mirror that belongs to another job), with a one-line message on stderr. With
+``--json`` every outcome is one JSON document on stdout, errors included
+(``{"error": "...", "exit_code": 2}``), with the same exit status.
 Progress bars appear on stderr only when it is a terminal; log records are one line each.
 Credentials are never printed, and control characters in names read from a bucket are escaped.
 Only ``verify``, ``export-hf`` and ``launch`` import torch.
+
+``mirror`` exits 1 when a step could not be mirrored (it prints which and why, as ``verify``
+prints its problems, and mirrors the other steps); with ``--follow`` it exits 0 on SIGINT or
+SIGTERM.
 
 ``launch`` is the exception to the statuses above: it runs a training job under torch's elastic
 launcher and exits with the job's status (0 done, 75 preempted, else the first failed worker's
@@ -21,8 +26,8 @@ Checkpoints are read through `spotckpt.catalog.Catalog` and the `spotckpt.layout
 user's tool would; of the format modules only the dtype table is imported (for export-hf's
 ``--dtype`` choices, which need no torch). The package: `common` (the group, shared
 options, opening the root, text helpers), one module per command group (`ls`, `inspect_step`,
-`verify_gc`, `export_hf`, `jobs` for stats and launch), and here the entry point that turns every
-outcome into an exit status.
+`verify_gc`, `mirror`, `export_hf`, `jobs` for stats and launch), and here the entry point that
+turns every outcome into an exit status.
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ from spotckpt.cli.export_hf import export_command
 from spotckpt.cli.inspect_step import inspect_command
 from spotckpt.cli.jobs import launch_command, stats_command
 from spotckpt.cli.ls import ls_command
+from spotckpt.cli.mirror import mirror_command
 from spotckpt.cli.verify_gc import gc_command, verify_command
 from spotckpt.errors import (
     CommandFailedError,
     ConfigError,
     CorruptCheckpointError,
     ManifestError,
+    MirrorConflictError,
     MissingDependencyError,
     NoCheckpointError,
     StorageError,
@@ -57,6 +64,7 @@ for _command in (
     inspect_command,
     verify_command,
     gc_command,
+    mirror_command,
     export_command,
     stats_command,
     launch_command,
@@ -66,6 +74,7 @@ for _command in (
 _USAGE_ERRORS = (
     ConfigError,
     MissingDependencyError,  # names the extra to install
+    MirrorConflictError,  # another job's root, or another commit of a step, at the mirror
     NoCheckpointError,
     StorageError,
     ValueError,

@@ -44,12 +44,17 @@ def redacted(text: str) -> str:
     return redact(text, _secrets)
 
 
+def register_secrets(options: dict[str, Any]) -> None:
+    """Redact the credentials among storage `options` from everything printed from now on."""
+    _secrets.update(secret_values(options))
+
+
 def resolve_location(
     uri: str | None, pairs: Sequence[tuple[str, str]]
 ) -> tuple[str, dict[str, Any]]:
     """The checkpoint URI and storage options from the arguments over the config."""
     cli_options = dict(pairs)
-    _secrets.update(secret_values(cli_options))
+    register_secrets(cli_options)
     try:
         config = Config.load(uri=uri or None)
     except MissingURIError:
@@ -57,7 +62,7 @@ def resolve_location(
             "no checkpoint URI: pass the URI argument or set SPOTCKPT_URI "
             "(or put uri in spotckpt.toml)"
         ) from None
-    _secrets.update(secret_values(config.storage_options))
+    register_secrets(config.storage_options)
     return config.uri, {**config.storage_options, **cli_options}
 
 
@@ -244,6 +249,8 @@ def _storage_pair(text: str) -> tuple[str, str]:
 
 # Shared options and the group ---------------------------------------------------------------------
 
+storage_pair = Parsed("KEY=VALUE", _storage_pair)
+"""A ``KEY=VALUE`` storage option (``--storage-option``, ``mirror``'s ``--source-option``)."""
 uri_argument = click.argument("uri", required=False, metavar="[URI]")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 storage_option = click.option(
@@ -251,7 +258,7 @@ storage_option = click.option(
     "-o",
     "storage_options",
     multiple=True,
-    type=Parsed("KEY=VALUE", _storage_pair),
+    type=storage_pair,
     metavar="KEY=VALUE",
     help="Storage back-end option (repeatable), over the config's storage_options.",
 )

@@ -304,6 +304,6 @@ def test_a_fault_at_any_call_leaves_a_sound_mirror_that_a_rerun_completes(
         where = f"{kind} at {point}"
         shown = assert_mirror_sound(roots, mirror_uri)
         assert set(shown) <= {1, 2}, where
-        trace, error = _record(roots, mirror_uri, None)
+        _trace, error = _record(roots, mirror_uri, None)
         assert error is None, f"{where}: the rerun failed: {error}"
         assert assert_mirror_sound(roots, mirror_uri, [1, 2]) == [1, 2], where

@@ -1,0 +1,302 @@
+"""``spotckpt mirror SRC DST``: copy the committed steps a second root lacks (another region,
+another cloud), each object checked against the source's manifest and each step committed at the
+mirror by its own manifest (`spotckpt.mirroring`); once, or with ``--follow`` round after round
+until SIGINT or SIGTERM, so that a job can restart from the mirror when the source's region is
+gone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import datetime, timezone
+from types import FrameType
+from typing import Any
+
+import click
+
+from spotckpt.catalog import Catalog
+from spotckpt.cli.common import (
+    Parsed,
+    check_root,
+    closing_store,
+    emit_json,
+    json_option,
+    one_line,
+    parse_duration,
+    parse_size,
+    plural,
+    probe_root,
+    progress_bar,
+    redacted,
+    register_secrets,
+    resolve_location,
+    signed_catalog,
+    storage_pair,
+    utc_time,
+)
+from spotckpt.errors import CommandFailedError
+from spotckpt.mirroring import (
+    DEFAULT_COPIES,
+    DEFAULT_PIECE_BYTES,
+    BandwidthLimit,
+    Mirror,
+    MirrorReport,
+    StepCopy,
+)
+from spotckpt.units import human_size
+
+DEFAULT_EVERY_S = 60.0
+"""Seconds between two rounds of ``--follow``."""
+
+
+class _Stopped(Exception):
+    """A signal stopped ``--follow``: the copy in flight ends at its next piece, uncommitted (the
+    next run reuses the objects it finished). Not a CheckpointError, so that `Mirror.catch_up`
+    does not take it for a failed step and go on with the next."""
+
+
+@click.command("mirror")
+@click.argument("source", metavar="SRC")
+@click.argument("target", metavar="DST")
+@click.option(
+    "--step",
+    "steps",
+    multiple=True,
+    type=click.IntRange(min=0),
+    help="Mirror this committed step (repeatable; default: every one the mirror lacks).",
+)
+@click.option(
+    "--keep-last",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Mirror only the source's newest N steps and keep N at the mirror (default: all).",
+)
+@click.option("--follow", is_flag=True, help="Catch up again every --every until SIGINT/SIGTERM.")
+@click.option(
+    "--every",
+    type=Parsed("DURATION", parse_duration),
+    default=None,
+    help="With --follow: the time between rounds (90s, 30m, 1h; default 60s).",
+)
+@click.option(
+    "--bandwidth",
+    type=Parsed("SIZE", parse_size),
+    default=None,
+    help="At most this many bytes per second over every copy (50MB, 1GiB; default: no limit).",
+)
+@click.option(
+    "--copies",
+    type=click.IntRange(min=1),
+    default=DEFAULT_COPIES,
+    show_default=True,
+    help="Objects copied at once.",
+)
+@click.option(
+    "--source-option",
+    "source_options",
+    multiple=True,
+    type=storage_pair,
+    metavar="KEY=VALUE",
+    help="SRC's storage option (repeatable), over the config's storage_options.",
+)
+@click.option(
+    "--target-option",
+    "target_options",
+    multiple=True,
+    type=storage_pair,
+    metavar="KEY=VALUE",
+    help="DST's storage option (repeatable); the config's storage_options are not DST's.",
+)
+@json_option
+def mirror_command(
+    source: str,
+    target: str,
+    steps: tuple[int, ...],
+    keep_last: int | None,
+    follow: bool,
+    every: float | None,
+    bandwidth: int | None,
+    copies: int,
+    source_options: tuple[tuple[str, str], ...],
+    target_options: tuple[tuple[str, str], ...],
+    as_json: bool,
+) -> None:
+    """Copy SRC's committed steps that DST lacks to DST, checked, each committed by its manifest.
+
+    SRC must exist; DST is created as needed and must be a mirror of SRC's job (exit 2 else).
+    Exit 1 when a step could not be mirrored (the others are). With --follow, repeat until
+    SIGINT or SIGTERM, then exit 0 (a copy in flight is left uncommitted: the next run reuses it).
+    """
+    if every is not None and not follow:
+        raise click.UsageError("--every needs --follow")
+    if follow and steps:
+        raise click.UsageError("--step and --follow do not go together: --follow mirrors new steps")
+    if every is not None and every <= 0:
+        raise click.UsageError("--every must be more than 0 s")
+    stop = threading.Event()
+    with ExitStack() as stack:
+        catalogs = _open_catalogs(stack, source, target, source_options, target_options)
+        update = stack.enter_context(progress_bar("mirror"))
+        mirror = Mirror(
+            *catalogs,
+            copies=copies,
+            limit=BandwidthLimit(bandwidth) if bandwidth is not None else None,
+            # The limit lets a piece of more than a second's worth go after one second: pieces
+            # of at most a second's worth keep the rate at the limit.
+            piece_bytes=DEFAULT_PIECE_BYTES
+            if bandwidth is None
+            else min(DEFAULT_PIECE_BYTES, bandwidth),
+            progress=_stoppable(update, stop),
+        )
+        if follow:
+            _follow(mirror, keep_last, DEFAULT_EVERY_S if every is None else every, as_json, stop)
+            return
+        report = mirror.catch_up(steps or None, keep_last=keep_last)
+    if as_json:
+        emit_json(_document(report))
+    else:
+        _print_report(report)
+    if report.failed:
+        shown = ", ".join(str(step) for step in sorted(report.failed))
+        raise CommandFailedError(f"{plural(len(report.failed), 'step')} not mirrored: {shown}")
+
+
+def _open_catalogs(
+    stack: ExitStack,
+    source: str,
+    target: str,
+    source_options: tuple[tuple[str, str], ...],
+    target_options: tuple[tuple[str, str], ...],
+) -> tuple[Catalog, Catalog]:
+    """Both stores (closed with `stack`) and their catalogs under the configuration's signing
+    keys; SRC's storage options are the config's under --source-option, DST's only
+    --target-option (a mirror has credentials of its own)."""
+    source_uri, source_settings = resolve_location(source, source_options)
+    target_settings = dict(target_options)
+    register_secrets(target_settings)
+    source_store = stack.enter_context(closing_store(source_uri, source_settings))
+    check_root(source_store)
+    probe_root(source_store)
+    target_store = stack.enter_context(closing_store(target, target_settings))
+    if target_store.uri == source_store.uri:
+        raise click.UsageError(f"SRC and DST are the same root: {redacted(source_store.uri)}")
+    return signed_catalog(source_store, source_uri), signed_catalog(target_store, target)
+
+
+def _stoppable(
+    update: Callable[[int, int], None], stop: threading.Event
+) -> Callable[[int, int], None]:
+    """The progress callback: drives the bar, and ends the copy in flight once `stop` is set
+    (it is called before each piece)."""
+
+    def progress(done: int, total: int) -> None:
+        if stop.is_set():
+            pass
+        update(done, total)
+
+    return progress
+
+
+# --follow -----------------------------------------------------------------------------------------
+
+
+def _follow(
+    mirror: Mirror, keep_last: int | None, every: float, as_json: bool, stop: threading.Event
+) -> None:
+    """Catch up every `every` seconds until SIGINT or SIGTERM sets `stop`; one line (or JSON
+    document) per round that copied or failed something. A failed step is tried again the next
+    round (its warning is logged on stderr each time)."""
+    with _stop_on_signals(stop):
+        while not stop.is_set():
+            try:
+                report = mirror.catch_up(keep_last=keep_last)
+            except _Stopped:
+                return
+            copied = [step for step in report.copied if not step.already]
+            if copied or report.failed:
+                if as_json:
+                    click.echo(json.dumps({"time": _now(), **_document(report)}, default=str))
+                else:
+                    _print_round(report, copied)
+            if stop.wait(every):
+                return
+
+
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM set `stop` instead of ending the process; the previous handlers are
+    back on leaving."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {number: signal.signal(number, handler) for number in _SIGNALS}
+    try:
+        yield
+    finally:
+        for number, before in previous.items():
+            pass
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _now() -> str:
+    return utc_time(datetime.now(timezone.utc))
+
+
+def _print_round(report: MirrorReport, copied: list[StepCopy]) -> None:
+    if copied:
+        shown = ", ".join(str(step.step) for step in copied)
+        size = human_size(sum(step.copied_bytes for step in copied))
+        click.echo(
+            f"{_now()} UTC: mirrored {'step' if len(copied) == 1 else 'steps'} {shown} "
+            f"({size}); {_lag(report)}"
+        )
+    for step, why in sorted(report.failed.items()):
+        click.echo(f"{_now()} UTC: step {step} not mirrored: {one_line(why)}")
+
+
+# Output -------------------------------------------------------------------------------------------
+
+
+def _document(report: MirrorReport) -> dict[str, Any]:
+    """`MirrorReport.to_dict`, with credentials redacted from the URIs and the failures."""
+    document = report.to_dict()
+    document["source"] = redacted(document["source"])
+    document["target"] = redacted(document["target"])
+    document["failed"] = {step: one_line(why) for step, why in document["failed"].items()}
+    return document
+
+
+def _print_report(report: MirrorReport) -> None:
+    for copy in report.copied:
+        click.echo(_step_line(copy))
+    for step, why in sorted(report.failed.items()):
+        click.echo(f"step {step}: not mirrored: {one_line(why)}")
+    if report.retired:
+        shown = ", ".join(str(retired) for retired in report.retired)
+        click.echo(f"retired {'step' if len(report.retired) == 1 else 'steps'} {shown}")
+    click.echo(_lag(report))
+
+
+def _step_line(step: StepCopy) -> str:
+    if step.already:
+        return f"step {step.step}: already mirrored"
+    present = f" ({step.present_objects} already there)" if step.present_objects else ""
+    return (
+        f"step {step.step}: copied {plural(step.copied_objects, 'object')}{present}, "
+        f"{human_size(step.copied_bytes)} in {step.seconds:.1f} s"
+    )
+
+
+def _lag(report: MirrorReport) -> str:
+    if report.steps_behind == 0:
+        return "up to date"
+    behind = f"{plural(report.steps_behind, 'step')} behind"
+    if report.seconds_behind is None:
+        return f"{behind}, time unknown"
+    return f"{behind}, {report.seconds_behind:.0f} s"

@@ -1,0 +1,164 @@
+"""The `mirrors` setting: a job's committed steps copied to other roots in the background, waited
+for by `wait` and `close`, stopped by a preemption notice, and a job restarted at a mirror that
+goes on there and mirrors back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent / "seams") not in sys.path:
+    sys.path.insert(0, str(HERE.parent / "seams"))
+
+import seam_run  # noqa: E402
+
+from spotckpt import CheckpointManager  # noqa: E402
+from spotckpt.catalog import Catalog  # noqa: E402
+from spotckpt.config import Config  # noqa: E402
+from spotckpt.errors import ConfigError  # noqa: E402
+from spotckpt.layout import manifest_key  # noqa: E402
+from spotckpt.mirror_spec import MirrorTarget, parse_mirrors  # noqa: E402
+from spotckpt.preemption import PreemptionWatcher  # noqa: E402
+from spotckpt.storage import open_store  # noqa: E402
+from spotckpt.verify import verify_checkpoint  # noqa: E402
+
+
+def _steps(uri: str) -> list[int]:
+    return Catalog(open_store(uri)).steps()
+
+
+def _restores(uri: str, step: int, **settings: Any) -> None:
+    manager = CheckpointManager(uri, preemption=False, keep_last=None, **settings)
+    try:
+        target = seam_run.blank()
+        assert manager.restore(target) == step
+        assert seam_run.same(target, seam_run.state(step))
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "async"])
+def test_committed_steps_appear_at_every_mirror_under_its_retention(
+    tmp_path: Path, async_save: bool
+) -> None:
+    source, first, second = (str(tmp_path / name) for name in ("source", "m1", "m2"))
+    manager = CheckpointManager(
+        source,
+        preemption=False,
+        keep_last=2,
+        incremental=True,
+        async_save=async_save,
+        mirrors=[first, second],
+    )
+    with manager:
+        for step in (1, 2, 3, 4):
+            manager.save(step, seam_run.state(step))
+            manager.wait()  # waits for the mirror copies too
+            assert _steps(first)[-1] == step and _steps(second)[-1] == step
+    job = Catalog(open_store(source)).job()
+    for mirror in (first, second):
+        assert _steps(mirror) == [3, 4]
+        catalog = Catalog(open_store(mirror))
+        assert catalog.job() == job
+        for step in (3, 4):
+            assert verify_checkpoint(catalog.store, step).ok
+        _restores(mirror, 4)
+
+
+def test_the_setting_from_the_environment_and_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTCKPT_MIRRORS", "gs://b/run, az://c/run")
+    config = Config.load(uri=str(tmp_path / "source"))
+    assert [t.uri for t in parse_mirrors(config.mirrors)] == ["gs://b/run", "az://c/run"]
+    secret = "AccountKey=" + "k" * 40
+    monkeypatch.setenv(
+        "SPOTCKPT_MIRRORS", json.dumps({"az://c/run": {"connection_string": secret}})
+    )
+    config = Config.load(uri=str(tmp_path / "source"))
+    assert parse_mirrors(config.mirrors) == (
+        MirrorTarget("az://c/run", {"connection_string": secret}),
+    )
+    assert secret not in repr(config)
+    monkeypatch.delenv("SPOTCKPT_MIRRORS")
+    (tmp_path / "spotckpt.toml").write_text('mirrors = ["s3://b/one", "s3://b/one"]\n')
+    with pytest.raises(ConfigError, match="mirrors: names a mirror twice"):
+        Config.load(cwd=tmp_path, uri=str(tmp_path / "source"))
+    with pytest.raises(ConfigError, match=r"mirrors: .*a table of named options") as refused:
+        Config.load(uri="s3://b/r", mirrors={"gs://b/m": "token=" + "t" * 40})
+    assert "t" * 40 not in str(refused.value)
+    with pytest.raises(ConfigError, match="names the job's own root"):
+        CheckpointManager(
+            str(tmp_path / "source"), preemption=False, mirrors=str(tmp_path / "source")
+        )
+
+
+def test_a_notice_stops_mirror_copies_at_once_and_leaves_no_half_step(tmp_path: Path) -> None:
+    source, mirror = str(tmp_path / "source"), str(tmp_path / "mirror")
+    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
+    manager = CheckpointManager(
+        source,
+        preemption=watcher,
+        keep_last=None,
+        mirrors=[mirror],
+        mirror_bandwidth=256 << 10,  # about 10 s for the step's 2.7 MB
+        mirror_wait_s=600,
+    )
+    manager.save(1, seam_run.state(1))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "mirror" / "job.json").is_file():  # adopted as the copy starts
+        assert time.monotonic() < deadline, "the mirror copy never started"
+        time.sleep(0.05)
+    watcher.trigger("test")
+    started = time.monotonic()
+    manager.close()
+    assert time.monotonic() - started < 60, "close waited for mirror copies after a notice"
+    assert not open_store(mirror).exists(manifest_key(1))
+    # The next run (no notice) catches up as it starts, reusing what is there.
+    CheckpointManager(source, preemption=False, keep_last=None, mirrors=[mirror]).close()
+    assert _steps(mirror) == [1]
+    with CheckpointManager(source, preemption=False, keep_last=None, mirrors=[mirror]) as again:
+        again.save(2, seam_run.state(2))
+    assert _steps(mirror) == [1, 2]
+    _restores(mirror, 2)
+
+
+def test_a_failing_mirror_is_a_warning_and_the_job_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = str(tmp_path / "other")
+    with CheckpointManager(other, preemption=False) as foreign:  # another job's root
+        foreign.save(7, seam_run.state(7))
+    source = str(tmp_path / "source")
+    with (
+        caplog.at_level(logging.WARNING, logger="spotckpt"),
+        CheckpointManager(source, preemption=False, mirrors=[other]) as manager,
+    ):
+        manager.save(1, seam_run.state(1))
+        manager.wait()
+        assert manager._mirrors is not None
+        assert "belongs to job" in manager._mirrors.errors[Path(other).as_uri()]
+    assert _steps(source) == [1] and _steps(other) == [7]
+    assert any("mirroring to" in r.getMessage() for r in caplog.records)
+
+
+def test_a_job_restarted_at_its_mirror_goes_on_and_mirrors_back(tmp_path: Path) -> None:
+    primary, mirror = str(tmp_path / "primary"), str(tmp_path / "mirror")
+    with CheckpointManager(primary, preemption=False, keep_last=None, mirrors=[mirror]) as job:
+        for step in (1, 2):
+            job.save(step, seam_run.state(step))
+    # The primary's region is gone: the job restarts with the mirror as its root.
+    with CheckpointManager(mirror, preemption=False, keep_last=None, mirrors=[primary]) as job:
+        state = seam_run.blank()
+        assert job.restore(state) == 2
+        assert seam_run.same(state, seam_run.state(2))
+        job.save(3, seam_run.state(3))
+    assert _steps(primary) == [1, 2, 3]
+    _restores(primary, 3)
