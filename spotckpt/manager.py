@@ -38,7 +38,7 @@ from spotckpt.format.manifest import Manifest
 from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.ledger import Ledger
-from spotckpt.mirroring import start_mirrors
+from spotckpt.mirroring import follow_mirrors, open_mirrors
 from spotckpt.policy import SaveDecisionPolicy
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.redundancy import parse_redundancy
@@ -92,6 +92,7 @@ class CheckpointManager:
         )
         self.keyring = keyring_of(self.settings)
         self.catalog = Catalog(self.store, self.keyring)
+        self.mirrors = open_mirrors(self.settings, self.store, self.keyring)
         self.collective = Collective(self.settings.collective_timeout_s)
         self.rank = self.collective.rank
         self.world_size = self.collective.world_size
@@ -136,14 +137,15 @@ class CheckpointManager:
         self._restorer = RestoreOrder(
             self.loader,
             self.store,
+            mirrors=self.mirrors,
             tier=self.tier,
             keyring=self.keyring,
             events=self.goodput.events,
             uri=self.uri,
         )
         self._mirrors = (
-            start_mirrors(self.settings, self.store, self.keyring, self._preempted)
-            if self.rank == 0
+            follow_mirrors(self.settings, self.store, self.mirrors, self.keyring, self._preempted)
+            if self.rank == 0 and self.mirrors
             else None
         )
         if self._mirrors is not None:
@@ -339,8 +341,8 @@ class CheckpointManager:
             self._closed = True
             if self._mirrors is not None:
                 self._mirrors.close()
-                for store in self._mirrors.stores():
-                    store.close()
+            for mirror in self.mirrors:
+                mirror.store.close()
             if self.watcher is not None:
                 self.watcher.stop()
             self.checkpointer.close()

@@ -142,7 +142,7 @@ class Pause:
         """Return once copies may go on; MirrorStoppedError once they are to stop."""
         while not self._running.wait(STOP_CHECK_S) or self.stopped:
             if self.stopped:
-                raise MirrorStoppedError("mirror copies stopped: a preemption notice arrived")
+                raise MirrorStoppedError("mirror copies stopped (a preemption notice, a signal)")
 
 
 @dataclass(frozen=True)
@@ -325,7 +325,9 @@ class Mirror:
 
     def _report(self) -> None:
         if self.progress is not None:
-            self.progress(self._done, self._total)
+            with self._lock:
+                done, total = self._done, self._total
+            self.progress(done, total)
 
     # Many steps -------------------------------------------------------------------------------
 
@@ -438,10 +440,6 @@ class MirrorFollower:
                 self._lock.wait(min(left, STOP_CHECK_S))
             return True
 
-    def stores(self) -> list[ObjectStore]:
-        """The mirrors' stores (the caller closes them after `close`)."""
-        return [mirror.target.store for mirror in self.mirrors]
-
     def close(self) -> None:
         """Stop after the copies in flight (at most `wait_s`; at once when stopped)."""
         if not self.wait(self.wait_s) and not self.pause.stopped:
@@ -503,30 +501,35 @@ class MirrorFollower:
                 )
 
 
-def start_mirrors(
-    settings: Settings,
-    store: ObjectStore,
-    keyring: Keyring | None,
-    stop_when: Callable[[], bool],
-) -> MirrorFollower | None:
-    """The coordinator's `MirrorFollower` for the `mirrors` of `settings` (None without any):
-    the job's root `store` read through a catalog of its own, each mirror opened with its own
-    storage options, one `mirror_bandwidth` cap shared by all, and copies stopped for good once
-    `stop_when` (a preemption notice) says so."""
-    targets = parse_mirrors(settings.mirrors)
-    if not targets:
-        return None
-    opened = [open_store(target.uri, **dict(target.storage_options)) for target in targets]
+def open_mirrors(settings: Settings, store: ObjectStore, keyring: Keyring | None) -> list[Catalog]:
+    """The catalogs of the `mirrors` of `settings`, each opened with its own storage options and
+    read under `keyring` (every rank opens them: a restore may read a step from a mirror);
+    ConfigError when one is the job's own root `store`."""
+    opened = [open_store(t.uri, **dict(t.storage_options)) for t in parse_mirrors(settings.mirrors)]
     if any(mirror.uri.rstrip("/") == store.uri.rstrip("/") for mirror in opened):
         for mirror in opened:
             mirror.close()
         raise ConfigError("mirrors: names the job's own root; a mirror is another root")
+    return [Catalog(mirror, keyring) for mirror in opened]
+
+
+def follow_mirrors(
+    settings: Settings,
+    store: ObjectStore,
+    mirrors: list[Catalog],
+    keyring: Keyring | None,
+    stop_when: Callable[[], bool],
+) -> MirrorFollower:
+    """The coordinator's `MirrorFollower` from the job's root `store` to `mirrors` (each read
+    and written through a catalog of the follower's own, which its thread alone uses), one
+    `mirror_bandwidth` cap shared by all, and copies stopped for good once `stop_when` (a
+    preemption notice) says so."""
     limit = BandwidthLimit(settings.mirror_bandwidth) if settings.mirror_bandwidth else None
     pause = Pause(stop_when)
-    mirrors = [
-        Mirror(Catalog(store, keyring), Catalog(mirror, keyring), limit=limit, pause=pause)
-        for mirror in opened
+    copies = [
+        Mirror(Catalog(store, keyring), Catalog(mirror.store, keyring), limit=limit, pause=pause)
+        for mirror in mirrors
     ]
     return MirrorFollower(
-        mirrors, keep_last=settings.keep_last, wait_s=settings.mirror_wait_s, pause=pause
+        copies, keep_last=settings.keep_last, wait_s=settings.mirror_wait_s, pause=pause
     )

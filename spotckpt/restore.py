@@ -2,8 +2,8 @@
 checkpoint loaded into a training state on every rank (`StateLoader`).
 
 `RestoreOrder.restore` is the one statement of the order: the fast tier's newest usable step, then
-the bucket's committed steps newest first, with fallback and quarantine (`CheckpointManager.restore`
-and `restorable_step` delegate to it).
+the committed steps of the bucket and its mirrors newest first, with fallback and quarantine
+(`CheckpointManager.restore` and `restorable_step` delegate to it).
 
 What a load does once the step and its source are chosen (`StateLoader`): the manifest, only the
 parts of an indexed one that locate this rank's shards; the load through the engine, with the key
@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import cast
 
 from spotckpt.catalog import Catalog
@@ -155,12 +155,36 @@ class _Restoring:
     failure: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """One root a restore may read a committed step from: the job's own, or one of its mirrors
+    (`spotckpt.mirroring`), with the loader that reads it."""
+
+    catalog: Catalog
+    loader: StateLoader
+
+    @property
+    def uri(self) -> str:
+        """The root's URI."""
+        return self.catalog.uri
+
+    @property
+    def store(self) -> ObjectStore:
+        """The root's store."""
+        return self.catalog.store
+
+
+Candidate = tuple[int, int]
+"""A step a restore may load, and the index in `RestoreOrder.copies` of the root it reads."""
+
+
 class RestoreOrder:
     """Which step a restore loads, and from where: the one statement of that rule (`restore`).
 
-    Built once per manager with what it reads from (the bucket's catalog and store, the fast
-    tier if any); the loads go through `loader`. Every rank calls it at the same points.
-    `last_read_stats` and `last_restore_sources` describe the last load (job-wide).
+    Built once per manager with what it reads from (the bucket's catalog and store, its
+    mirrors, the fast tier if any); the loads go through `loader`. Every rank calls it at the
+    same points. `last_read_stats`, `last_restore_sources` and `last_restore_uri` describe the
+    last load (job-wide).
     """
 
     def __init__(
@@ -168,6 +192,7 @@ class RestoreOrder:
         loader: StateLoader,
         store: ObjectStore,
         *,
+        mirrors: Sequence[Catalog] = (),
         tier: FastTier | None,
         keyring: Keyring | None,
         events: EventLog | None,
@@ -183,6 +208,19 @@ class RestoreOrder:
         self.uri = uri
         self.last_read_stats: ReadStats | None = None
         self.last_restore_sources: dict[str, int] = {}
+        self.last_restore_uri: str | None = None
+        self.copies = [Copy(self.catalog, loader)] + [
+            Copy(
+                mirror,
+                StateLoader(
+                    mirror,
+                    loader.collective,
+                    loader.checkpointer,
+                    progress_interval_s=loader.progress_interval_s,
+                ),
+            )
+            for mirror in mirrors
+        ]
 
     def restore(self, state: State, step: int | None, fallback: bool, strict: bool) -> int | None:
         """Load a step into `state` (with the collector paused) and return it, or None; then the
@@ -209,10 +247,13 @@ class RestoreOrder:
            committed step of another save. A tier step that does not load is set aside on
            every node (never chosen again, by this restore or a later one) and the next newest
            tried; with none left, the bucket.
-        3. Then the bucket's committed steps, newest first. A step that turns out corrupt (bad
-           bytes or a bad manifest) is quarantined and the next older one tried, with a warning,
-           unless `fallback` is off or none is older; a step deleted meanwhile (retention by
-           another job) means the next older one.
+        3. Then the committed steps of the bucket and of its mirrors (`spotckpt.mirroring`),
+           newest first, each from its nearest copy first (`_bucket_candidates`): a root that
+           cannot be read is a warning while another can. A step that turns out corrupt (bad
+           bytes or a bad manifest, an unsigned one under a key among them) is quarantined
+           where it was read and the next candidate tried (the same step at another copy, or
+           an older one), with a warning, unless `fallback` is off or none is left; a step
+           deleted meanwhile (retention by another job) means the next one.
         4. None when no committed step is left, if nothing was written into the state. Once a
            load has written into it (a tier or bucket step that then failed), the restore either
            completes from another source or raises `IncompleteRestoreError`: never None over a
@@ -228,11 +269,12 @@ class RestoreOrder:
             if restored is not None:
                 return restored
 
-        def load(candidate: int) -> None:
+        def load(candidate: Candidate) -> None:
             try:
                 self._restore_from_bucket(state, candidate, strict, restoring)
             except (CorruptCheckpointError, ManifestError) as error:
-                restoring.failure = f"step {candidate}: {type(error).__name__}: {error}"
+                where = f" at {self.copies[candidate[1]].uri}" if candidate[1] else ""
+                restoring.failure = f"step {candidate[0]}{where}: {type(error).__name__}: {error}"
                 raise
 
         restored = self._first_usable(
@@ -249,33 +291,48 @@ class RestoreOrder:
         return restored
 
     def _first_usable(
-        self, candidates: list[int], use: Callable[[int], None], *, explicit: bool, fallback: bool
+        self,
+        candidates: list[Candidate],
+        use: Callable[[Candidate], None],
+        *,
+        explicit: bool,
+        fallback: bool,
     ) -> int | None:
-        """Steps 3 and 4 of `_restore_in_order`: the first of `candidates` that `use` takes.
+        """Steps 3 and 4 of `_restore_in_order`: the step of the first of `candidates` that
+        `use` takes.
 
-        A step deleted meanwhile means the next one; a corrupt one is quarantined, with a
-        warning, before the next one is tried. An `explicit` step's error is raised as it is.
+        A step deleted meanwhile means the next one; a corrupt one is quarantined (in the root
+        it was read from), with a warning, before the next one is tried: the same step at a
+        mirror, or an older one. An `explicit` step's error is raised as it is when no other
+        root holds it.
         """
         for index, candidate in enumerate(candidates):
+            step, copy = candidate
             try:
                 use(candidate)
-                return candidate
+                return step
             except NoCheckpointError:
-                if explicit:
+                if explicit and not candidates[index + 1 :]:
                     raise
-                log.info("checkpoint step %d was deleted while restoring; trying older", candidate)
+                log.info("checkpoint step %d was deleted while restoring; trying older", step)
             except (CorruptCheckpointError, ManifestError) as error:
-                older = candidates[index + 1 :]
-                if explicit or not fallback or not older:
+                rest = candidates[index + 1 :]
+                if not rest or not (fallback or explicit):  # explicit: rest is the same step
                     raise
                 self._set_aside(candidate, error)
                 log.warning(
-                    "checkpoint step %d is unusable (%s); falling back to step %d",
-                    candidate,
+                    "checkpoint step %d%s is unusable (%s); falling back to step %d%s",
+                    step,
+                    self._at(copy),
                     error,
-                    older[0],
+                    rest[0][0],
+                    self._at(rest[0][1]),
                 )
         return None
+
+    def _at(self, copy: int) -> str:
+        """`` at URI`` for a mirror, nothing for the job's own root."""
+        return f" at mirror {self.copies[copy].uri}" if copy else ""
 
     def restorable_step(self) -> int | None:
         """The step that `restore` would load, each byte checked in place of the load (see
@@ -283,63 +340,122 @@ class RestoreOrder:
         candidates = self.collective.run_on_coordinator(lambda: self._bucket_candidates(None))
         return self._first_usable(candidates, self._check_whole, explicit=False, fallback=True)
 
-    def _check_whole(self, step: int) -> None:
-        """Raise, on every rank, the error a restore of `step` would meet in its manifest or
-        its bytes (the coordinator reads them all, the manifest once: `verify_checkpoint`
+    def _check_whole(self, candidate: Candidate) -> None:
+        """Raise, on every rank, the error a restore of `candidate` would meet in its manifest
+        or its bytes (the coordinator reads them all, the manifest once: `verify_checkpoint`
         reports a damaged one as its first problem)."""
+        step, copy = candidate
 
         def check() -> None:
-            error = verify_checkpoint(self.store, step, keyring=self.keyring).error()
+            store = self.copies[copy].store
+            error = verify_checkpoint(store, step, keyring=self.keyring).error()
             if error is not None:
                 raise error
 
         self.collective.run_on_coordinator(check)
 
-    def _restore_plan(self, step: int | None) -> tuple[list[int], Scope | None]:
+    def _restore_plan(self, step: int | None) -> tuple[list[Candidate], Scope | None]:
         """On the coordinator: the committed steps a restore may load, in the order it tries
         them, and which fast-tier steps it may use (None: not the tier)."""
         candidates = self._bucket_candidates(step)
         if self.tier is None or step is not None:
             return candidates, None
-        durable = candidates[0] if candidates else None
-        attempt = self.catalog.committed_attempt(durable) if durable is not None else None
-        return candidates, Scope(self._bucket_job(), durable, attempt)
+        durable, copy = candidates[0] if candidates else (None, 0)
+        catalog = self.copies[copy].catalog
+        attempt = catalog.committed_attempt(durable) if durable is not None else None
+        return candidates, Scope(self._bucket_job(catalog), durable, attempt)
 
-    def _bucket_job(self) -> str | None:
-        """The bucket's job identity, read (never created) for a restore; None if it has none
-        or it is damaged (then no fast-tier step is used, with a warning)."""
+    def _bucket_job(self, catalog: Catalog) -> str | None:
+        """The job identity of the root `catalog` reads (a mirror holds the same), read (never
+        created) for a restore; None if it has none or it is damaged (then no fast-tier step is
+        used, with a warning)."""
         try:
-            job = self.catalog.job()
+            job = catalog.job()
         except ManifestError as error:
             log.warning("%s; fast-tier copies are not used", error)
             return None
         return job.id if job is not None else None
 
-    def _bucket_candidates(self, step: int | None) -> list[int]:
-        """The committed steps a restore may load, in the order it tries them."""
-        if step is not None:
-            return [self.catalog.resolve(step)]
-        return list(reversed(self.catalog.steps()))
+    def _bucket_candidates(self, step: int | None) -> list[Candidate]:
+        """The committed steps a restore may load, each with the root it reads, in the order
+        it tries them: newest first (`step` alone when given); of each step, the copies
+        nearest first (`_nearest_first`: by how fast their listing answered).
 
-    def _set_aside(self, step: int, error: Exception) -> None:
-        """Quarantine a step that failed to restore, so that it can be saved again.
+        Without mirrors this is the job's root alone, and its errors are raised as they are.
+        With mirrors, a root that cannot be listed is a warning, and a mirror whose job
+        identity is not the job's (that of the first root that answers) is left out: no other
+        job's step is ever restored."""
+        if len(self.copies) == 1:
+            steps = [self.catalog.resolve(step)] if step is not None else self.catalog.steps()
+            return [(s, 0) for s in reversed(steps)]
+        listed = self._listed_copies()
+        if step is not None:
+            holding = [index for index, steps in _nearest_first(listed) if step in steps]
+            if not holding:
+                raise NoCheckpointError(
+                    f"step {step} has no committed checkpoint at {self.uri} or its mirrors"
+                )
+            return [(step, index) for index in holding]
+        everywhere = sorted({s for _latency, _index, steps in listed for s in steps}, reverse=True)
+        nearest = _nearest_first(listed)
+        return [(s, index) for s in everywhere for index, steps in nearest if s in steps]
+
+    def _listed_copies(self) -> list[tuple[float, int, set[int]]]:
+        """Each root that answers: how long its listing took, its index, its steps."""
+        listed: list[tuple[float, int, set[int]]] = []
+        job: str | None = None
+        for index, copy in enumerate(self.copies):
+            started = time.monotonic()
+            try:
+                steps = set(copy.catalog.steps())
+                found = copy.catalog.job() if steps else None
+            except (StorageError, ManifestError) as error:
+                log.warning(
+                    "checkpoint root %s cannot be read (%s); restoring from the other copies",
+                    copy.uri,
+                    error,
+                )
+                continue
+            if found is not None and job is not None and found.id != job:
+                log.warning(
+                    "mirror %s belongs to job %s, not to this job (%s): its steps are not used",
+                    copy.uri,
+                    found.id,
+                    job,
+                )
+                continue
+            job = job or (found.id if found is not None else None)
+            listed.append((time.monotonic() - started, index, steps))
+        if not listed:
+            raise StorageError(f"neither {self.uri} nor any of its mirrors can be read")
+        return listed
+
+    def _set_aside(self, candidate: Candidate, error: Exception) -> None:
+        """Quarantine a step that failed to restore in the root it was read from, so that it
+        can be saved (or mirrored) again.
 
         A manifest of an unknown (newer) format says nothing about the checkpoint: left alone.
         """
         if self.collective.rank != 0 or isinstance(error, UnknownFormatError):
             return
+        step, copy = candidate
         try:
-            self.catalog.quarantine(step, f"{type(error).__name__}: {error}")
+            self.copies[copy].catalog.quarantine(step, f"{type(error).__name__}: {error}")
         except StorageError as failure:
-            log.warning("could not quarantine step %d: %s", step, failure)
+            log.warning("could not quarantine step %d%s: %s", step, self._at(copy), failure)
 
     def _restore_from_bucket(
-        self, state: State, step: int, strict: bool, restoring: _Restoring
+        self, state: State, candidate: Candidate, strict: bool, restoring: _Restoring
     ) -> None:
-        manifest = self.loader.manifest(state, step)
+        step, index = candidate
+        copy = self.copies[index]
+        manifest = copy.loader.manifest(state, step)
         restoring.written = True  # from here on, a failure may leave part of it in `state`
-        self.last_read_stats = stats = self.loader.load(state, manifest, self.store, strict)
+        self.last_read_stats = stats = copy.loader.load(state, manifest, copy.store, strict)
         self.last_restore_sources = {"local": 0, "peer": 0, "store": stats.bytes_read}
+        self.last_restore_uri = copy.uri
+        if index:
+            log.info("restored step %d from mirror %s", step, copy.uri)
 
     def _restore_from_tier(
         self, state: State, scope: Scope, strict: bool, restoring: _Restoring
@@ -391,6 +507,23 @@ class RestoreOrder:
             self.events.record(event)
         except StorageError as failure:
             log.warning("could not record the set-aside of fast-tier step %d: %s", step, failure)
+
+
+NEAR_S = 0.02
+"""A root whose listing answered within this many seconds of the fastest (or in under twice its
+time) counts as near: among near roots the job's own comes first, then the mirrors in the order
+configured; the others follow, fastest first. One listing's time tells a root in another region
+(tens of milliseconds more, every request) from one close by, not two close ones apart."""
+
+
+def _nearest_first(listed: list[tuple[float, int, set[int]]]) -> list[tuple[int, set[int]]]:
+    """The roots of `listed` (listing time, index, steps) nearest first: see `NEAR_S`."""
+    fastest = min(latency for latency, _index, _steps in listed)
+    limit = max(2 * fastest, fastest + NEAR_S)
+    ordered = sorted(
+        listed, key=lambda entry: (entry[0] > limit, entry[1] if entry[0] <= limit else entry[0])
+    )
+    return [(index, steps) for _latency, index, steps in ordered]
 
 
 def planner(strict: bool, runs: Mapping[str, Run] | None = None) -> CheckedLoadPlanner:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from types import FrameType
@@ -44,18 +44,14 @@ from spotckpt.mirroring import (
     BandwidthLimit,
     Mirror,
     MirrorReport,
+    MirrorStoppedError,
+    Pause,
     StepCopy,
 )
 from spotckpt.units import human_size
 
 DEFAULT_EVERY_S = 60.0
 """Seconds between two rounds of ``--follow``."""
-
-
-class _Stopped(Exception):
-    """A signal stopped ``--follow``: the copy in flight ends at its next piece, uncommitted (the
-    next run reuses the objects it finished). Not a CheckpointError, so that `Mirror.catch_up`
-    does not take it for a failed step and go on with the next."""
 
 
 @click.command("mirror")
@@ -144,12 +140,10 @@ def mirror_command(
             *catalogs,
             copies=copies,
             limit=BandwidthLimit(bandwidth) if bandwidth is not None else None,
-            # The limit lets a piece of more than a second's worth go after one second: pieces
-            # of at most a second's worth keep the rate at the limit.
-            piece_bytes=DEFAULT_PIECE_BYTES
-            if bandwidth is None
-            else min(DEFAULT_PIECE_BYTES, bandwidth),
-            progress=_stoppable(update, stop),
+            # Under a limit, pieces of at most a second's worth: a stop lands within a second.
+            piece_bytes=min(DEFAULT_PIECE_BYTES, bandwidth or DEFAULT_PIECE_BYTES),
+            pause=Pause(stop_when=stop.is_set),  # --follow's signals stop copies at a piece
+            progress=update,
         )
         if follow:
             _follow(mirror, keep_last, DEFAULT_EVERY_S if every is None else every, as_json, stop)
@@ -186,20 +180,6 @@ def _open_catalogs(
     return signed_catalog(source_store, source_uri), signed_catalog(target_store, target)
 
 
-def _stoppable(
-    update: Callable[[int, int], None], stop: threading.Event
-) -> Callable[[int, int], None]:
-    """The progress callback: drives the bar, and ends the copy in flight once `stop` is set
-    (it is called before each piece)."""
-
-    def progress(done: int, total: int) -> None:
-        if stop.is_set():
-            pass
-        update(done, total)
-
-    return progress
-
-
 # --follow -----------------------------------------------------------------------------------------
 
 
@@ -213,7 +193,7 @@ def _follow(
         while not stop.is_set():
             try:
                 report = mirror.catch_up(keep_last=keep_last)
-            except _Stopped:
+            except MirrorStoppedError:  # the step in flight stays uncommitted
                 return
             copied = [step for step in report.copied if not step.already]
             if copied or report.failed:
@@ -238,7 +218,7 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
         yield
     finally:
         for number, before in previous.items():
-            pass
+            signal.signal(number, before)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
