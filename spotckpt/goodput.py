@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -233,10 +234,20 @@ _EVENT_FIELDS: dict[str, _Check] = {
     "emergency": _of_type(bool),
     "time": _of_type(str),
     **dict.fromkeys(("train_s", "stall_s", "upload_s", "emergency_save_s"), _DURATION),
-    **dict.fromkeys(("restore_s", "step_time_s"), _DURATION),
+    **dict.fromkeys(("restore_s", "step_time_s", "mirror_s", "seconds_behind"), _DURATION),
     "notice_left_s": _within(-MAX_EVENT_SECONDS, MAX_EVENT_SECONDS),  # negative: notice missed
     **dict.fromkeys(
-        ("bytes", "referenced_bytes", "steps_lost", "step", *REQUEST_FIELDS), _whole(0)
+        (
+            "bytes",
+            "referenced_bytes",
+            "steps_lost",
+            "step",
+            "objects",
+            "steps_behind",
+            "failed_steps",
+            *REQUEST_FIELDS,
+        ),
+        _whole(0),
     ),
     "interval_steps": _whole(1),
     **dict.fromkeys(("emergency_estimate_s", "emergency_window_s"), _DURATION),
@@ -415,14 +426,19 @@ class EventLog:
         self.writer = writer if writer is not None else uuid.uuid4().hex[:8]
         self._number = 0
         self._room: int | None = None
+        self._lock = threading.Lock()  # the mirror thread records events beside the loop
 
     # Writing ----------------------------------------------------------------------------------
 
     def record(self, event: dict[str, Any], *, compact: bool = True) -> str:
         """Write one event (adds ``time``), create-only; compacts when the bound is near.
 
-        Raises StorageError; callers treat that as a warning.
+        Raises StorageError; callers treat that as a warning. Safe from several threads.
         """
+        with self._lock:
+            return self._record(event, compact)
+
+    def _record(self, event: dict[str, Any], compact: bool) -> str:
         event.setdefault("time", _now_iso())
         data = json.dumps(event, sort_keys=True, default=str).encode()
         while True:

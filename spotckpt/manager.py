@@ -144,7 +144,14 @@ class CheckpointManager:
             uri=self.uri,
         )
         self._mirrors = (
-            follow_mirrors(self.settings, self.store, self.mirrors, self.keyring, self._preempted)
+            follow_mirrors(
+                self.settings,
+                self.store,
+                self.mirrors,
+                self.keyring,
+                self._preempted,
+                on_report=lambda report: self.goodput.mirrored(report.to_event()),
+            )
             if self.rank == 0 and self.mirrors
             else None
         )

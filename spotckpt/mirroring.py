@@ -51,13 +51,17 @@ from spotckpt.errors import (
 from spotckpt.format.signing import Keyring
 from spotckpt.layout import manifest_key, step_folder
 from spotckpt.mirror_spec import parse_mirrors
+from spotckpt.redact import redact
 from spotckpt.storage import ObjectStore, open_store
+from spotckpt.storage.base import ObjectInfo
 from spotckpt.storage.copying import DEFAULT_PIECE_BYTES, Expected, copy_object
 
 log = logging.getLogger("spotckpt")
 
 DEFAULT_COPIES = 4
 """Objects copied at once."""
+HEADS = 16
+"""Objects looked up at the mirror at once (what is there already)."""
 STOP_CHECK_S = 0.5
 """How often held copies look whether they are to stop for good."""
 CLOSE_JOIN_S = 60.0
@@ -158,6 +162,16 @@ class StepCopy:
     """The mirror held the step already (the same manifest bytes): nothing was copied."""
 
 
+@dataclass(frozen=True)
+class MirrorPlan:
+    """What a catch-up would copy (`Mirror.plan`): its steps, and the objects and bytes the
+    mirror lacks."""
+
+    steps: list[int]
+    objects: int
+    bytes: int
+
+
 @dataclass
 class MirrorReport:
     """What `Mirror.catch_up` did, and how far the mirror is behind afterwards."""
@@ -176,6 +190,23 @@ class MirrorReport:
     def copied_bytes(self) -> int:
         """Bytes copied over every step."""
         return sum(step.copied_bytes for step in self.copied)
+
+    def to_event(self) -> dict[str, Any]:
+        """The ``mirror`` event of the job's event log (`spotckpt.goodput`): the mirror (its URI
+        without credentials), the newest step copied, what the copies moved (the source's
+        egress), the lag after them and how many steps failed."""
+        moved = [step for step in self.copied if not step.already]
+        return {
+            "kind": "mirror",
+            "mirror": redact(self.target),
+            "step": max((step.step for step in moved), default=None),
+            "bytes": self.copied_bytes,
+            "objects": sum(step.copied_objects for step in moved),
+            "mirror_s": round(sum(step.seconds for step in moved), 6),
+            "steps_behind": self.steps_behind,
+            "seconds_behind": self.seconds_behind,
+            "failed_steps": len(self.failed),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (``spotckpt mirror --json``)."""
@@ -272,8 +303,8 @@ class Mirror:
     def _copy_objects(self, needed: dict[str, Expected]) -> tuple[list[str], list[str]]:
         """Copy what the mirror lacks of `needed`: the keys copied, and those already there."""
         present, missing = [], []
-        for key, expected in sorted(needed.items()):
-            info = self.target.store.head(key)
+        for key, info in self._found(needed).items():
+            expected = needed[key]
             if info is None:
                 missing.append(key)
             elif info.size == expected.size:
@@ -296,6 +327,12 @@ class Mirror:
                 for future in done:
                     future.result()  # the first failure, raised here with its own traceback
         return missing, present
+
+    def _found(self, needed: dict[str, Expected]) -> dict[str, ObjectInfo | None]:
+        """What the mirror holds at each key of `needed` (HEADs, `HEADS` at a time)."""
+        keys = sorted(needed)
+        with ThreadPoolExecutor(max(1, min(HEADS, len(keys)))) as pool:
+            return dict(zip(keys, pool.map(self.target.store.head, keys), strict=True))
 
     def _copy_one(self, key: str, expected: Expected) -> None:
         try:
@@ -354,6 +391,26 @@ class Mirror:
         report.steps_behind, report.seconds_behind = self.lag()
         return report
 
+    def plan(
+        self, steps: Iterable[int] | None = None, *, keep_last: int | None = None
+    ) -> MirrorPlan:
+        """What `catch_up` with the same arguments would copy, without copying: the steps, and
+        the objects and bytes the mirror lacks (each counted once, though several steps
+        reference it); a step whose manifest does not read is left out (`catch_up` reports
+        it). The bytes are what the copy moves out of the source's region: its egress."""
+        wanted = sorted(set(steps)) if steps is not None else self._missing(keep_last)
+        needed: dict[str, Expected] = {}
+        planned = []
+        for step in wanted:
+            try:
+                needed.update(self.source.stored_objects(step, self.source.manifest_bytes(step)))
+            except CheckpointError as error:
+                log.warning("step %d cannot be mirrored from %s: %s", step, self.source.uri, error)
+                continue
+            planned.append(step)
+        missing = [key for key, info in self._found(needed).items() if info is None]
+        return MirrorPlan(planned, len(missing), sum(needed[key].size for key in missing))
+
     def _missing(self, keep_last: int | None) -> list[int]:
         """The source's committed steps the mirror lacks (of its newest `keep_last`, the only
         ones the mirror's retention keeps), so that a step that failed before a newer one was
@@ -403,9 +460,17 @@ class MirrorFollower:
     """
 
     def __init__(
-        self, mirrors: list[Mirror], *, keep_last: int | None, wait_s: float, pause: Pause
+        self,
+        mirrors: list[Mirror],
+        *,
+        keep_last: int | None,
+        wait_s: float,
+        pause: Pause,
+        on_report: Callable[[MirrorReport], None] | None = None,
     ) -> None:
         self.mirrors = mirrors
+        self.on_report = on_report
+        """Sees each catch-up that copied or failed something (in the mirror thread)."""
         self.keep_last = keep_last
         self.wait_s = wait_s
         self.pause = pause
@@ -485,6 +550,8 @@ class MirrorFollower:
             log.warning("mirroring to %s failed: %s", uri, error)
             return
         self.reports[uri] = report
+        if self.on_report is not None and (report.copied_bytes or report.failed):
+            self.on_report(report)
         if report.failed:
             self.errors[uri] = "; ".join(report.failed.values())
         else:
@@ -519,6 +586,7 @@ def follow_mirrors(
     mirrors: list[Catalog],
     keyring: Keyring | None,
     stop_when: Callable[[], bool],
+    on_report: Callable[[MirrorReport], None] | None = None,
 ) -> MirrorFollower:
     """The coordinator's `MirrorFollower` from the job's root `store` to `mirrors` (each read
     and written through a catalog of the follower's own, which its thread alone uses), one
@@ -531,5 +599,9 @@ def follow_mirrors(
         for mirror in mirrors
     ]
     return MirrorFollower(
-        copies, keep_last=settings.keep_last, wait_s=settings.mirror_wait_s, pause=pause
+        copies,
+        keep_last=settings.keep_last,
+        wait_s=settings.mirror_wait_s,
+        pause=pause,
+        on_report=on_report,
     )

@@ -171,6 +171,12 @@ class GoodputTracker:
             event: dict[str, Any] = {"kind": "restore", "step": step, "restore_s": seconds}
             self._publish(event | (requests.to_dict() if requests is not None else {}))
 
+    def mirrored(self, event: dict[str, Any]) -> None:
+        """A mirror caught up (a ``mirror`` event from `spotckpt.mirroring.MirrorReport.
+        to_event`, in the mirror thread): recorded with its lag, without the goodput figures
+        and without a compaction."""
+        self._publish(event, compact=False, figures=False)
+
     def _publish(
         self, event: dict[str, Any], *, compact: bool = True, figures: bool = True
     ) -> None:

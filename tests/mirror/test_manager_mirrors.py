@@ -23,6 +23,7 @@ from spotckpt import CheckpointManager  # noqa: E402
 from spotckpt.catalog import Catalog  # noqa: E402
 from spotckpt.config import Config  # noqa: E402
 from spotckpt.errors import ConfigError  # noqa: E402
+from spotckpt.goodput import EventLog, event_problem  # noqa: E402
 from spotckpt.layout import manifest_key  # noqa: E402
 from spotckpt.mirror_spec import MirrorTarget, parse_mirrors  # noqa: E402
 from spotckpt.preemption import PreemptionWatcher  # noqa: E402
@@ -62,6 +63,16 @@ def test_committed_steps_appear_at_every_mirror_under_its_retention(
             manager.save(step, seam_run.state(step))
             manager.wait()  # waits for the mirror copies too
             assert _steps(first)[-1] == step and _steps(second)[-1] == step
+    events = EventLog(open_store(source))
+    mirrored = [json.loads(open_store(source).get(k)) for k in events.event_keys() if "mirror" in k]
+    assert {e["mirror"] for e in mirrored} == {Path(first).as_uri(), Path(second).as_uri()}
+    assert all(event_problem(e) is None and e["steps_behind"] == 0 for e in mirrored)
+    assert sorted(e["step"] for e in mirrored if e["mirror"] == Path(first).as_uri()) == [
+        1,
+        2,
+        3,
+        4,
+    ]
     job = Catalog(open_store(source)).job()
     for mirror in (first, second):
         assert _steps(mirror) == [3, 4]

@@ -138,6 +138,10 @@ def test_every_step_mirrors_and_restores_at_the_mirror(
     if features.incremental and not features.indexed:  # the frozen tensor went once, at step 1
         assert report.copied[2].copied_bytes < report.copied[0].copied_bytes
 
+    planned = Mirror(roots.catalog(roots.source), roots.catalog(str(tmp_path / "m2"))).plan()
+    assert planned.steps == [1, 2, 3] and planned.bytes == report.copied_bytes
+    assert planned.objects == sum(c.copied_objects for c in report.copied)
+    assert Mirror(roots.catalog(roots.source), roots.catalog(mirror_uri)).plan().bytes == 0
     again = Mirror(roots.catalog(roots.source), roots.catalog(mirror_uri)).catch_up()
     assert again.copied == [] and again.copied_bytes == 0  # nothing newer: nothing to do
     repeated = Mirror(roots.catalog(roots.source), roots.catalog(mirror_uri)).copy_step(2)
