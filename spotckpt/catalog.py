@@ -233,10 +233,13 @@ class Catalog:
             return
         self._readings.committed(manifest, len(data))
 
-    def committed_attempt(self, step: int) -> str | None:
-        """The attempt id a step's manifest names; None if it has none or it does not parse."""
+    def committed_attempt(self, step: int, data: bytes | None = None) -> str | None:
+        """The attempt id a step's manifest names (`data`: its bytes when already read); None
+        if it has none or it does not parse."""
         try:
-            return self._parse(self.manifest_bytes(step), step).attempt
+            return self._parse(
+                data if data is not None else self.manifest_bytes(step), step
+            ).attempt
         except (NoCheckpointError, ManifestError):
             return None
 

@@ -92,14 +92,14 @@ class PriceTable:
         routes = self.egress_per_gb_between
         if not isinstance(routes, Mapping):
             raise InvalidArgumentError(
-                "egress_per_gb_between must be an object from a pair such as \"s3->gs\" to a "
+                'egress_per_gb_between must be an object from a pair such as "s3->gs" to a '
                 f"price per GB, got {type(routes).__name__}"
             )
         for route, value in routes.items():
             if route not in DEFAULT_EGRESS_PER_GB:
                 raise InvalidArgumentError(
                     f"egress_per_gb_between: unknown pair {route!r}; pairs are SOURCE->TARGET "
-                    f"of {', '.join(PROVIDERS)} (\"s3->gs\")"
+                    f'of {", ".join(PROVIDERS)} ("s3->gs")'
                 )
             if not _price(value):
                 raise InvalidArgumentError(
@@ -142,7 +142,12 @@ def egress_per_gb(prices: PriceTable, source: str, target: str) -> float:
     """The price per GB of copying from the root at `source` to the root at `target` (URIs):
     the table's override for their provider pair, else `DEFAULT_EGRESS_PER_GB`. Two roots of
     one provider count as two regions (their URIs do not say whether they share one)."""
-    route = f"{provider(source)}->{provider(target)}"
+    return provider_egress_per_gb(prices, provider(source), provider(target))
+
+
+def provider_egress_per_gb(prices: PriceTable, source: str, target: str) -> float:
+    """`egress_per_gb` between two providers of `PROVIDERS` (``"s3"``, ``"local"``)."""
+    route = f"{source}->{target}"
     return float(prices.egress_per_gb_between.get(route, DEFAULT_EGRESS_PER_GB[route]))
 
 

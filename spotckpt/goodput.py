@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from spotckpt.cost import PROVIDERS, provider
 from spotckpt.errors import AlreadyExistsError, BoundedJSONError, ObjectNotFoundError
 from spotckpt.format import bounded_json
 from spotckpt.layout import (
@@ -70,9 +71,10 @@ _READERS = 16
 SUMMARY_FORMAT = "spotckpt-events-summary/1"
 
 
-_DURATIONS = ("train_s", "stall_s", "upload_s", "restore_s", "emergency_save_s")
+_DURATIONS = ("train_s", "stall_s", "upload_s", "restore_s", "emergency_save_s", "mirror_s")
 _OVERHEAD = ("stall_s", "emergency_save_s", "restore_s")
 _REQUESTS = ("write_requests", "read_requests", "delete_requests")
+_MOVED = ("bytes_sent", "bytes_received", "mirror_bytes")
 
 
 def impossible_rates(sums: Mapping[str, Any], events: int) -> str | None:
@@ -86,7 +88,7 @@ def impossible_rates(sums: Mapping[str, Any], events: int) -> str | None:
     """
     seconds = sum(_number(sums.get(name)) or 0.0 for name in _DURATIONS) + GRACE_S * events
     requests = sum(_number(sums.get(name)) or 0.0 for name in _REQUESTS)
-    moved = sum(_number(sums.get(name)) or 0.0 for name in ("bytes_sent", "bytes_received"))
+    moved = sum(_number(sums.get(name)) or 0.0 for name in _MOVED)
     if requests > MAX_REQUESTS_PER_S * seconds:
         return (
             f"{requests:.3g} requests in {seconds:.3g} s, above {MAX_REQUESTS_PER_S:g} per second"
@@ -128,15 +130,26 @@ save and restore events: so every request of a run is in exactly one event (gc, 
 the fast tier's drain in the save or restore that follows or contains them)."""
 PER_SAVE_FIELDS = ("write_requests", "read_requests", "delete_requests")
 """The request counts kept among a summary's recent values: the requests of one save."""
+MIRROR_BYTES_TO = {name: f"mirror_bytes_to_{name}" for name in PROVIDERS}
+"""The sums of a ``mirror`` event's bytes by the mirror's provider (`spotckpt.cost.provider`),
+so that a run's egress is priced per provider pair after compaction too: the event's ``bytes``
+and ``objects`` are summed as ``mirror_bytes`` and ``mirror_objects`` (a save's ``bytes`` are
+another figure)."""
+_RENAMED = {("mirror", "mirror_bytes"): "bytes", ("mirror", "mirror_objects"): "objects"}
+"""Sums whose event field has another name (kind, sum name) -> field."""
+MAX_MIRRORS_SHOWN = 32
+"""Mirrors followed one by one in `Totals.mirrors` (events of more are in the sums only)."""
 _SUMMED = {
     "save": ("train_s", "stall_s", "upload_s", "bytes", "referenced_bytes", *REQUEST_FIELDS),
     "preemption": ("train_s", "steps_lost", "emergency_save_s"),
     "restore": ("train_s", "restore_s", *REQUEST_FIELDS),
+    "mirror": ("mirror_s", "mirror_bytes", "mirror_objects", *MIRROR_BYTES_TO.values()),
 }
-_RECENT = {
+_RECENT: dict[str, tuple[str, ...]] = {
     "save": ("stall_s", "upload_s", *PER_SAVE_FIELDS),
     "preemption": ("emergency_save_s", "notice_left_s"),
     "restore": ("restore_s",),
+    "mirror": (),
 }
 _EMERGENCY = (
     "emergency_estimate_s",
@@ -148,7 +161,17 @@ _EMERGENCY = (
 _LAST = ("interval_steps", "step_time_s", "step", "time", *_EMERGENCY)
 _SUM_NAMES = frozenset(name for names in _SUMMED.values() for name in names)
 _RECENT_NAMES = frozenset(name for names in _RECENT.values() for name in names)
-_COUNTED = frozenset({"bytes", "referenced_bytes", "steps_lost", *REQUEST_FIELDS})
+_COUNTED = frozenset(
+    {
+        "bytes",
+        "referenced_bytes",
+        "steps_lost",
+        "mirror_bytes",
+        "mirror_objects",
+        *MIRROR_BYTES_TO.values(),
+        *REQUEST_FIELDS,
+    }
+)
 
 
 def _number(value: Any) -> float | None:
@@ -222,6 +245,12 @@ def _short_text(value: Any) -> str | None:
     return f"must be a short printable string, got {_shown(value)}"
 
 
+def _uri_text(value: Any) -> str | None:
+    if isinstance(value, str) and 0 < len(value) <= 1024 and value.isprintable():
+        return None
+    return f"must be a printable URI of at most 1024 characters, got {_shown(value)}"
+
+
 def _event_name(value: Any) -> str | None:
     if isinstance(value, str) and parse_event_key(value) is not None:
         return None
@@ -252,6 +281,7 @@ _EVENT_FIELDS: dict[str, _Check] = {
     "interval_steps": _whole(1),
     **dict.fromkeys(("emergency_estimate_s", "emergency_window_s"), _DURATION),
     **dict.fromkeys(("emergency_route", "emergency_window_source"), _short_text),
+    "mirror": _uri_text,
 }
 """Every field that a figure reads, and what it must be when present and not null."""
 _SUMMARY_TABLES: dict[str, dict[str, _Check]] = {
@@ -321,6 +351,10 @@ class Totals:
     events: int = 0
     rejected: int = 0
     """Events left out of every figure: malformed, or with figures that cannot be true."""
+    mirrors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per mirror (its URI, redacted), from the ``mirror`` events added one by one (not from a
+    summary: compaction keeps the sums only): ``events``, ``bytes`` and the latest ``step``,
+    ``steps_behind``, ``seconds_behind``, ``failed_steps`` and ``time``."""
 
     def problem_with(self, event: Mapping[str, Any]) -> str | None:
         """What cannot be true of `event` (checked with `event_problem` already) or of the run
@@ -329,7 +363,7 @@ class Totals:
         own = _summed(event)
         grown = {name: self.sums.get(name, 0.0) + own.get(name, 0.0) for name in _OVERHEAD}
         grown["train_s"] = self.sums.get("train_s", 0.0) + own.get("train_s", 0.0)
-        return impossible_rates(event, 1) or impossible_overhead(grown)
+        return impossible_rates({**event, **own}, 1) or impossible_overhead(grown)
 
     def add(self, event: Mapping[str, Any]) -> None:
         """Fold in one event (check it with `event_problem` and `problem_with` first); unknown
@@ -348,9 +382,25 @@ class Totals:
                 values = self.recent.setdefault(name, [])
                 values.append(value)
                 del values[:-RESERVOIR]
+        if kind == "mirror":
+            self._add_mirror(event)
+            return  # its step and time are the mirror's, not the run's latest figures
         for name in _LAST:
             if event.get(name) is not None and (name != "interval_steps" or not emergency):
                 self.last[name] = event[name]
+
+    def _add_mirror(self, event: Mapping[str, Any]) -> None:
+        name = event.get("mirror")
+        if not isinstance(name, str):
+            return
+        if name not in self.mirrors and len(self.mirrors) >= MAX_MIRRORS_SHOWN:
+            return
+        row = self.mirrors.setdefault(name, {"events": 0, "bytes": 0})
+        row["events"] += 1
+        row["bytes"] += int(_number(event.get("bytes")) or 0)
+        for latest in ("step", "steps_behind", "seconds_behind", "failed_steps", "time"):
+            if latest in event and (latest != "step" or event[latest] is not None):
+                row[latest] = event[latest]
 
     def last_number(self, name: str) -> float | None:
         """A latest figure if it is a positive number."""
@@ -407,9 +457,15 @@ def _summed(event: Mapping[str, Any]) -> dict[str, float]:
     emergency = kind == "save" and event.get("emergency") is True
     found = {}
     for name in _SUMMED[kind]:
-        value = _number(event.get(name))
+        value = _number(event.get(_RENAMED.get((kind, name), name)))
         if value is not None and not (emergency and name in ("stall_s", "upload_s")):
             found[name] = value
+    if kind == "mirror":
+        for name in MIRROR_BYTES_TO.values():
+            found.pop(name, None)
+        target, moved = event.get("mirror"), _number(event.get("bytes"))
+        if isinstance(target, str) and moved is not None:
+            found[MIRROR_BYTES_TO[provider(target)]] = moved
     return found
 
 
@@ -580,6 +636,7 @@ def _report_impossible(rejected: list[tuple[str, str]], named: int = 10) -> None
 
 
 __all__ = [
+    "MIRROR_BYTES_TO",
     "PER_SAVE_FIELDS",
     "REQUEST_FIELDS",
     "EventLog",

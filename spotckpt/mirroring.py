@@ -276,7 +276,7 @@ class Mirror:
         if self.pause is not None and self.pause.stopped:  # the last call may still commit
             raise MirrorStoppedError(f"mirror copy of step {step} stopped before its commit")
         folder = f"{step_folder(step)}/"
-        attempt = self.source.committed_attempt(step) or ""
+        attempt = self.source.committed_attempt(step, data) or ""
         self.target.commit_bytes(
             step,
             attempt,

@@ -15,9 +15,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from spotckpt.cost import DEFAULT_PRICES, PriceTable
+from spotckpt.cost import (
+    DEFAULT_PRICES,
+    GB,
+    PriceTable,
+    egress_cost,
+    egress_per_gb,
+    provider,
+    provider_egress_per_gb,
+)
 from spotckpt.deadline import EmergencyEstimate, estimate
-from spotckpt.goodput import PER_SAVE_FIELDS, REQUEST_FIELDS, EventLog, Totals
+from spotckpt.goodput import MIRROR_BYTES_TO, PER_SAVE_FIELDS, REQUEST_FIELDS, EventLog, Totals
 from spotckpt.interval import (
     PRIOR_EVICTIONS_PER_HOUR,
     PRIOR_WEIGHT_HOURS,
@@ -96,6 +104,16 @@ class GoodputStats:
     emergency_route: str | None = None
     emergency_window_s: float | None = None
     emergency_window_source: str | None = None
+    mirror_catch_ups: int = 0
+    """``mirror`` events over the whole run (catch-ups that copied or failed something)."""
+    mirror_bytes: int = 0
+    """Bytes copied to mirrors over the whole run: egress out of the root's region."""
+    cost_mirror_egress: float | None = None
+    """`mirror_bytes` priced per provider pair (`spotckpt.cost.egress_per_gb`)."""
+    mirrors: list[dict[str, Any]] | None = None
+    """Per mirror, from the events not yet compacted: ``mirror``, ``catch_ups``, ``bytes``,
+    ``cost_egress``, ``egress_per_gb`` and the latest ``step``, ``steps_behind``,
+    ``seconds_behind``, ``failed_steps``, ``time``."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form."""
@@ -205,6 +223,7 @@ class GoodputStats:
             ("emergency save", self._emergency_row()),
             *self._model_rows(),
             *self._cost_rows(),
+            *self._mirror_rows(),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"goodput at {self.uri}"] + [f"  {n.ljust(width)}  {v}" for n, v in rows])
@@ -248,6 +267,37 @@ class GoodputStats:
                 f"{money(self.cost_retention_per_month)} per month",
             ),
         ]
+
+    def _mirror_rows(self) -> list[tuple[str, str]]:
+        """The run's mirror egress, and each mirror's lag (from its latest event)."""
+        if not self.mirror_catch_ups:
+            return []
+        rows = [
+            (
+                "mirrored",
+                f"{human_size(self.mirror_bytes)} in {_count(self.mirror_catch_ups, 'catch-up')}"
+                f": egress {self._money(self.cost_mirror_egress)}",
+            )
+        ]
+        for mirror in self.mirrors or []:
+            behind = mirror.get("steps_behind")
+            seconds = mirror.get("seconds_behind")
+            lag = (
+                "lag -"
+                if behind is None
+                else f"{_count(behind, 'step')} behind, "
+                + ("time unknown" if seconds is None else f"{seconds:.0f} s")
+            )
+            failed = f", {mirror['failed_steps']} failed" if mirror.get("failed_steps") else ""
+            rows.append(
+                (
+                    "mirror",
+                    f"{mirror['mirror']}: step {_or_dash(mirror.get('step'))}, {lag}{failed} "
+                    f"(latest event); {human_size(mirror['bytes'])} since the last compaction: "
+                    f"{self._money(mirror['cost_egress'])}",
+                )
+            )
+        return rows
 
     def _money(self, value: float | None) -> str:
         return "-" if value is None else f"{value:.4f} {self.currency} (estimated)"
@@ -330,7 +380,37 @@ def stats_from_totals(
     stats.emergency_window_source = _text(totals.last.get("emergency_window_source"))
     _add_model_figures(stats)
     _add_cost_figures(stats, totals, prices, retained_bytes)
+    _add_mirror_figures(stats, totals, prices)
     return stats
+
+
+def _add_mirror_figures(stats: GoodputStats, totals: Totals, prices: PriceTable) -> None:
+    """The run's mirror bytes and their egress price (by the sums per provider, so compacted
+    events count), and each mirror's latest lag (from the events not yet compacted)."""
+    stats.mirror_catch_ups = totals.counts.get("mirror", 0)
+    if not stats.mirror_catch_ups:
+        return
+    stats.currency = prices.currency
+    stats.mirror_bytes = int(totals.sums.get("mirror_bytes", 0))
+    source = provider(stats.uri)
+    stats.cost_mirror_egress = sum(
+        totals.sums.get(name, 0.0) / GB * provider_egress_per_gb(prices, source, target)
+        for target, name in MIRROR_BYTES_TO.items()
+    )
+    stats.mirrors = [
+        {
+            "mirror": uri,
+            "catch_ups": row["events"],
+            "bytes": row["bytes"],
+            "egress_per_gb": egress_per_gb(prices, stats.uri, uri),
+            "cost_egress": egress_cost(prices, stats.uri, uri, row["bytes"]),
+            **{name: row.get(name) for name in _MIRROR_LATEST},
+        }
+        for uri, row in sorted(totals.mirrors.items())
+    ]
+
+
+_MIRROR_LATEST = ("step", "steps_behind", "seconds_behind", "failed_steps", "time")
 
 
 def _add_cost_figures(

@@ -28,7 +28,8 @@ from spotckpt.stats import load_stats
     type=click.Path(exists=True, dir_okay=False),
     help="JSON object of prices replacing the defaults (S3 Standard, us-east-1): "
     "write_per_1000, read_per_1000, delete_per_1000, storage_per_gb_month, egress_per_gb, "
-    "currency.",
+    "currency, and egress_per_gb_between (mirror egress per provider pair, "
+    '{"s3->gs": 0.09}).',
 )
 def stats_command(
     uri: str | None,
@@ -36,8 +37,9 @@ def stats_command(
     as_json: bool,
     prices_path: str | None,
 ) -> None:
-    """Goodput from the run's events: evictions, steps lost, save costs, the interval; and the
-    requests the saves and restores made, with their estimated price.
+    """Goodput from the run's events: evictions, steps lost, save costs, the interval; the
+    requests the saves and restores made, with their estimated price; and the bytes copied to
+    mirrors, their estimated egress price and each mirror's lag.
 
     Save stall is the time the training loop was blocked; the suggested interval is Daly's
     optimum for the measured save cost, step time and eviction rate. Prices are list prices

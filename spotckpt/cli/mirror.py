@@ -2,7 +2,9 @@
 another cloud), each object checked against the source's manifest and each step committed at the
 mirror by its own manifest (`spotckpt.mirroring`); once, or with ``--follow`` round after round
 until SIGINT or SIGTERM, so that a job can restart from the mirror when the source's region is
-gone."""
+gone. Before copying it prints what it will copy (`Mirror.plan`) and the egress that costs, after
+it the bytes moved and their price (`spotckpt.cost.egress_per_gb`): mirroring across regions and
+clouds is billed per GB."""
 
 from __future__ import annotations
 
@@ -37,12 +39,14 @@ from spotckpt.cli.common import (
     storage_pair,
     utc_time,
 )
+from spotckpt.cost import DEFAULT_PRICES, GB, PriceTable, egress_per_gb, load_prices
 from spotckpt.errors import CommandFailedError
 from spotckpt.mirroring import (
     DEFAULT_COPIES,
     DEFAULT_PIECE_BYTES,
     BandwidthLimit,
     Mirror,
+    MirrorPlan,
     MirrorReport,
     MirrorStoppedError,
     Pause,
@@ -106,6 +110,13 @@ DEFAULT_EVERY_S = 60.0
     metavar="KEY=VALUE",
     help="DST's storage option (repeatable); the config's storage_options are not DST's.",
 )
+@click.option(
+    "--prices",
+    "prices_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSON price table (as spotckpt stats --prices); egress_per_gb_between overrides the "
+    'egress per GB of a provider pair, {"s3->gs": 0.09}.',
+)
 @json_option
 def mirror_command(
     source: str,
@@ -118,6 +129,7 @@ def mirror_command(
     copies: int,
     source_options: tuple[tuple[str, str], ...],
     target_options: tuple[tuple[str, str], ...],
+    prices_path: str | None,
     as_json: bool,
 ) -> None:
     """Copy SRC's committed steps that DST lacks to DST, checked, each committed by its manifest.
@@ -125,6 +137,8 @@ def mirror_command(
     SRC must exist; DST is created as needed and must be a mirror of SRC's job (exit 2 else).
     Exit 1 when a step could not be mirrored (the others are). With --follow, repeat until
     SIGINT or SIGTERM, then exit 0 (a copy in flight is left uncommitted: the next run reuses it).
+    Before copying, the plan (steps, objects, bytes) and its estimated egress price; after, the
+    bytes moved and theirs (list prices per provider pair, --prices to override).
     """
     if every is not None and not follow:
         raise click.UsageError("--every needs --follow")
@@ -132,6 +146,7 @@ def mirror_command(
         raise click.UsageError("--step and --follow do not go together: --follow mirrors new steps")
     if every is not None and every <= 0:
         raise click.UsageError("--every must be more than 0 s")
+    prices = load_prices(prices_path) if prices_path else DEFAULT_PRICES
     stop = threading.Event()
     with ExitStack() as stack:
         catalogs = _open_catalogs(stack, source, target, source_options, target_options)
@@ -145,14 +160,24 @@ def mirror_command(
             pause=Pause(stop_when=stop.is_set),  # --follow's signals stop copies at a piece
             progress=update,
         )
+        egress = _Egress(prices, egress_per_gb(prices, mirror.source.uri, mirror.target.uri))
+        plan = egress.plan(mirror.plan(steps or None, keep_last=keep_last))
         if follow:
-            _follow(mirror, keep_last, DEFAULT_EVERY_S if every is None else every, as_json, stop)
+            if as_json:
+                click.echo(json.dumps({"time": _now(), "plan": plan}, default=str))
+            else:
+                click.echo(egress.plan_line(plan))
+            every_s = DEFAULT_EVERY_S if every is None else every
+            _follow(mirror, keep_last, every_s, as_json, stop, egress)
             return
+        if not as_json:
+            click.echo(egress.plan_line(plan))
         report = mirror.catch_up(steps or None, keep_last=keep_last)
     if as_json:
-        emit_json(_document(report))
+        emit_json({**_document(report, egress), "plan": plan})
     else:
         _print_report(report)
+        click.echo(egress.moved_line(report.copied_bytes))
     if report.failed:
         shown = ", ".join(str(step) for step in sorted(report.failed))
         raise CommandFailedError(f"{plural(len(report.failed), 'step')} not mirrored: {shown}")
@@ -184,7 +209,12 @@ def _open_catalogs(
 
 
 def _follow(
-    mirror: Mirror, keep_last: int | None, every: float, as_json: bool, stop: threading.Event
+    mirror: Mirror,
+    keep_last: int | None,
+    every: float,
+    as_json: bool,
+    stop: threading.Event,
+    egress: _Egress,
 ) -> None:
     """Catch up every `every` seconds until SIGINT or SIGTERM sets `stop`; one line (or JSON
     document) per round that copied or failed something. A failed step is tried again the next
@@ -198,9 +228,10 @@ def _follow(
             copied = [step for step in report.copied if not step.already]
             if copied or report.failed:
                 if as_json:
-                    click.echo(json.dumps({"time": _now(), **_document(report)}, default=str))
+                    document = {"time": _now(), **_document(report, egress)}
+                    click.echo(json.dumps(document, default=str))
                 else:
-                    _print_round(report, copied)
+                    _print_round(report, copied, egress)
             if stop.wait(every):
                 return
 
@@ -228,13 +259,13 @@ def _now() -> str:
     return utc_time(datetime.now(timezone.utc))
 
 
-def _print_round(report: MirrorReport, copied: list[StepCopy]) -> None:
+def _print_round(report: MirrorReport, copied: list[StepCopy], egress: _Egress) -> None:
     if copied:
         shown = ", ".join(str(step.step) for step in copied)
-        size = human_size(sum(step.copied_bytes for step in copied))
+        moved = sum(step.copied_bytes for step in copied)
         click.echo(
             f"{_now()} UTC: mirrored {'step' if len(copied) == 1 else 'steps'} {shown} "
-            f"({size}); {_lag(report)}"
+            f"({human_size(moved)}, egress {egress.money(egress.cost(moved))}); {_lag(report)}"
         )
     for step, why in sorted(report.failed.items()):
         click.echo(f"{_now()} UTC: step {step} not mirrored: {one_line(why)}")
@@ -243,9 +274,52 @@ def _print_round(report: MirrorReport, copied: list[StepCopy]) -> None:
 # Output -------------------------------------------------------------------------------------------
 
 
-def _document(report: MirrorReport) -> dict[str, Any]:
-    """`MirrorReport.to_dict`, with credentials redacted from the URIs and the failures."""
+class _Egress:
+    """The price of the bytes a mirror moves: `rate` per GB (decimal) from the price table."""
+
+    def __init__(self, prices: PriceTable, rate: float) -> None:
+        self.prices = prices
+        self.rate = rate
+
+    def cost(self, size: int) -> float:
+        return size / GB * self.rate
+
+    def money(self, value: float) -> str:
+        return f"{value:.6f} {self.prices.currency} (estimated)"
+
+    def plan(self, plan: MirrorPlan) -> dict[str, Any]:
+        """The plan as JSON fields, with its egress price."""
+        return {
+            "steps": plan.steps,
+            "objects": plan.objects,
+            "bytes": plan.bytes,
+            "egress_per_gb": self.rate,
+            "egress_cost": self.cost(plan.bytes),
+            "currency": self.prices.currency,
+        }
+
+    def plan_line(self, plan: dict[str, Any]) -> str:
+        if not plan["objects"]:
+            shown = f" ({plural(len(plan['steps']), 'step')} to commit)" if plan["steps"] else ""
+            return f"plan: nothing to copy{shown}"
+        steps = ", ".join(str(step) for step in plan["steps"])
+        return (
+            f"plan: {'step' if len(plan['steps']) == 1 else 'steps'} {steps}: "
+            f"{plural(plan['objects'], 'object')}, {human_size(plan['bytes'])} to copy, egress "
+            f"{self.money(plan['egress_cost'])} at {self.rate:g} {self.prices.currency}/GB"
+        )
+
+    def moved_line(self, size: int) -> str:
+        return f"moved {human_size(size)}: egress {self.money(self.cost(size))}"
+
+
+def _document(report: MirrorReport, egress: _Egress) -> dict[str, Any]:
+    """`MirrorReport.to_dict`, with credentials redacted from the URIs and the failures, and
+    the egress price of the bytes copied."""
     document = report.to_dict()
+    document["egress_cost"] = egress.cost(report.copied_bytes)
+    document["egress_per_gb"] = egress.rate
+    document["currency"] = egress.prices.currency
     document["source"] = redacted(document["source"])
     document["target"] = redacted(document["target"])
     document["failed"] = {step: one_line(why) for step, why in document["failed"].items()}
