@@ -147,14 +147,14 @@ class Events(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.lock = threading.Lock()
+        self.guard = threading.Lock()
         self.committed: dict[int, float] = {}
         self.mirrored: dict[int, dict[str, float]] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         message = str(record.msg)
         args = record.args if isinstance(record.args, tuple) else ()
-        with self.lock:
+        with self.guard:
             if message.startswith("checkpoint step %d committed"):
                 self.committed[int(args[0])] = record.created
             elif message.startswith("step %d mirrored to"):
@@ -167,7 +167,7 @@ class Events(logging.Handler):
 
     def behind(self) -> int:
         """Committed steps newer than the mirror's newest."""
-        with self.lock:
+        with self.guard:
             newest = max(self.mirrored, default=None)
             return sum(1 for step in self.committed if newest is None or step > newest)
 

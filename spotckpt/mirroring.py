@@ -157,6 +157,8 @@ class StepCopy:
     copied_objects: int = 0
     copied_bytes: int = 0
     present_objects: int = 0
+    server_side_objects: int = 0
+    """Of those copied, the objects the provider copied itself (then read back and checked)."""
     seconds: float = 0.0
     already: bool = False
     """The mirror held the step already (the same manifest bytes): nothing was copied."""
@@ -272,7 +274,7 @@ class Mirror:
         if identity is not None:  # an older root without one has nothing to carry
             self.target.adopt_job(identity)
         self.target.check_signed(data, step)  # the mirror's keys must accept what it commits
-        copied, present = self._copy_objects(needed)
+        copied, present, server_side = self._copy_objects(needed)
         if self.pause is not None and self.pause.stopped:  # the last call may still commit
             raise MirrorStoppedError(f"mirror copy of step {step} stopped before its commit")
         folder = f"{step_folder(step)}/"
@@ -288,6 +290,7 @@ class Mirror:
             copied_objects=len(copied),
             copied_bytes=sum(needed[key].size for key in copied),
             present_objects=len(present),
+            server_side_objects=server_side,
             seconds=time.monotonic() - started,
         )
 
@@ -300,8 +303,9 @@ class Mirror:
             )
         return StepCopy(step, already=True)
 
-    def _copy_objects(self, needed: dict[str, Expected]) -> tuple[list[str], list[str]]:
-        """Copy what the mirror lacks of `needed`: the keys copied, and those already there."""
+    def _copy_objects(self, needed: dict[str, Expected]) -> tuple[list[str], list[str], int]:
+        """Copy what the mirror lacks of `needed`: the keys copied, those already there, and how
+        many the provider copied server-side."""
         present, missing = [], []
         for key, info in self._found(needed).items():
             expected = needed[key]
@@ -326,7 +330,8 @@ class Mirror:
                     future.cancel()
                 for future in done:
                     future.result()  # the first failure, raised here with its own traceback
-        return missing, present
+                server_side = sum(1 for future in futures if future.result())
+        return missing, present, server_side if missing else 0
 
     def _found(self, needed: dict[str, Expected]) -> dict[str, ObjectInfo | None]:
         """What the mirror holds at each key of `needed` (HEADs, `HEADS` at a time)."""
@@ -334,9 +339,10 @@ class Mirror:
         with ThreadPoolExecutor(max(1, min(HEADS, len(keys)))) as pool:
             return dict(zip(keys, pool.map(self.target.store.head, keys), strict=True))
 
-    def _copy_one(self, key: str, expected: Expected) -> None:
+    def _copy_one(self, key: str, expected: Expected) -> bool:
+        """Copy one object; whether the provider copied it server-side."""
         try:
-            copy_object(
+            copied = copy_object(
                 self.source.store,
                 key,
                 self.target.store,
@@ -350,6 +356,8 @@ class Mirror:
             info = self.target.store.head(key)
             if info is None or info.size != expected.size:
                 raise
+            return False
+        return copied.server_side
 
     def _before_piece(self, count: int) -> None:
         if self.pause is not None:

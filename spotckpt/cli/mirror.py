@@ -300,8 +300,7 @@ class _Egress:
 
     def plan_line(self, plan: dict[str, Any]) -> str:
         if not plan["objects"]:
-            shown = f" ({plural(len(plan['steps']), 'step')} to commit)" if plan["steps"] else ""
-            return f"plan: nothing to copy{shown}"
+            return "plan: nothing to copy"
         steps = ", ".join(str(step) for step in plan["steps"])
         return (
             f"plan: {'step' if len(plan['steps']) == 1 else 'steps'} {steps}: "

@@ -10,10 +10,11 @@ holds one piece besides what the target's writer buffers (a bucket store's parts
 whatever the object's size. A streamed copy computes the CRC32C of every byte it writes and checks
 it before the commit: against the caller's `Expected` size and CRC32C (a manifest's; and its BLAKE3
 where a signed manifest records one), and told nothing, that the source ends where its listing said.
-A copy told what to expect always streams, since only then is the check made before anything is
-committed; a server-side copy returns no CRC32C (the provider moved the bytes). Either way the
-target's rules hold: a create-only copy onto an existing key raises `AlreadyExistsError`, and a copy
-that fails midway leaves no object at the key (the target's writer aborts).
+A server-side copy told what to expect (create-only) is read back from the target and checked there,
+and deleted when it differs: its bytes pass through this process once instead of twice, and nothing
+that differs stays; told nothing, it returns no CRC32C (the provider moved the bytes). Either way
+the target's rules hold: a create-only copy onto an existing key raises `AlreadyExistsError`, and a
+copy that fails midway leaves no object at the key (the target's writer aborts).
 """
 
 from __future__ import annotations
@@ -88,20 +89,74 @@ def copy_object(
 ) -> Copied:
     """Copy `source_key` of `source` to `key` of `target`: server-side where `target` offers it
     for this source, else streamed in pieces of `piece_bytes` (`on_piece` sees each piece's size
-    before it is read: a bandwidth limit waits there). With `expected` (a manifest's size and
-    CRC32C of the object), the copy always streams and commits only bytes that match: a source
-    that differs leaves nothing at `key` (CorruptCheckpointError). Raises ObjectNotFoundError
-    when the source is missing, AlreadyExistsError when create-only finds the key taken; a
-    failed copy leaves no object at `key`."""
+    before it is read or, server-side, read back: a bandwidth limit waits there). Raises
+    ObjectNotFoundError when the source is missing, AlreadyExistsError when create-only finds
+    the key taken; a failed copy leaves no object at `key`.
+
+    With `expected` (a manifest's size and CRC32C of the object, and BLAKE3 where signed) only
+    bytes that match stay at `key`: a streamed copy checks them before its commit; a server-side
+    one reads what the provider wrote back from `target` and checks it there, deleting it when
+    it differs (create-only, the object is this copy's own). Either way a source that differs
+    raises CorruptCheckpointError and leaves nothing at `key`."""
     if piece_bytes < 1:
         raise InvalidArgumentError(f"a copy's piece must be at least 1 byte, got {piece_bytes}")
-    if expected is None and copies_server_side(target):
+    if copies_server_side(target) and (expected is None or create_only):
         info = cast(ServerSideCopy, target).copy_within(
             source, source_key, key, create_only=create_only
         )
         if info is not None:
-            return Copied(info, None, server_side=True)
+            if expected is None:
+                return Copied(info, None, server_side=True)
+            return _checked_at_target(target, key, info, expected, piece_bytes, on_piece)
     return _stream(source, source_key, target, key, create_only, expected, piece_bytes, on_piece)
+
+
+def _checked_at_target(
+    target: ObjectStore,
+    key: str,
+    info: ObjectInfo,
+    expected: Expected,
+    piece_bytes: int,
+    on_piece: Callable[[int], None] | None,
+) -> Copied:
+    """A server-side copy at `key` read back and checked against `expected`; deleted (and
+    CorruptCheckpointError) when it differs."""
+    try:
+        if info.size != expected.size:
+            raise CorruptCheckpointError(
+                f"copy of {key!r}: the provider copied {info.size} bytes, not the "
+                f"{expected.size} expected"
+            )
+        checksum, digest = _read_back(target, key, expected, piece_bytes, on_piece)
+        _check_whole(target, key, expected.size, checksum, digest, expected)
+    except BaseException:
+        target.delete_many([key])  # created by this copy (create-only): no one else's
+        raise
+    return Copied(info, checksum, server_side=True)
+
+
+def _read_back(
+    target: ObjectStore,
+    key: str,
+    expected: Expected,
+    piece_bytes: int,
+    on_piece: Callable[[int], None] | None,
+) -> tuple[int, str | None]:
+    """The CRC32C (and BLAKE3 when `expected` has one) of the object at `key`, read in pieces."""
+    piece = memoryview(bytearray(min(piece_bytes, max(1, expected.size))))
+    strong = blake3.blake3() if expected.blake3 is not None else None
+    checksum = done = 0
+    while done < expected.size:
+        wanted = piece[: min(piece.nbytes, expected.size - done)]
+        if on_piece is not None:
+            on_piece(wanted.nbytes)
+        if target.get_range_into(key, done, wanted) != wanted.nbytes:
+            raise CorruptCheckpointError(f"copy of {key!r}: the copy ended at byte {done}")
+        checksum = crc32c(wanted, checksum)
+        if strong is not None:
+            strong.update(wanted)
+        done += wanted.nbytes
+    return checksum, strong.hexdigest() if strong is not None else None
 
 
 def _stream(

@@ -113,10 +113,12 @@ def test_local_mirror_text_and_json_and_a_second_run_copies_nothing(
     code, out, err = _mirror(capsys, str(source), str(target))
     assert code == 0, (out, err)
     lines = out.splitlines()
-    assert len(lines) == 3, out
-    for line, step in zip(lines, (1, 2), strict=False):
+    assert len(lines) == 5, out
+    assert lines[0].startswith("plan: steps 1, 2: 2 objects, "), lines[0]
+    for line, step in zip(lines[1:], (1, 2), strict=False):
         assert line.startswith(f"step {step}: copied 1 object, ") and line.endswith(" s"), line
-    assert lines[2] == "up to date"
+    assert lines[3] == "up to date"
+    assert lines[4].startswith("moved ") and lines[4].endswith(" USD (estimated)"), lines[4]
     _assert_sound(str(target), [1, 2])
 
     code, out, err = _mirror(capsys, str(source), str(target), "--json")
@@ -126,7 +128,10 @@ def test_local_mirror_text_and_json_and_a_second_run_copies_nothing(
     assert document["copied_bytes"] == 0 and document["steps_behind"] == 0
     assert document["target"] == target.as_uri()
     code, out, _ = _mirror(capsys, str(source), str(target), "--step", "1")
-    assert (code, out.splitlines()) == (0, ["step 1: already mirrored", "up to date"])
+    assert (code, out.splitlines()[:3]) == (
+        0,
+        ["plan: nothing to copy", "step 1: already mirrored", "up to date"],
+    )
 
     _save(str(source), (3,))
     code, out, _ = _mirror(capsys, str(source), str(target), "--json", "--keep-last", "2")
@@ -190,7 +195,8 @@ def test_a_killed_mirror_is_sound_and_a_rerun_completes_it(roots: tuple[Path, Pa
     )
     assert rerun.returncode == 0, (rerun.stdout, rerun.stderr)
     lines = rerun.stdout.splitlines()
-    assert lines[0].startswith("step 2: copied 1 object") and lines[1:] == ["up to date"], lines
+    assert lines[0].startswith("plan: step 2: "), lines
+    assert lines[1].startswith("step 2: copied 1 object") and lines[2] == "up to date", lines
     _assert_sound(str(target), [1, 2], LARGE)
 
 
@@ -218,8 +224,9 @@ def test_follow_mirrors_new_steps_and_sigterm_ends_a_copy_in_flight(
     assert child.returncode == 0, (out, err)
     assert time.monotonic() - stopping < 20, "the copy in flight should end at its next piece"
     lines = out.splitlines()
-    assert len(lines) == 2, out
-    assert " UTC: mirrored step 1 " in lines[0] and " UTC: mirrored step 2 " in lines[1]
+    assert len(lines) == 3, out
+    assert lines[0].startswith("plan: ")  # at start: step 1, or nothing once copied
+    assert " UTC: mirrored step 1 " in lines[1] and " UTC: mirrored step 2 " in lines[2]
     assert not _committed(target, 3)
     _assert_sound(str(target), [1, 2])
 
@@ -282,7 +289,8 @@ def test_s3_mirrors_to_azure_and_gcs(
         capsys, s3_uri, az_uri, "--target-option", f"connection_string={connection}"
     )
     assert code == 0, (out, err)
-    assert out.splitlines()[-1] == "up to date" and out.count("copied 1 object") == 2, out
+    assert "\nup to date\n" in out and out.count("copied 1 object") == 2, out
+    assert out.splitlines()[-1].startswith("moved "), out
     assert secret not in out + err
     code, out, err = _mirror(capsys, s3_uri, gcs_uri, "--json", "--copies", "2")
     assert code == 0, (out, err)

@@ -7,6 +7,7 @@ it goes on there and its later steps are mirrored back."""
 from __future__ import annotations
 
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,10 @@ import seam_run  # noqa: E402
 
 from spotckpt import CheckpointManager  # noqa: E402
 from spotckpt.catalog import Catalog  # noqa: E402
+from spotckpt.errors import CorruptCheckpointError  # noqa: E402
 from spotckpt.format.signing import Keyring  # noqa: E402
+from spotckpt.layout import step_folder  # noqa: E402
+from spotckpt.mirroring import Mirror  # noqa: E402
 from spotckpt.storage import RetryPolicy, open_store  # noqa: E402
 from spotckpt.verify import verify_checkpoint  # noqa: E402
 
@@ -103,3 +107,39 @@ def test_s3_job_mirrored_to_gcs_and_azure_resumes_anywhere(
             assert seam_run.same(state, seam_run.state(5))
     finally:
         back.close()
+
+
+@pytest.mark.process
+def test_s3_to_s3_copies_server_side_and_checks_what_the_provider_wrote(
+    s3_uri: str, s3_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two buckets one identity reaches: S3 copies each object itself; it is read back and
+    checked at the mirror, and an object whose bytes at the source no longer match its manifest
+    is deleted there again: the step is not committed."""
+    other = f"mirror-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=other)
+    mirror = f"s3://{other}/runs/exp1"
+    _save_steps(s3_uri, (1, 2))
+    source, target = Catalog(open_store(s3_uri)), Catalog(open_store(mirror))
+    report = Mirror(source, target).copy_step(1)
+    assert report.copied_objects > 0 and report.server_side_objects == report.copied_objects
+    largest = max(source.store.list(f"{step_folder(2)}/"), key=lambda info: info.size)
+    bucket, _, prefix = s3_uri.removeprefix("s3://").partition("/")
+    body = bytearray(
+        s3_client.get_object(Bucket=bucket, Key=f"{prefix}/{largest.key}")["Body"].read()
+    )
+    body[len(body) // 2] ^= 1
+    s3_client.put_object(Bucket=bucket, Key=f"{prefix}/{largest.key}", Body=bytes(body))
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        Mirror(source, target).copy_step(2)
+    assert not target.store.exists(largest.key) and target.steps() == [1]
+    with CheckpointManager(mirror, preemption=False, keep_last=None) as job:
+        state = seam_run.blank()
+        assert job.restore(state) == 1
+        assert seam_run.same(state, seam_run.state(1))
+
+
+def _save_steps(uri: str, steps: tuple[int, ...]) -> None:
+    with CheckpointManager(uri, preemption=False, keep_last=None) as job:
+        for step in steps:
+            job.save(step, seam_run.state(step))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotckpt.checksum import crc32c
+from spotckpt.checksum import chunk_hash, crc32c
 from spotckpt.errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 from spotckpt.storage import (
     AlreadyExistsError,
@@ -474,20 +474,26 @@ class ShortHead:
 
 
 def test_a_copy_commits_only_what_the_caller_expects(store: ObjectStore, memory_uri: str) -> None:
-    """Told the object's size and CRC32C (a manifest's), a copy checks them before it commits,
-    and streams even where the store could copy server-side; told nothing, it checks that the
-    source ends where its listing said."""
+    """Told the object's size and CRC32C (a manifest's), and BLAKE3 where signed, a copy keeps
+    only bytes that match: streamed, checked before it commits (always, unless create-only); a
+    create-only copy the provider makes server-side is read back and checked at the target, and
+    deleted when it differs. Told nothing, it checks that the source ends where its listing
+    said."""
     payload = _payload(PART + 17, seed=3)
     for origin in (open_store(memory_uri), store):
         origin.put("src", payload)
-        good = Expected(len(payload), crc32c(payload))
+        good = Expected(len(payload), crc32c(payload), chunk_hash(payload))
         copied = copy_object(origin, "src", store, "ok", expected=good)
         assert not copied.server_side and copied.crc32c == good.crc32c
         assert store.get("ok") == payload
         store.delete_many(["ok"])
+        copied = copy_object(origin, "src", store, "ok", expected=good, create_only=True)
+        assert copied.crc32c == good.crc32c and store.get("ok") == payload
+        store.delete_many(["ok"])
         for wrong in (
             Expected(len(payload), good.crc32c ^ 1),
             Expected(len(payload) - 1, good.crc32c),
+            Expected(len(payload), good.crc32c, "0" * 64),
         ):
             with pytest.raises(CorruptCheckpointError):
                 copy_object(origin, "src", store, "bad", expected=wrong, create_only=True)
