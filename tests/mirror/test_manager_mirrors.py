@@ -1,6 +1,6 @@
 """The `mirrors` setting: a job's committed steps copied to other roots in the background, waited
 for by `wait` and `close`, stopped by a preemption notice, and a job restarted at a mirror that
-goes on there and mirrors back."""
+goes on there and mirrors back. Covers the set-up and restart blocks of docs/mirrors.md."""
 
 from __future__ import annotations
 
