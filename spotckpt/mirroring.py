@@ -457,9 +457,9 @@ def _relative(key: str, folder: str) -> str:
 class MirrorFollower:
     """Copies what a job commits to each of its mirrors, in one background thread: at start
     (what an earlier run left uncopied, after a notice stopped it) and after each commit
-    (`committed`) every mirror catches up (`Mirror.catch_up`: the newest `keep_last`
-    steps it lacks, then its retention), so steps committed faster than they copy are skipped,
-    never queued without bound. A mirror that fails (unreachable, refused) is a warning, and is
+    (`committed`) every mirror catches up (`Mirror.catch_up`: of the newest steps its own
+    `keep_last` keeps, those it lacks, then its retention), so steps committed faster than they
+    copy are skipped, never queued without bound. A mirror that fails (unreachable, refused) is a warning, and is
     tried again after the next commit; `errors` holds the last failure of each mirror.
 
     `wait` blocks until every commit seen so far is mirrored (or `timeout` passes); `close`
@@ -471,7 +471,7 @@ class MirrorFollower:
         self,
         mirrors: list[Mirror],
         *,
-        keep_last: int | None,
+        keep_last: list[int | None],
         wait_s: float,
         pause: Pause,
         on_report: Callable[[MirrorReport], None] | None = None,
@@ -535,8 +535,8 @@ class MirrorFollower:
                     return
                 asked = self._asked
             try:
-                for mirror in self.mirrors:
-                    self._catch_up(mirror)
+                for mirror, keep_last in zip(self.mirrors, self.keep_last, strict=True):
+                    self._catch_up(mirror, keep_last)
             except MirrorStoppedError:
                 log.info("mirror copies stopped; the next run resumes them")
                 with self._lock:
@@ -547,10 +547,10 @@ class MirrorFollower:
                 self._done = asked
                 self._lock.notify_all()
 
-    def _catch_up(self, mirror: Mirror) -> None:
+    def _catch_up(self, mirror: Mirror, keep_last: int | None) -> None:
         uri = mirror.target.uri
         try:
-            report = mirror.catch_up(keep_last=self.keep_last)
+            report = mirror.catch_up(keep_last=keep_last)
         except MirrorStoppedError:
             raise
         except CheckpointError as error:  # the job goes on; the next commit tries again
@@ -606,9 +606,10 @@ def follow_mirrors(
         Mirror(Catalog(store, keyring), Catalog(mirror.store, keyring), limit=limit, pause=pause)
         for mirror in mirrors
     ]
+    targets = parse_mirrors(settings.mirrors)  # the same order as `open_mirrors`
     return MirrorFollower(
         copies,
-        keep_last=settings.keep_last,
+        keep_last=[target.retention(settings.keep_last) for target in targets],
         wait_s=settings.mirror_wait_s,
         pause=pause,
         on_report=on_report,

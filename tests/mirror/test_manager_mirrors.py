@@ -83,6 +83,19 @@ def test_committed_steps_appear_at_every_mirror_under_its_retention(
         _restores(mirror, 4)
 
 
+def test_each_mirror_may_keep_its_own_number_of_steps(tmp_path: Path) -> None:
+    source, short, everything = (str(tmp_path / name) for name in ("source", "short", "all"))
+    mirrors = {short: {"keep_last": 1}, everything: {"keep_last": None}}
+    with CheckpointManager(source, preemption=False, keep_last=2, mirrors=mirrors) as job:
+        for step in (1, 2, 3):
+            job.save(step, seam_run.state(step))
+            job.wait()
+    assert _steps(source) == [2, 3] and _steps(short) == [3] and _steps(everything) == [1, 2, 3]
+    _restores(short, 3)
+    with pytest.raises(ConfigError, match=r"keep_last of mirror .* at least 1"):
+        Config.load(uri=source, mirrors={short: {"keep_last": 0}})
+
+
 def test_the_setting_from_the_environment_and_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
