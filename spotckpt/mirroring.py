@@ -459,8 +459,9 @@ class MirrorFollower:
     (what an earlier run left uncopied, after a notice stopped it) and after each commit
     (`committed`) every mirror catches up (`Mirror.catch_up`: of the newest steps its own
     `keep_last` keeps, those it lacks, then its retention), so steps committed faster than they
-    copy are skipped, never queued without bound. A mirror that fails (unreachable, refused) is a warning, and is
-    tried again after the next commit; `errors` holds the last failure of each mirror.
+    copy are skipped, never queued without bound. A mirror that fails (unreachable, refused) is
+    a warning, and is tried again after the next commit; `errors` holds the last failure of
+    each mirror.
 
     `wait` blocks until every commit seen so far is mirrored (or `timeout` passes); `close`
     stops the thread after the copies in flight, at most `wait_s` later (unless stopped by its
