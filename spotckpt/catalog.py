@@ -408,13 +408,19 @@ class Catalog:
 
     # Committing -------------------------------------------------------------------------------
 
-    def commit(self, manifest: Manifest, data: bytes) -> None:
+    def commit(self, manifest: Manifest, data: bytes, *, overwrite: bool = False) -> None:
         """`commit_bytes` for an encoded `manifest`, which references its objects."""
         sizes = {key: record.size for key, record in manifest.objects.items()}
-        self.commit_bytes(manifest.step, manifest.attempt, data, sizes)
+        self.commit_bytes(manifest.step, manifest.attempt, data, sizes, overwrite=overwrite)
 
     def commit_bytes(
-        self, step: int, attempt: str, data: bytes, referenced: Mapping[str, int]
+        self,
+        step: int,
+        attempt: str,
+        data: bytes,
+        referenced: Mapping[str, int],
+        *,
+        overwrite: bool = False,
     ) -> None:
         """Write `data` (an encoded manifest or indexed root) create-only: the commit point of
         a save, so that a committed manifest never references a missing object.
@@ -430,13 +436,30 @@ class Catalog:
         first check and the put (a gc with a short safety age, which saw no manifest yet) makes
         the manifest be deleted again and the save fail, rather than stay committed over
         missing objects. A gc that runs after the put finds the manifest and keeps them.
+
+        With `overwrite` (only `spotckpt.dcp.dcp_writer`'s, as DCP's own writers overwrite) the
+        put replaces a manifest already there in one atomic put: a reader sees the old step or
+        the new one. The old attempt's objects stay for readers that read the old manifest
+        until gc collects them (after its safety age, unless a kept step references them).
         """
         self.check_referenced(step, referenced)
-        self._put_manifest(step, attempt, data)
+        if overwrite:
+            self._replace_manifest(step, attempt, data)
+        else:
+            self._put_manifest(step, attempt, data)
         wrong = self.missing_objects(step, referenced)
         if wrong:
             self.store.delete_many([manifest_key(step)])
             raise self._missing_error(step, wrong, "was withdrawn right after it was written")
+
+    def _replace_manifest(self, step: int, attempt: str, data: bytes) -> None:
+        self._readings.forget([step])  # what retention read of the old manifest is stale
+        try:
+            self.store.put(manifest_key(step), data)
+        except StorageError:
+            if self.committed_attempt(step) == attempt:
+                return
+            raise
 
     def _put_manifest(self, step: int, attempt: str, data: bytes) -> None:
         key = manifest_key(step)

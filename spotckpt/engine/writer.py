@@ -167,6 +167,9 @@ class WriterOptions:
     keyring: Keyring | None = None
     job: str | None = None
     encodings: EncodingChoice = field(default_factory=Compression)
+    overwrite: bool = False
+    """Replace the step's manifest when it is committed already (`Catalog.commit_bytes`):
+    DCP's own writers overwrite; the manager never does."""
 
 
 class ObjectStoreWriter(StorageWriter):
@@ -194,6 +197,7 @@ class ObjectStoreWriter(StorageWriter):
         self.guard = options.guard
         self.job = options.job
         self.index_parts = options.index_parts
+        self.overwrite = options.overwrite
         self.store = store
         self.catalog = Catalog(store, keyring)  # a base is read under the job's keyring
         self.step = step
@@ -272,8 +276,10 @@ class ObjectStoreWriter(StorageWriter):
 
     def check_step_free(self) -> None:
         """On the coordinator, before any write: CheckpointAlreadyCommittedError if the step
-        is committed in the store (a committed checkpoint is never overwritten)."""
-        self.catalog.check_not_committed(self.step)
+        is committed in the store (a committed checkpoint is never overwritten, unless the
+        writer was built to overwrite it)."""
+        if not self.overwrite:
+            self.catalog.check_not_committed(self.step)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()
@@ -431,7 +437,9 @@ class ObjectStoreWriter(StorageWriter):
             data = self._seal(data, INDEXED_FORMAT)
             referenced = indexed_references(results)
             digest = step_digest(data, summary.objects.values())
-            self.catalog.commit_bytes(self.step, summary.attempt, data, referenced)
+            self.catalog.commit_bytes(
+                self.step, summary.attempt, data, referenced, overwrite=self.overwrite
+            )
             self.manifest, self.digest = summary, digest  # committed: nothing may undo it now
             self.manifest_data = data
             return
@@ -447,7 +455,7 @@ class ObjectStoreWriter(StorageWriter):
             )
         data = self.encode(manifest)
         digest = step_digest(data, manifest.objects.values())
-        self.catalog.commit(manifest, data)
+        self.catalog.commit(manifest, data, overwrite=self.overwrite)
         self.manifest, self.digest = manifest, digest  # committed: nothing may undo it now
         self.manifest_data = data
 
