@@ -205,10 +205,7 @@ class GoodputStats:
         if not self.events:
             return f"no events yet at {self.uri}"
         rows = [
-            (
-                "events",
-                f"{self.events} ({_count(self.saves, 'save')}, {_count(self.restores, 'restore')})",
-            ),
+            ("events", self._events_row()),
             *self._rejected_rows(),
             ("evictions", str(self.evictions)),
             ("steps lost", str(self.steps_lost)),
@@ -227,6 +224,12 @@ class GoodputStats:
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"goodput at {self.uri}"] + [f"  {n.ljust(width)}  {v}" for n, v in rows])
+
+    def _events_row(self) -> str:
+        kinds = [_count(self.saves, "save"), _count(self.restores, "restore")]
+        if self.mirror_catch_ups:
+            kinds.append(_count(self.mirror_catch_ups, "mirror catch-up"))
+        return f"{self.events} ({', '.join(kinds)})"
 
     def emergency(self) -> EmergencyEstimate | None:
         """The last recorded emergency estimate, judged again (None: no save recorded one)."""

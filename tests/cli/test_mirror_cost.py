@@ -236,6 +236,7 @@ def test_stats_shows_mirror_egress_and_lag_from_the_events(
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert f"2 catch-ups: egress {size / 1e9 * 10:.4f} USD (estimated)" in rows["mirrored"]
     assert f"{gcs_uri}: step 2, 0 steps behind, 0 s (latest event)" in rows["mirror"]
+    assert rows["events"].endswith("(2 saves, 0 restores, 2 mirror catch-ups)"), rows["events"]
 
 
 def test_mirror_egress_survives_compaction_and_older_summaries_read(
