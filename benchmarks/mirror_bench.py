@@ -150,11 +150,15 @@ class Events(logging.Handler):
         self.guard = threading.Lock()
         self.committed: dict[int, float] = {}
         self.mirrored: dict[int, dict[str, float]] = {}
+        self.warnings: list[str] = []
+        """Warnings of the run (retried requests, failed copies), first lines only."""
 
     def emit(self, record: logging.LogRecord) -> None:
         message = str(record.msg)
         args = record.args if isinstance(record.args, tuple) else ()
         with self.guard:
+            if record.levelno >= logging.WARNING and len(self.warnings) < 100:
+                self.warnings.append(record.getMessage().splitlines()[0][:300])
             if message.startswith("checkpoint step %d committed"):
                 self.committed[int(args[0])] = record.created
             elif message.startswith("step %d mirrored to"):
@@ -263,6 +267,7 @@ def run_once(
         "mirrored": sorted(events.mirrored),
         "skipped": [s for s in saved if kind != "off" and s not in events.mirrored],
         "steps_behind_after_save": behind,
+        "warnings": events.warnings,
         "mirrored_bytes": copied_bytes,
         "copy_s": copy_s,
         "mirror_mib_s": copied_bytes / MIB / copy_s if copy_s > 0 else None,
@@ -404,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{figures['mirrored']} ({figures['mirrored_bytes'] / MIB:.0f} MiB), "
                         f"lag {[round(v, 2) for v in figures['lag_s'].values()]} s, behind "
                         f"{figures['steps_behind_after_save']}, CPU {figures['cpu_s']:.1f} s, "
+                        f"{len(figures['warnings'])} warnings, "
                         f"load {os.getloadavg()[0]:.2f}",
                         flush=True,
                     )

@@ -547,6 +547,8 @@ def _parse_env(name: str, raw: str, kinds: tuple[type, ...]) -> Any:
         return None
     if dict in kinds and (str not in kinds or text.startswith("{")):
         return _parse_json_object(name, text)
+    if list in kinds and text.startswith("["):
+        return _parse_json_list(name, text)
     try:
         if bool in kinds:
             return _parse_bool(text)
@@ -569,6 +571,17 @@ def _parse_bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise InvalidArgumentError(text)
+
+
+def _parse_json_list(name: str, text: str) -> list[Any]:
+    """A JSON array; errors never echo the text."""
+    try:
+        parsed = json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"{name}: must be a JSON array ({error})") from None
+    if not isinstance(parsed, list):
+        raise ConfigError(f"{name}: must be a JSON array, got {type(parsed).__name__}")
+    return parsed
 
 
 def _parse_json_object(name: str, text: str) -> dict[str, Any]:

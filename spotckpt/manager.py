@@ -274,7 +274,7 @@ class CheckpointManager:
         `strict=False` allows missing and extra keys.
         """
         self._check_open()
-        self.wait()
+        self._saver.wait()  # a save in flight, not the mirror copies (a restart's catch-up)
         started = time.monotonic()
         restored = self._restorer.restore(state, step, fallback, strict)
         self._ledger.restored(restored, time.monotonic() - started)
@@ -343,11 +343,11 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self.wait()
+            self._saver.wait()
         finally:
             self._closed = True
             if self._mirrors is not None:
-                self._mirrors.close()
+                self._mirrors.close()  # waits for the copies in flight, `mirror_wait_s` at most
             for mirror in self.mirrors:
                 mirror.store.close()
             if self.watcher is not None:

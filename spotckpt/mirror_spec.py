@@ -12,6 +12,7 @@ or None to keep every step); without it the mirror keeps what the job's `keep_la
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -20,6 +21,7 @@ from spotckpt.errors import InvalidArgumentError
 
 MAX_MIRRORS = 8
 """More than this is a mistake: each mirror is a full copy of every step, egress billed."""
+_NOT_IN_URIS = re.compile(r"[\s\[\]{}\"']")
 KEEP_LAST = "keep_last"
 """The option of a mirror that is its own retention, not a storage option."""
 JOBS_KEEP_LAST = "job"
@@ -47,7 +49,7 @@ def parse_mirrors(value: Any) -> tuple[MirrorTarget, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        targets = [MirrorTarget(uri.strip()) for uri in value.split(",") if uri.strip()]
+        targets = [MirrorTarget(_uri(uri)) for uri in value.split(",") if uri.strip()]
     elif isinstance(value, (list, tuple)):
         targets = [MirrorTarget(_uri(uri)) for uri in value]
     elif isinstance(value, Mapping):
@@ -68,7 +70,13 @@ def parse_mirrors(value: Any) -> tuple[MirrorTarget, ...]:
 def _uri(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgumentError(f"a mirror must be a non-empty URI, got {type(value).__name__}")
-    return value.strip()
+    uri = value.strip()
+    if _NOT_IN_URIS.search(uri):  # JSON or quoting taken for URIs: a typo, not a folder name
+        raise InvalidArgumentError(
+            f"a mirror URI holds quotes, brackets or spaces: {uri[:80]!r}; give URIs separated "
+            "by commas, or a JSON array or object"
+        )
+    return uri
 
 
 def _target(uri: Any, options: Mapping[str, Any]) -> MirrorTarget:

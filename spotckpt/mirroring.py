@@ -49,12 +49,12 @@ from spotckpt.errors import (
     MirrorConflictError,
 )
 from spotckpt.format.signing import Keyring
-from spotckpt.layout import manifest_key, step_folder
+from spotckpt.layout import attempt_folder, manifest_key, parse_step_folder, step_folder
 from spotckpt.mirror_spec import parse_mirrors
 from spotckpt.redact import redact
 from spotckpt.storage import ObjectStore, open_store
 from spotckpt.storage.base import ObjectInfo
-from spotckpt.storage.copying import DEFAULT_PIECE_BYTES, Expected, copy_object
+from spotckpt.storage.copying import DEFAULT_PIECE_BYTES, Expected, check_object, copy_object
 
 log = logging.getLogger("spotckpt")
 
@@ -80,10 +80,13 @@ class BandwidthLimit:
         self._updated = time.monotonic()
         self._lock = threading.Lock()
 
-    def take(self, count: int) -> None:
-        """Wait until `count` bytes may go (more than a second's worth, a second's at a time)."""
+    def take(self, count: int, between: Callable[[], None] | None = None) -> None:
+        """Wait until `count` bytes may go (more than a second's worth, a second's at a time,
+        calling `between` before each: a stop raises there)."""
         left = float(count)
         while left > 0:
+            if between is not None:
+                between()
             wanted = min(left, self.bytes_per_s)
             self._take(wanted)
             left -= wanted
@@ -270,9 +273,7 @@ class Mirror:
         if self.target.is_committed(step):
             return self._already(step, data)
         needed = self.source.stored_objects(step, data)
-        identity = self.source.job()
-        if identity is not None:  # an older root without one has nothing to carry
-            self.target.adopt_job(identity)
+        self._same_job()
         self.target.check_signed(data, step)  # the mirror's keys must accept what it commits
         copied, present, server_side = self._copy_objects(needed)
         if self.pause is not None and self.pause.stopped:  # the last call may still commit
@@ -307,12 +308,17 @@ class Mirror:
         """Copy what the mirror lacks of `needed`: the keys copied, those already there, and how
         many the provider copied server-side."""
         present, missing = [], []
-        for key, info in self._found(needed).items():
+        found = self._found(needed)
+        trusted = self._trusted([key for key, info in found.items() if info is not None])
+        for key, info in found.items():
             expected = needed[key]
             if info is None:
                 missing.append(key)
-            elif info.size == expected.size:
+            elif info.size == expected.size and (key in trusted or self._sound(key, expected)):
                 present.append(key)
+            elif info.size == expected.size:  # an unchecked copy that differs: not this step's
+                self.target.store.delete_many([key])
+                missing.append(key)
             else:
                 raise CorruptCheckpointError(
                     f"{self.target.uri}/{key} has {info.size} bytes, the manifest at "
@@ -332,6 +338,33 @@ class Mirror:
                     future.result()  # the first failure, raised here with its own traceback
                 server_side = sum(1 for future in futures if future.result())
         return missing, present, server_side if missing else 0
+
+    def _trusted(self, keys: list[str]) -> set[str]:
+        """Of `keys` found at the mirror, those in the attempt folder of a step committed there:
+        checked before that commit. Others (left by a copy that died between a server-side
+        copy and its check, or written by something else) are checked before they are kept."""
+        committed: dict[int, str | None] = {}
+        trusted = set()
+        for key in keys:
+            folder, _slash, rest = key.partition("/")
+            step = parse_step_folder(folder)
+            if step is None:
+                continue
+            if step not in committed:
+                attempt = self.target.committed_attempt(step)
+                committed[step] = attempt_folder(attempt) if attempt else None
+            if committed[step] is not None and rest.partition("/")[0] == committed[step]:
+                trusted.add(key)
+        return trusted
+
+    def _sound(self, key: str, expected: Expected) -> bool:
+        """Whether the object at `key` of the mirror holds the bytes `expected` says."""
+        try:
+            check_object(self.target.store, key, expected, self.piece_bytes, self._before_piece)
+        except CorruptCheckpointError as error:
+            log.warning("%s: %s; copied again", self.target.uri, error)
+            return False
+        return True
 
     def _found(self, needed: dict[str, Expected]) -> dict[str, ObjectInfo | None]:
         """What the mirror holds at each key of `needed` (HEADs, `HEADS` at a time)."""
@@ -363,7 +396,7 @@ class Mirror:
         if self.pause is not None:
             self.pause.wait_running()
         if self.limit is not None:
-            self.limit.take(count)
+            self.limit.take(count, self.pause.wait_running if self.pause is not None else None)
         with self._lock:
             self._done += count
         self._report()
@@ -385,6 +418,7 @@ class Mirror:
         the mirror keeps its newest `keep_last` readable steps (the retention rule: objects a
         kept step references stay). MirrorConflictError for a mirror of another job."""
         report = MirrorReport(self.source.uri, self.target.uri)
+        ours = self._same_job()  # before anything is copied or retired there
         wanted = sorted(set(steps)) if steps is not None else self._missing(keep_last)
         for step in wanted:
             try:
@@ -394,7 +428,7 @@ class Mirror:
             except CheckpointError as error:
                 log.warning("step %d was not mirrored to %s: %s", step, self.target.uri, error)
                 report.failed[step] = f"{type(error).__name__}: {error}"
-        if keep_last is not None:
+        if keep_last is not None and ours:
             report.retired = self.target.retire(keep_last)
         report.steps_behind, report.seconds_behind = self.lag()
         return report
@@ -418,6 +452,16 @@ class Mirror:
             planned.append(step)
         missing = [key for key, info in self._found(needed).items() if info is None]
         return MirrorPlan(planned, len(missing), sum(needed[key].size for key in missing))
+
+    def _same_job(self) -> bool:
+        """Give the mirror the source's job identity (create-only; MirrorConflictError when it
+        belongs to another job); whether the mirror is known to be this job's, so that its
+        retention may run: never on a root whose job is not the source's."""
+        identity = self.source.job()
+        if identity is None:  # an older root: only a mirror without an identity either
+            return self.target.job() is None
+        self.target.adopt_job(identity)
+        return True
 
     def _missing(self, keep_last: int | None) -> list[int]:
         """The source's committed steps the mirror lacks (of its newest `keep_last`, the only
@@ -512,7 +556,7 @@ class MirrorFollower:
                 if left <= 0:
                     return False
                 self._lock.wait(min(left, STOP_CHECK_S))
-            return True
+            return self._done >= asked and not self.pause.stopped
 
     def close(self) -> None:
         """Stop after the copies in flight (at most `wait_s`; at once when stopped)."""
@@ -557,6 +601,10 @@ class MirrorFollower:
         except CheckpointError as error:  # the job goes on; the next commit tries again
             self.errors[uri] = f"{type(error).__name__}: {error}"
             log.warning("mirroring to %s failed: %s", uri, error)
+            return
+        except Exception as error:  # a bug or an unexpected failure: loud, and tried again
+            self.errors[uri] = f"{type(error).__name__}: {error}"
+            log.exception("mirroring to %s failed unexpectedly", uri)
             return
         self.reports[uri] = report
         if self.on_report is not None and (report.copied_bytes or report.failed):

@@ -328,6 +328,18 @@ class RestoreOrder:
                     rest[0][0],
                     self._at(rest[0][1]),
                 )
+            except StorageError as error:  # a copy that cannot be read now: another may
+                rest = candidates[index + 1 :]
+                if len(self.copies) == 1 or not rest or not (fallback or explicit):
+                    raise
+                log.warning(
+                    "reading step %d%s failed (%s); trying step %d%s",
+                    step,
+                    self._at(copy),
+                    error,
+                    rest[0][0],
+                    self._at(rest[0][1]),
+                )
         return None
 
     def _at(self, copy: int) -> str:
@@ -408,7 +420,7 @@ class RestoreOrder:
             started = time.monotonic()
             try:
                 steps = set(copy.catalog.steps())
-                found = copy.catalog.job() if steps else None
+                found = copy.catalog.job()
             except (StorageError, ManifestError) as error:
                 log.warning(
                     "checkpoint root %s cannot be read (%s); restoring from the other copies",
@@ -416,11 +428,11 @@ class RestoreOrder:
                     error,
                 )
                 continue
-            if found is not None and job is not None and found.id != job:
+            if job is not None and steps and (found is None or found.id != job):
                 log.warning(
                     "mirror %s belongs to job %s, not to this job (%s): its steps are not used",
                     copy.uri,
-                    found.id,
+                    found.id if found is not None else None,
                     job,
                 )
                 continue
@@ -456,6 +468,19 @@ class RestoreOrder:
         self.last_restore_uri = copy.uri
         if index:
             log.info("restored step %d from mirror %s", step, copy.uri)
+            if self.collective.rank == 0:
+                self._adopt_identity(copy)
+
+    def _adopt_identity(self, copy: Copy) -> None:
+        """After a restore from mirror `copy` into a job's root without a job identity (a new
+        root for a region that was lost), the root takes the mirror's: the job goes on as the
+        same job, and its mirrors keep accepting its steps."""
+        try:
+            identity = copy.catalog.job()
+            if identity is not None and self.catalog.job() is None:
+                self.catalog.adopt_job(identity)
+        except CheckpointError as error:
+            log.warning("%s keeps its own job identity: %s", self.uri, error)
 
     def _restore_from_tier(
         self, state: State, scope: Scope, strict: bool, restoring: _Restoring

@@ -135,6 +135,19 @@ def _checked_at_target(
     return Copied(info, checksum, server_side=True)
 
 
+def check_object(
+    store: ObjectStore,
+    key: str,
+    expected: Expected,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
+    on_piece: Callable[[int], None] | None = None,
+) -> None:
+    """CorruptCheckpointError unless the object at `key` of `store` is what `expected` says
+    (read in pieces: its CRC32C, and BLAKE3 when given)."""
+    checksum, digest = _read_back(store, key, expected, piece_bytes, on_piece)
+    _check_whole(store, key, expected.size, checksum, digest, expected)
+
+
 def _read_back(
     target: ObjectStore,
     key: str,

@@ -26,6 +26,7 @@ from spotckpt.errors import ConfigError  # noqa: E402
 from spotckpt.goodput import EventLog, event_problem  # noqa: E402
 from spotckpt.layout import manifest_key  # noqa: E402
 from spotckpt.mirror_spec import MirrorTarget, parse_mirrors  # noqa: E402
+from spotckpt.mirroring import Mirror  # noqa: E402
 from spotckpt.preemption import PreemptionWatcher  # noqa: E402
 from spotckpt.storage import open_store  # noqa: E402
 from spotckpt.verify import verify_checkpoint  # noqa: E402
@@ -111,6 +112,12 @@ def test_the_setting_from_the_environment_and_files(
         MirrorTarget("az://c/run", {"connection_string": secret}),
     )
     assert secret not in repr(config)
+    monkeypatch.setenv("SPOTCKPT_MIRRORS", '["gs://b/run", "az://c/run"]')
+    config = Config.load(uri=str(tmp_path / "source"))
+    assert [t.uri for t in parse_mirrors(config.mirrors)] == ["gs://b/run", "az://c/run"]
+    monkeypatch.setenv("SPOTCKPT_MIRRORS", '"gs://b/run"')
+    with pytest.raises(ConfigError, match="quotes, brackets or spaces"):
+        Config.load(uri=str(tmp_path / "source"))
     monkeypatch.delenv("SPOTCKPT_MIRRORS")
     (tmp_path / "spotckpt.toml").write_text('mirrors = ["s3://b/one", "s3://b/one"]\n')
     with pytest.raises(ConfigError, match="mirrors: names a mirror twice"):
@@ -158,8 +165,9 @@ def test_a_failing_mirror_is_a_warning_and_the_job_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     other = str(tmp_path / "other")
-    with CheckpointManager(other, preemption=False) as foreign:  # another job's root
-        foreign.save(7, seam_run.state(7))
+    with CheckpointManager(other, preemption=False, keep_last=None) as foreign:  # another job's
+        for step in (3, 4, 5, 6, 7):
+            foreign.save(step, seam_run.state(step))
     source = str(tmp_path / "source")
     with (
         caplog.at_level(logging.WARNING, logger="spotckpt"),
@@ -169,7 +177,7 @@ def test_a_failing_mirror_is_a_warning_and_the_job_goes_on(
         manager.wait()
         assert manager._mirrors is not None
         assert "belongs to job" in manager._mirrors.errors[Path(other).as_uri()]
-    assert _steps(source) == [1] and _steps(other) == [7]
+    assert _steps(source) == [1] and _steps(other) == [3, 4, 5, 6, 7], "never retired there"
     assert any("mirroring to" in r.getMessage() for r in caplog.records)
 
 
@@ -186,3 +194,54 @@ def test_a_job_restarted_at_its_mirror_goes_on_and_mirrors_back(tmp_path: Path) 
         job.save(3, seam_run.state(3))
     assert _steps(primary) == [1, 2, 3]
     _restores(primary, 3)
+
+
+def test_a_restore_does_not_wait_for_the_catch_up_at_start(tmp_path: Path) -> None:
+    source, mirror = str(tmp_path / "source"), str(tmp_path / "mirror")
+    with CheckpointManager(source, preemption=False, keep_last=None) as job:
+        job.save(1, seam_run.state(1))
+    watcher = PreemptionWatcher(signals=(), aws=False, gce=False, azure=False)
+    job = CheckpointManager(
+        source,
+        preemption=watcher,
+        keep_last=None,
+        mirrors=[mirror],
+        mirror_bandwidth=64 << 10,  # the catch-up of step 1 takes about 40 s
+        mirror_wait_s=600,
+    )
+    try:
+        state = seam_run.blank()
+        assert job.restore(state) == 1
+        assert job._mirrors is not None and not job._mirrors.wait(0), "restore waited"
+    finally:
+        watcher.trigger("test")  # stops the copy: close need not wait for it
+        job.close()
+    assert _steps(mirror) == []
+
+
+def test_an_unexpected_failure_in_the_mirror_thread_is_loud_and_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    source, mirror = str(tmp_path / "source"), str(tmp_path / "mirror")
+    real = Mirror.catch_up
+    calls: list[int] = []
+
+    def failing_once(self: Mirror, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Mirror, "catch_up", failing_once)
+    with (
+        caplog.at_level(logging.ERROR, logger="spotckpt"),
+        CheckpointManager(source, preemption=False, keep_last=None, mirrors=[mirror]) as job,
+    ):
+        assert job._mirrors is not None
+        job._mirrors.wait(60)
+        assert "RuntimeError: a bug" in job._mirrors.errors[Path(mirror).as_uri()]
+        job.save(1, seam_run.state(1))
+        job.wait()
+        assert Path(mirror).as_uri() not in job._mirrors.errors
+    assert _steps(mirror) == [1]
+    assert any("failed unexpectedly" in r.getMessage() for r in caplog.records)

@@ -311,3 +311,21 @@ def test_a_fault_at_any_call_leaves_a_sound_mirror_that_a_rerun_completes(
         _trace, error = _record(roots, mirror_uri, None)
         assert error is None, f"{where}: the rerun failed: {error}"
         assert assert_mirror_sound(roots, mirror_uri, [1, 2]) == [1, 2], where
+
+
+def test_an_unchecked_object_already_at_the_mirror_is_checked_before_it_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a copy killed between a server-side copy and its check leaves: an object of the
+    right size that no committed step at the mirror vouches for."""
+    roots = _roots(tmp_path, Features())
+    roots.save((1,), monkeypatch)
+    source = open_store(roots.source)
+    largest = max(source.list(f"{step_folder(1)}/"), key=lambda info: info.size)
+    wrong = bytearray(source.get(largest.key))
+    wrong[7] ^= 1
+    mirror_uri = str(tmp_path / "mirror")
+    open_store(mirror_uri).put(largest.key, bytes(wrong))
+    report = Mirror(roots.catalog(roots.source), roots.catalog(mirror_uri)).catch_up()
+    assert not report.failed and report.copied[0].copied_objects >= 1
+    assert_mirror_sound(roots, mirror_uri, [1])

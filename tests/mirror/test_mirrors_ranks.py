@@ -89,6 +89,8 @@ def test_a_job_on_two_ranks_resumes_from_its_mirror_on_three(tmp_path: Path, ind
     for rank, result in enumerate(launch_ranks(3, "restore", args, worker=__file__)):
         assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
     assert (out / "restored-from.txt").read_text() == mirror.as_uri()
+    # the new root took the mirror's identity: the job goes on as itself
+    assert Catalog(open_store(str(primary))).job() == Catalog(store).job()
     saved = torch.load(out / "saved.pt", weights_only=True)
     restored = torch.load(out / "restored-3.pt", weights_only=True)
     assert_equal(restored, saved)

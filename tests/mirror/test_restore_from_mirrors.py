@@ -123,3 +123,11 @@ def test_without_mirrors_nothing_changes_and_a_mirror_copy_restores(tmp_path: Pa
     Mirror(Catalog(open_store(primary)), Catalog(open_store(mirror))).catch_up()
     with CheckpointManager(mirror, preemption=False, keep_last=None) as job:
         assert _restored(job) == 2
+
+
+def test_a_root_with_its_own_identity_never_restores_another_jobs_mirror(tmp_path: Path) -> None:
+    primary, other = str(tmp_path / "primary"), str(tmp_path / "other")
+    Catalog(open_store(primary)).ensure_job()  # this job's root, no step saved yet
+    _save(other, (7,))
+    with CheckpointManager(primary, preemption=False, keep_last=None, mirrors=[other]) as job:
+        assert _restored(job) is None
