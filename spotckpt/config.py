@@ -177,6 +177,9 @@ class Settings:
     - `mirror_wait_s`: how long `wait` and `close` wait for mirror copies in flight; what is
       left is copied by the next run (a copy never commits half a step). After a preemption
       notice mirror copies stop at once: the emergency save gets the bandwidth.
+    - `nearest_copy`: the URI of the copy (the job's root or one of its `mirrors`) that a restore
+      reads first, as a launcher that knows its region sets it; None: the one whose listing
+      answers fastest (`spotckpt.restore`).
     """
 
     keep_last: int | None = field(default=3, metadata=_AT_LEAST_ONE)
@@ -215,6 +218,7 @@ class Settings:
     )
     mirror_bandwidth: float | None = field(default=None, metadata=_POSITIVE)
     mirror_wait_s: float = field(default=300.0, metadata=_POSITIVE)
+    nearest_copy: str | None = field(default=None, metadata=_Checks(non_empty="string"))
 
     def __post_init__(self) -> None:
         for setting in fields(self):

@@ -38,7 +38,7 @@ from spotckpt.format.manifest import Manifest
 from spotckpt.format.signing import Keyring, keyring_of
 from spotckpt.gc import GcReport, collect_garbage
 from spotckpt.ledger import Ledger
-from spotckpt.mirroring import follow_mirrors, open_mirrors
+from spotckpt.mirroring import follow_mirrors, nearest_copy, open_mirrors
 from spotckpt.policy import SaveDecisionPolicy
 from spotckpt.preemption import PreemptionWatcher
 from spotckpt.redundancy import parse_redundancy
@@ -138,6 +138,7 @@ class CheckpointManager:
             self.loader,
             self.store,
             mirrors=self.mirrors,
+            nearest=nearest_copy(self.settings, self.store, self.mirrors),
             tier=self.tier,
             keyring=self.keyring,
             events=self.goodput.events,

@@ -637,6 +637,25 @@ def open_mirrors(settings: Settings, store: ObjectStore, keyring: Keyring | None
     return [Catalog(mirror, keyring) for mirror in opened]
 
 
+def nearest_copy(settings: Settings, store: ObjectStore, mirrors: list[Catalog]) -> int | None:
+    """The index among the job's root (0) and its `mirrors` (1 on) of the copy the
+    `nearest_copy` setting names; None without one. ConfigError when it names none of them."""
+    if settings.nearest_copy is None:
+        return None
+    named = open_store(settings.nearest_copy)  # only to spell its URI as the stores do
+    try:
+        wanted = named.uri.rstrip("/")
+    finally:
+        named.close()
+    uris = [store.uri.rstrip("/")] + [mirror.uri.rstrip("/") for mirror in mirrors]
+    if wanted not in uris:
+        raise ConfigError(
+            f"nearest_copy: {redact(settings.nearest_copy)} is neither the job's root nor one of "
+            "its mirrors"
+        )
+    return uris.index(wanted)
+
+
 def follow_mirrors(
     settings: Settings,
     store: ObjectStore,

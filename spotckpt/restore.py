@@ -193,6 +193,7 @@ class RestoreOrder:
         store: ObjectStore,
         *,
         mirrors: Sequence[Catalog] = (),
+        nearest: int | None = None,
         tier: FastTier | None,
         keyring: Keyring | None,
         events: EventLog | None,
@@ -209,6 +210,8 @@ class RestoreOrder:
         self.last_read_stats: ReadStats | None = None
         self.last_restore_sources: dict[str, int] = {}
         self.last_restore_uri: str | None = None
+        self.nearest = nearest
+        """The copy a restore reads first (the `nearest_copy` setting); None: the fastest."""
         self.copies = [Copy(self.catalog, loader)] + [
             Copy(
                 mirror,
@@ -402,14 +405,16 @@ class RestoreOrder:
             return [(s, 0) for s in reversed(steps)]
         listed = self._listed_copies()
         if step is not None:
-            holding = [index for index, steps in _nearest_first(listed) if step in steps]
+            holding = [
+                index for index, steps in _nearest_first(listed, self.nearest) if step in steps
+            ]
             if not holding:
                 raise NoCheckpointError(
                     f"step {step} has no committed checkpoint at {self.uri} or its mirrors"
                 )
             return [(step, index) for index in holding]
         everywhere = sorted({s for _latency, _index, steps in listed for s in steps}, reverse=True)
-        nearest = _nearest_first(listed)
+        nearest = _nearest_first(listed, self.nearest)
         return [(s, index) for s in everywhere for index, steps in nearest if s in steps]
 
     def _listed_copies(self) -> list[tuple[float, int, set[int]]]:
@@ -541,12 +546,20 @@ configured; the others follow, fastest first. One listing's time tells a root in
 (tens of milliseconds more, every request) from one close by, not two close ones apart."""
 
 
-def _nearest_first(listed: list[tuple[float, int, set[int]]]) -> list[tuple[int, set[int]]]:
-    """The roots of `listed` (listing time, index, steps) nearest first: see `NEAR_S`."""
+def _nearest_first(
+    listed: list[tuple[float, int, set[int]]], preferred: int | None = None
+) -> list[tuple[int, set[int]]]:
+    """The roots of `listed` (listing time, index, steps) nearest first: `preferred` (the
+    `nearest_copy` setting's) when it answered, then as `NEAR_S` says."""
     fastest = min(latency for latency, _index, _steps in listed)
     limit = max(2 * fastest, fastest + NEAR_S)
     ordered = sorted(
-        listed, key=lambda entry: (entry[0] > limit, entry[1] if entry[0] <= limit else entry[0])
+        listed,
+        key=lambda entry: (
+            entry[1] != preferred,
+            entry[0] > limit,
+            entry[1] if entry[0] <= limit else entry[0],
+        ),
     )
     return [(index, steps) for _latency, index, steps in ordered]
 

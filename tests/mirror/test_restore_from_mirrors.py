@@ -19,7 +19,7 @@ import seam_run  # noqa: E402
 
 from spotckpt import CheckpointManager  # noqa: E402
 from spotckpt.catalog import Catalog  # noqa: E402
-from spotckpt.errors import NoCheckpointError, SaveFailedError  # noqa: E402
+from spotckpt.errors import ConfigError, NoCheckpointError, SaveFailedError  # noqa: E402
 from spotckpt.layout import step_folder  # noqa: E402
 from spotckpt.mirroring import Mirror  # noqa: E402
 from spotckpt.storage import RetryPolicy, open_store  # noqa: E402
@@ -131,3 +131,18 @@ def test_a_root_with_its_own_identity_never_restores_another_jobs_mirror(tmp_pat
     _save(other, (7,))
     with CheckpointManager(primary, preemption=False, keep_last=None, mirrors=[other]) as job:
         assert _restored(job) is None
+
+
+def test_the_nearest_copy_setting_picks_the_copy_read_first(tmp_path: Path) -> None:
+    primary, mirror = str(tmp_path / "primary"), str(tmp_path / "mirror")
+    _save(primary, (1, 2), mirrors=[mirror])
+    for nearest in (mirror, primary, mirror):
+        with CheckpointManager(
+            primary, preemption=False, keep_last=None, mirrors=[mirror], nearest_copy=nearest
+        ) as job:
+            assert _restored(job) == 2
+            assert job._restorer.last_restore_uri == Path(nearest).as_uri()
+    with pytest.raises(ConfigError, match=r"nearest_copy: .* neither the job's root nor"):
+        CheckpointManager(
+            primary, preemption=False, mirrors=[mirror], nearest_copy=str(tmp_path / "elsewhere")
+        )
