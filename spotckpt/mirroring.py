@@ -385,9 +385,9 @@ class Mirror:
                 piece_bytes=self.piece_bytes,
                 on_piece=self._before_piece,
             )
-        except AlreadyExistsError:  # another copy of this step won the race: it checked its own
+        except AlreadyExistsError:  # another copy won the race, or a retry found its own copy
             info = self.target.store.head(key)
-            if info is None or info.size != expected.size:
+            if info is None or info.size != expected.size or not self._sound(key, expected):
                 raise
             return False
         return copied.server_side

@@ -91,6 +91,7 @@ from spotckpt.storage.base import (
     DelimiterNotHonouredError,
     ObjectInfo,
     ObjectNotFoundError,
+    ObjectStore,
     PermissionDeniedError,
     StorageError,
     UploadInfo,
@@ -650,6 +651,66 @@ class GCSStore(BucketStore[GCSOptions]):
                 return ObjectInfo(key, len(data))
             raise
         return ObjectInfo(key, len(data), blob.updated)
+
+    def copy_within(
+        self, source: ObjectStore, source_key: str, key: str, *, create_only: bool = False
+    ) -> ObjectInfo | None:
+        """Have GCS copy an object of another GCS store that this one's endpoint and credentials
+        reach (`spotckpt.storage.copying.ServerSideCopy`): a rewrite, called again with its
+        continuation token until GCS says it is done (large objects, other locations or storage
+        classes take several calls); create-only with ``ifGenerationMatch=0``. None for any
+        other source: the caller streams."""
+        if not isinstance(source, GCSStore) or not self._same_identity(source):
+            return None
+        if source.head(source_key) is None:
+            raise ObjectNotFoundError(f"copy of {source.where(source_key)}: no such object")
+        origin = source._bucket.blob(source.full_name(source_key))
+        mark = uuid.uuid4().hex if create_only else None
+        attempts = 0
+        rewrite_token: str | None = None
+        total = 0
+
+        def step() -> tuple[str | None, int, int]:
+            nonlocal attempts
+            attempts += 1
+            target = self._bucket.blob(self.full_name(key))
+            if mark:
+                target.metadata = {TOKEN_KEY: mark}
+            answer: tuple[str | None, int, int] = target.rewrite(
+                origin,
+                token=rewrite_token,
+                if_generation_match=0 if create_only else None,
+                timeout=self.timeout,
+                retry=None,
+            )
+            return answer
+
+        try:
+            while True:
+                rewrite_token, _done, total = self.call(
+                    f"copy {source.where(source_key)} to {self.where(key)}", step
+                )
+                if rewrite_token is None:
+                    break
+        except AlreadyExistsError:  # a retried call whose first answer was lost finished it
+            if attempts > 1 and mark and self.written_by(key, mark):
+                info = self.head(key)
+                if info is not None:
+                    return info
+            raise
+        return ObjectInfo(key, total)
+
+    def _same_identity(self, other: GCSStore) -> bool:
+        """Whether `other` is reached through this store's endpoint with its credentials
+        (Application Default Credentials count as one identity), so that GCS can read its
+        objects for a rewrite."""
+        mine, theirs = self.options, other.options
+        return (self.endpoint, self.anonymous, mine.credentials_file, mine.project) == (
+            other.endpoint,
+            other.anonymous,
+            theirs.credentials_file,
+            theirs.project,
+        )
 
     def written_by(self, key: str, token: str) -> bool:
         """Whether the object now under `key` was written by the create-only writer `token`."""

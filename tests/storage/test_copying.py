@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from spotckpt.checksum import crc32c
+from spotckpt.errors import CorruptCheckpointError
 from spotckpt.storage import AlreadyExistsError, open_store
 from spotckpt.storage import s3 as s3_module
-from spotckpt.storage.copying import copy_object
+from spotckpt.storage.copying import Expected, copy_object
 from spotckpt.storage.retry import RetryPolicy
 
 from fault_proxy import FaultProxy
@@ -137,3 +138,33 @@ def test_a_server_that_refuses_part_copies_gets_a_streamed_copy(
         assert target.list_uploads() == []
     finally:
         proxy.close()
+
+
+def test_a_copy_between_gcs_buckets_is_a_rewrite_read_back_and_checked(
+    fake_gcs_endpoint: str,
+) -> None:
+    from gcs_emulator import create_bucket
+
+    options = {"endpoint_url": fake_gcs_endpoint, "anonymous": True}
+    source = open_store(f"gs://{create_bucket(fake_gcs_endpoint)}/runs", **options)
+    target = open_store(f"gs://{create_bucket(fake_gcs_endpoint)}/mirror", **options)
+    payload = _payload(3 * MIB + 7)
+    source.put("step-1/a-x/r0.safetensors", payload)
+    key = "step-1/a-x/r0.safetensors"
+    copied = copy_object(source, key, target, key)
+    assert copied.server_side and target.get(key) == payload
+    good = Expected(len(payload), crc32c(payload))
+    checked = copy_object(source, key, target, "checked", expected=good, create_only=True)
+    assert checked.server_side and checked.crc32c == good.crc32c
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        copy_object(
+            source,
+            key,
+            target,
+            "bad",
+            expected=Expected(len(payload), good.crc32c ^ 1),
+            create_only=True,
+        )
+    assert not target.exists("bad")
+    other = open_store(f"gs://{create_bucket(fake_gcs_endpoint)}/x", **options, project="another")
+    assert not copy_object(source, key, other, key).server_side  # another identity: streamed

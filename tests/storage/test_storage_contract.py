@@ -421,8 +421,9 @@ def test_a_copy_lands_every_byte(
     )
     assert store.get(f"to/{size}") == payload
     assert copied.info.size == size
-    # only S3 copies inside itself without the bytes passing through; the rest stream
-    assert copied.server_side == (origin == "itself" and store.uri.startswith("s3://"))
+    # only S3 and GCS copy inside themselves without the bytes passing through; the rest stream
+    inside = store.uri.startswith(("s3://", "gs://"))
+    assert copied.server_side == (origin == "itself" and inside)
     if copied.server_side:
         assert copied.crc32c is None and pieces == []
     else:
