@@ -550,9 +550,9 @@ def _parse_env(name: str, raw: str, kinds: tuple[type, ...]) -> Any:
     if type(None) in kinds and text.lower() in ("", "none"):
         return None
     if dict in kinds and (str not in kinds or text.startswith("{")):
-        return _parse_json_object(name, text)
+        return _parse_json(name, text, dict)
     if list in kinds and text.startswith("["):
-        return _parse_json_list(name, text)
+        return _parse_json(name, text, list)
     try:
         if bool in kinds:
             return _parse_bool(text)
@@ -577,23 +577,14 @@ def _parse_bool(text: str) -> bool:
     raise InvalidArgumentError(text)
 
 
-def _parse_json_list(name: str, text: str) -> list[Any]:
-    """A JSON array; errors never echo the text."""
+def _parse_json(name: str, text: str, kind: type[Any]) -> Any:
+    """A JSON object (`kind` dict) or array (list); errors never echo the text, which may hold
+    credentials."""
+    word = "object" if kind is dict else "array"
     try:
         parsed = json.loads(text)
     except ValueError as error:
-        raise ConfigError(f"{name}: must be a JSON array ({error})") from None
-    if not isinstance(parsed, list):
-        raise ConfigError(f"{name}: must be a JSON array, got {type(parsed).__name__}")
-    return parsed
-
-
-def _parse_json_object(name: str, text: str) -> dict[str, Any]:
-    """A JSON object; errors never echo the text, which may hold credentials."""
-    try:
-        parsed = json.loads(text)
-    except ValueError as error:
-        raise ConfigError(f"{name}: must be a JSON object ({error})") from None
-    if not isinstance(parsed, dict):
-        raise ConfigError(f"{name}: must be a JSON object, got {type(parsed).__name__}")
+        raise ConfigError(f"{name}: must be a JSON {word} ({error})") from None
+    if not isinstance(parsed, kind):
+        raise ConfigError(f"{name}: must be a JSON {word}, got {type(parsed).__name__}")
     return parsed
