@@ -95,7 +95,12 @@ class ManifestReader:
         """
         if data is None:
             data = self.raw(step)
-        header = self.parse(data, step)
+        return self._completed(self.parse(data, step), data, step, wanted)
+
+    def _completed(
+        self, header: Manifest | Root, data: bytes, step: int, wanted: WantedFromRoot | None
+    ) -> Manifest:
+        """`read` of a manifest already parsed into `header`."""
         self.check_signed(data, step, f"manifest of step {step}")
         if isinstance(header, Manifest):
             if REFERENCES in header.features:
@@ -112,13 +117,13 @@ class ManifestReader:
         the root, with the size, CRC32C and (signed) BLAKE3 it must have: its own data objects,
         those of earlier steps it references, and an indexed root's parts. The manifest and
         every part are read and checked as `read` checks them."""
-        manifest = self.read(step, data=data)
+        header = self.parse(data, step)  # parsed once: a flat manifest is its own header
+        manifest = self._completed(header, data, step, None)
         folder = step_folder(step)
         needed = {
             object_path(folder, key): Expected(record.size, record.crc32c, record.blake3)
             for key, record in manifest.objects.items()
         }
-        header = self.parse(data, step)
         if isinstance(header, Root):
             needed.update(
                 (f"{folder}/{part.key}", Expected(part.size, part.crc32c))

@@ -147,9 +147,13 @@ class Pause:
 
     def wait_running(self) -> None:
         """Return once copies may go on; MirrorStoppedError once they are to stop."""
-        while not self._running.wait(STOP_CHECK_S) or self.stopped:
-            if self.stopped:
-                raise MirrorStoppedError("mirror copies stopped (a preemption notice, a signal)")
+        while not self._running.wait(STOP_CHECK_S):  # held: look now and then for a stop
+            self._raise_if_stopped()
+        self._raise_if_stopped()
+
+    def _raise_if_stopped(self) -> None:
+        if self.stopped:
+            raise MirrorStoppedError("mirror copies stopped (a preemption notice, a signal)")
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,7 @@ class Mirror:
         self._done = 0
         self._total = 0
         self._lock = threading.Lock()
+        self._ours = False  # the mirror was found to carry the source's job identity
 
     # One step ---------------------------------------------------------------------------------
 
@@ -457,10 +462,13 @@ class Mirror:
         """Give the mirror the source's job identity (create-only; MirrorConflictError when it
         belongs to another job); whether the mirror is known to be this job's, so that its
         retention may run: never on a root whose job is not the source's."""
+        if self._ours:  # job.json is create-only: once the same, it stays the same
+            return True
         identity = self.source.job()
         if identity is None:  # an older root: only a mirror without an identity either
             return self.target.job() is None
         self.target.adopt_job(identity)
+        self._ours = True
         return True
 
     def _missing(self, keep_last: int | None) -> list[int]:
