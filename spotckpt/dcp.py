@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from spotckpt.catalog import Catalog
+from spotckpt.engine.dcp_standard import StandardCheckpoint, StandardDcpReader, find_standard
 from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
-from spotckpt.errors import InvalidArgumentError
+from spotckpt.errors import InvalidArgumentError, NoCheckpointError
 from spotckpt.format.compression import Compression
 from spotckpt.storage import open_store, uri_scheme
 from spotckpt.version import __version__
@@ -76,9 +77,22 @@ def dcp_writer(
     )
 
 
-def dcp_reader(uri: str, step: int | None = None, **storage_options: Any) -> ObjectStoreReader:
-    """A StorageReader for ``torch.distributed.checkpoint.load``: `step`, or the latest
-    committed one (NoCheckpointError when there is none). Values are only ever unpickled with
-    ``weights_only=True``, whatever load planner DCP is given."""
+def dcp_reader(
+    uri: str, step: int | None = None, **storage_options: Any
+) -> ObjectStoreReader | StandardDcpReader:
+    """A StorageReader for ``torch.distributed.checkpoint.load``: committed `step`, or the latest
+    committed one. Where the root has no committed step of spotckpt's, a standard DCP checkpoint
+    is read instead (`spotckpt.engine.dcp_standard`): `uri` itself when it is one, else its
+    ``step-<N>/`` folder (the newest for `step` None). NoCheckpointError when there is neither.
+    Values are only ever unpickled with ``weights_only=True``, whatever load planner DCP is
+    given, and a standard checkpoint's ``.metadata`` only by an unpickler that admits DCP's
+    metadata classes."""
     catalog = Catalog(open_store(uri, **storage_options))
-    return ObjectStoreReader(catalog.store, catalog.read_manifest(catalog.resolve(step)))
+    try:
+        found = catalog.resolve(step)
+    except NoCheckpointError:
+        folder = find_standard(catalog.store, step)
+        if folder is None:
+            raise
+        return StandardDcpReader(StandardCheckpoint(catalog.store, folder))
+    return ObjectStoreReader(catalog.store, catalog.read_manifest(found))

@@ -1,4 +1,5 @@
-"""The ``spotckpt`` command line: ls, inspect, verify, gc, mirror, export-hf, stats, launch.
+"""The ``spotckpt`` command line: ls, inspect, verify, gc, mirror, export-hf, import-dcp,
+export-dcp, stats, launch.
 
 The checkpoint URI argument may be left out when ``SPOTCKPT_URI`` or ``uri`` in ``spotckpt.toml``
 (see `spotckpt.config.Config`) gives it. Storage options come from the config's
@@ -12,7 +13,7 @@ errors, a mirror that belongs to another job), with a one-line message on stderr
 (``{"error": "...", "exit_code": 2}``), with the same exit status.
 Progress bars appear on stderr only when it is a terminal; log records are one line each.
 Credentials are never printed, and control characters in names read from a bucket are escaped.
-Only ``verify``, ``export-hf`` and ``launch`` import torch.
+Only ``verify``, ``export-hf``, ``import-dcp``, ``export-dcp`` and ``launch`` import torch.
 
 ``mirror`` exits 1 when a step could not be mirrored (it prints which and why, as ``verify``
 prints its problems, and mirrors the other steps); with ``--follow`` it exits 0 on SIGINT or
@@ -26,8 +27,8 @@ Checkpoints are read through `spotckpt.catalog.Catalog` and the `spotckpt.layout
 user's tool would; of the format modules only the dtype table is imported (for export-hf's
 ``--dtype`` choices, which need no torch). The package: `common` (the group, shared
 options, opening the root, text helpers), one module per command group (`ls`, `inspect_step`,
-`verify_gc`, `mirror`, `export_hf`, `jobs` for stats and launch), and here the entry point that
-turns every outcome into an exit status.
+`verify_gc`, `mirror`, `export_hf`, `dcp_convert`, `jobs` for stats and launch), and here the
+entry point that turns every outcome into an exit status.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import NoReturn
 import click
 
 from spotckpt.cli.common import cli, one_line, parse_duration, parse_size
+from spotckpt.cli.dcp_convert import export_dcp_command, import_dcp_command
 from spotckpt.cli.export_hf import export_command
 from spotckpt.cli.inspect_step import inspect_command
 from spotckpt.cli.jobs import launch_command, stats_command
@@ -66,6 +68,8 @@ for _command in (
     gc_command,
     mirror_command,
     export_command,
+    import_dcp_command,
+    export_dcp_command,
     stats_command,
     launch_command,
 ):

@@ -729,7 +729,7 @@ class ObjectStoreReader(StorageReader):
         view = buffer[base : base + need.end - need.start]
         item = need.request
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, _safe_value_stream(view, item.storage_index.fqn))
+            planner.load_bytes(item, safe_value_stream(view, item.storage_index.fqn))
             return
         wanted = view[need.wanted_start - need.start : need.wanted_end - need.start]
         target = need.target if need.target is not None else planner.resolve_tensor(item).detach()
@@ -817,7 +817,7 @@ def _strided_view(
     return flat.as_strided(tuple(lengths), _row_major_strides(sizes), flat.storage_offset())
 
 
-def _safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
+def safe_value_stream(view: memoryview, fqn: str) -> io.BytesIO:
     """Unpickle a stored value with weights_only=True, then hand DCP a re-serialised copy.
 
     DCP's default planner unpickles what a reader gives it with the unrestricted loader, so
