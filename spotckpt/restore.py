@@ -27,6 +27,7 @@ from spotckpt.catalog import Catalog
 from spotckpt.collector import collector_paused
 from spotckpt.distributed import Collective
 from spotckpt.engine.checkpointer import Checkpointer
+from spotckpt.engine.dcp_standard import StandardCheckpoint, StandardDcpReader, find_standard
 from spotckpt.engine.packing import Run
 from spotckpt.engine.planners import CheckedLoadPlanner, local_plan, plain_state, wanted_boxes
 from spotckpt.engine.reader import ObjectStoreReader, ReadStats
@@ -36,6 +37,7 @@ from spotckpt.errors import (
     IncompleteRestoreError,
     ManifestError,
     NoCheckpointError,
+    SignatureError,
     StorageError,
     UnknownFormatError,
 )
@@ -134,6 +136,15 @@ class StateLoader:
             human_size(needed),
         )
         return ReadStats(read, needed, requests)
+
+    def load_standard(
+        self, state: State, checkpoint: StandardCheckpoint, step: int, strict: bool
+    ) -> None:
+        """Load `step`, the standard DCP checkpoint `checkpoint`, into `state` (the manager's key
+        rules; a TrainState's per-rank parts are read from the keys DCP saved them under)."""
+        loaded = as_dcp_state(state)
+        self.checkpointer.load(loaded, StandardDcpReader(checkpoint), planner(strict), step)
+        write_back(state, loaded)
 
     def _restoring(
         self, state: State, saved: Manifest | Root
@@ -265,7 +276,13 @@ class RestoreOrder:
 
         `restorable_step` follows 3 and 4 with a check of every byte in place of the load.
         """
-        candidates, scope = self.collective.run_on_coordinator(lambda: self._restore_plan(step))
+        try:
+            plan = self.collective.run_on_coordinator(lambda: self._restore_plan(step))
+        except NoCheckpointError:
+            if step is None:
+                raise
+            return self._restore_standard(state, step, strict)
+        candidates, scope = plan
         restoring = _Restoring()
         if scope is not None:
             restored = self._restore_from_tier(state, scope, strict, restoring)
@@ -475,6 +492,26 @@ class RestoreOrder:
             log.info("restored step %d from mirror %s", step, copy.uri)
             if self.collective.rank == 0:
                 self._adopt_identity(copy)
+
+    def _restore_standard(self, state: State, step: int, strict: bool) -> int:
+        """An explicit `step` that the root holds only as a standard DCP checkpoint (a
+        ``step-<N>/`` folder with DCP's ``.metadata``, as DCP's own writers leave it), loaded as
+        it is (`spotckpt.engine.dcp_standard`). Such a checkpoint carries no signature: under a
+        configured key it is refused, as any unsigned step is (import it, signed, first)."""
+        folder = self.collective.run_on_coordinator(lambda: find_standard(self.catalog.store, step))
+        if folder is None:
+            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
+        if self.catalog.keyring is not None:
+            raise SignatureError(
+                f"step {step} at {self.uri} is a standard DCP checkpoint, which carries no "
+                "signature, and a signing key is configured: import it with "
+                "`spotckpt import-dcp`, which signs it, and restore the imported step"
+            )
+        checkpoint = StandardCheckpoint(self.catalog.store, folder)
+        self.loader.load_standard(state, checkpoint, step, strict)
+        self.last_restore_uri = self.uri
+        log.info("restored step %d from the standard DCP checkpoint %s/%s", step, self.uri, folder)
+        return step
 
     def _adopt_identity(self, copy: Copy) -> None:
         """After a restore from mirror `copy` into a job's root without a job identity (a new

@@ -37,14 +37,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from spotckpt.catalog import Catalog
 from spotckpt.engine.chunks import ChunkReader, strong_hashes
+from spotckpt.engine.dcp_standard import STANDARD_STEP, StandardCheckpoint, find_standard
 from spotckpt.errors import (
+    CorruptCheckpointError,
     InvalidArgumentError,
     InvalidTypeError,
     KeyMismatchError,
     ManifestError,
+    NoCheckpointError,
 )
 from spotckpt.format.dtypes import BY_NAME, DType
 from spotckpt.format.features import parse_format
@@ -67,10 +75,12 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 def open_checkpoint(
     uri: str | ObjectStore, step: int | None = None, **storage_options: Any
-) -> CheckpointFile:
+) -> OpenCheckpoint:
     """Open committed step `step` (default: the latest) of the checkpoint root `uri` for lazy
     reads; use it as a context manager. `storage_options` go to the store, as in
-    ``CheckpointManager(storage_options=...)``.
+    ``CheckpointManager(storage_options=...)``. Where the root has no committed step of
+    spotckpt's, a standard DCP checkpoint (`uri` itself, or its ``step-<N>/`` folder) opens as
+    a `StandardCheckpointFile`, with the same reads.
 
     NoCheckpointError when the root has no committed step (or not `step`); ManifestError when
     its manifest is damaged.
@@ -83,7 +93,13 @@ def open_checkpoint(
         )
     store = open_store(uri, **storage_options) if isinstance(uri, str) else uri
     try:
-        return CheckpointFile(store, step, owns_store=owned)
+        try:
+            return CheckpointFile(store, step, owns_store=owned)
+        except NoCheckpointError:
+            folder = find_standard(store, step)
+            if folder is None:
+                raise
+            return StandardCheckpointFile(store, folder, step, owns_store=owned)
     except BaseException:
         if owned:
             store.close()
@@ -182,7 +198,7 @@ class CheckpointFile:
 
     def get_slice(self, name: str) -> TensorSlice:
         """A handle whose ``[...]`` reads only the part of the tensor it names."""
-        return TensorSlice(self, name, self._record(name))
+        return TensorSlice(self, name, self.shape(name), self.dtype(name))
 
     def read_boxes(self, boxes: Mapping[str, Sequence[Box]]) -> dict[str, list[torch.Tensor]]:
         """The tensors of each (offsets, sizes) box, by name; one manifest lookup for all of them
@@ -319,14 +335,143 @@ class CheckpointFile:
             self._chunks.check_strong(into, location, name)
 
 
+class StandardCheckpointFile:
+    """A standard DCP checkpoint opened for lazy reads (`open_checkpoint` where the root holds
+    one): each tensor assembled from the chunks that overlap what is asked, each chunk read
+    whole (a ``torch.save`` item loads only whole) after its object's size was checked
+    (`spotckpt.engine.dcp_standard`: standard checkpoints carry no CRCs)."""
+
+    def __init__(
+        self, store: ObjectStore, folder: str, step: int | None, *, owns_store: bool = False
+    ) -> None:
+        self._checkpoint = StandardCheckpoint(store, folder)
+        self._owns_store = owns_store
+        self.step = step if step is not None else _folder_step(folder)
+        self._tensors = {
+            fqn: entry
+            for fqn, entry in self._checkpoint.metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+        }
+
+    def __enter__(self) -> StandardCheckpointFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the store when `open_checkpoint` opened it."""
+        if self._owns_store:
+            self._owns_store = False
+            self._checkpoint.store.close()
+
+    @property
+    def uri(self) -> str:
+        """The checkpoint folder's URI."""
+        return self._checkpoint.uri
+
+    def keys(self) -> list[str]:
+        """The tensors' names, in the metadata's order (pickled values are not listed)."""
+        return list(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def metadata(self) -> dict[str, Any]:
+        """What a standard checkpoint says besides its tensors: ``step`` (from its folder's
+        name; None when it has none), ``format`` (``"dcp"``) and DCP's ``version``."""
+        return {"step": self.step, "format": "dcp", "version": self._checkpoint.metadata.version}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's global shape."""
+        return tuple(self._entry(name).size)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The tensor's dtype."""
+        return self._entry(name).properties.dtype
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor, assembled from every rank's chunks."""
+        shape = self.shape(name)
+        return self.read_boxes({name: [((0,) * len(shape), shape)]})[name][0]
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """A handle whose ``[...]`` reads only the chunks that hold the part it names."""
+        return TensorSlice(self, name, self.shape(name), self.dtype(name))
+
+    def read_boxes(self, boxes: Mapping[str, Sequence[Box]]) -> dict[str, list[torch.Tensor]]:
+        """The tensors of each (offsets, sizes) box, by name."""
+        return {
+            name: [self._read_box(name, box) for box in wanted] for name, wanted in boxes.items()
+        }
+
+    def fill(self, targets: Mapping[str, tuple[Box, torch.Tensor]]) -> None:
+        """Copy each named tensor's box into its destination (of the box's shape, any dtype or
+        device)."""
+        for name, (box, destination) in targets.items():
+            destination.detach().copy_(self._read_box(name, box))
+
+    def _entry(self, name: str) -> TensorStorageMetadata:
+        entry = self._tensors.get(name)
+        if entry is None:
+            raise KeyMismatchError(
+                f"the DCP checkpoint {self.uri} has no tensor {name!r} "
+                f"({len(self._tensors)} tensors; keys() lists them)"
+            )
+        return entry
+
+    def _read_box(self, name: str, box: Box) -> torch.Tensor:
+        entry = self._entry(name)
+        _check_box(name, tuple(entry.size), box)
+        result = torch.empty(box[1], dtype=entry.properties.dtype)
+        wanted = []
+        for chunk in entry.chunks:
+            held = _overlap(chunk, box)
+            if held is not None:
+                wanted.append((self._checkpoint.item(MetadataIndex(name, chunk.offsets)), held))
+        self._checkpoint.check_objects([item for item, _ in wanted])
+        covered = 0
+        for item, (low, size) in wanted:
+            stored = self._checkpoint.read(item)
+            if not isinstance(stored, torch.Tensor) or item.chunk is None:
+                raise CorruptCheckpointError(f"{self.uri}: {name!r} is not stored as a tensor")
+            source = stored[_region(low, size, tuple(item.chunk.offsets))]
+            result[_region(low, size, box[0])] = source
+            covered += math.prod(size)
+        if covered < math.prod(box[1]):
+            raise CorruptCheckpointError(
+                f"{self.uri}: the chunks of {name!r} do not cover {list(box[0])}+{list(box[1])}"
+            )
+        return result
+
+
+OpenCheckpoint = CheckpointFile | StandardCheckpointFile
+"""What `open_checkpoint` returns: a committed spotckpt step, or a standard DCP checkpoint."""
+
+
+def _region(low: Sequence[int], size: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:
+    """The slices of the box (`low`, `size`) in a tensor whose first element is at `origin`."""
+    return tuple(slice(lo - o, lo - o + n) for lo, n, o in zip(low, size, origin, strict=True))
+
+
+def _folder_step(folder: str) -> int | None:
+    match = STANDARD_STEP.fullmatch(folder)
+    return int(match.group(1)) if match is not None else None
+
+
 class TensorSlice:
     """A tensor of an open checkpoint, read in part: ``[rows]``, ``[:, 2:5]``, ``[..., 0]``."""
 
-    def __init__(self, file: CheckpointFile, name: str, record: TensorRecord) -> None:
+    def __init__(
+        self, file: OpenCheckpoint, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
         self._file = file
         self.name = name
-        self.shape = record.shape
-        self.dtype = BY_NAME[record.dtype].torch_dtype
+        self.shape = shape
+        self.dtype = dtype
 
     def get_shape(self) -> list[int]:
         """The tensor's global shape (safetensors' spelling)."""
@@ -348,7 +493,8 @@ class TensorSlice:
 class LoadedWeights:
     """What `load_weights` did."""
 
-    step: int
+    step: int | None
+    """The step loaded; None for a standard DCP checkpoint whose folder names no step."""
     loaded: list[str] = field(default_factory=list)
     """The module's state-dict keys filled from the checkpoint."""
     missing: list[str] = field(default_factory=list)
@@ -393,7 +539,7 @@ def load_weights(
 
 
 def _key_message(
-    checkpoint: CheckpointFile, prefix: str, missing: list[str], unexpected: list[str]
+    checkpoint: OpenCheckpoint, prefix: str, missing: list[str], unexpected: list[str]
 ) -> str:
     where = f"step {checkpoint.step} at {checkpoint.uri}"
     parts = []
@@ -420,7 +566,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _local_box(name: str, checkpoint: CheckpointFile, tensor: torch.Tensor) -> Box:
+def _local_box(name: str, checkpoint: OpenCheckpoint, tensor: torch.Tensor) -> Box:
     """The box of the stored tensor that this rank's `tensor` holds; InvalidArgumentError when
     the shapes differ (a dtype is cast, as ``load_state_dict`` does)."""
     from torch.distributed.tensor import DTensor
@@ -449,7 +595,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def _overlap(chunk: TensorChunk, box: Box) -> Box | None:
+def _overlap(chunk: TensorChunk | ChunkStorageMetadata, box: Box) -> Box | None:
     """The part of `box` that `chunk` holds (global offsets, sizes), or None."""
     low, size = [], []
     for co, cs, bo, bs in zip(chunk.offsets, chunk.sizes, box[0], box[1], strict=True):
