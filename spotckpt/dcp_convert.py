@@ -37,11 +37,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageReader
 
 from spotckpt.catalog import Catalog
+from spotckpt.engine.checkpointer import first_cause
 from spotckpt.engine.dcp_standard import (
     METADATA_NAME,
     STANDARD_STEP,
@@ -114,9 +116,11 @@ def import_dcp(
         )
     checkpoint = StandardCheckpoint(source, folder)
     chosen = step if step is not None else _named_step(checkpoint.uri)
+    catalog = Catalog(destination, keyring)
+    if not overwrite:  # before the whole state is read
+        catalog.check_not_committed(chosen)
     metadata = checkpoint.metadata
     state = _nest(_read_whole(StandardDcpReader(checkpoint), metadata), metadata.planner_data)
-    catalog = Catalog(destination, keyring)
     job = catalog.ensure_job().id
     writer = ObjectStoreWriter(
         destination,
@@ -181,10 +185,14 @@ def _local_folder(out: str) -> Path:
 
 @contextlib.contextmanager
 def _single_process() -> Iterator[None]:
-    """DCP without a process group, without its warning on every call."""
+    """DCP without a process group, without its warning on every call, raising what failed
+    rather than DCP's wrapper of it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as error:
+            raise first_cause(error) from None
 
 
 def _read_whole(reader: StorageReader, metadata: Metadata) -> dict[str, Any]:

@@ -249,6 +249,13 @@ def _failures(error: CheckpointException) -> dict[int, BaseException]:
     return {rank: f[0] if isinstance(f, tuple) else f for rank, f in failures.items()}
 
 
+def first_cause(error: CheckpointException) -> BaseException:
+    """What the lowest failing rank raised inside DCP's wrapper (`error` itself when it holds
+    none): for single-process DCP calls, whose one cause is the error to show."""
+    failures = _failures(error)
+    return failures[min(failures)] if failures else error
+
+
 def _described(failures: dict[int, BaseException]) -> str:
     return "; ".join(
         f"rank {rank}: {type(cause).__name__}: {cause}" for rank, cause in sorted(failures.items())

@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,11 +133,20 @@ def read_standard_metadata(store: ObjectStore, folder: str = "") -> Metadata:
 
 def _check_metadata(metadata: Any, where: str) -> None:
     """CorruptCheckpointError unless `metadata` is what DCP's writers write: typed entries, chunks
-    inside their tensors, and a stored item for every chunk and value."""
+    inside their tensors, and a stored item for every chunk and value. A pickle may build an
+    admitted class with any fields, or none: a field that is missing or of another type is a
+    refusal too."""
 
     def refuse(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where} is refused as a DCP metadata: {why}")
 
+    try:
+        _check_fields(metadata, refuse)
+    except (AttributeError, TypeError, ValueError) as error:
+        raise refuse(f"it is malformed ({type(error).__name__}: {error})") from None
+
+
+def _check_fields(metadata: Any, refuse: Callable[[str], CorruptCheckpointError]) -> None:
     if not isinstance(metadata, Metadata):
         raise refuse(f"it holds a {type(metadata).__name__}, not a Metadata")
     if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(
@@ -172,7 +181,10 @@ def _check_metadata(metadata: Any, where: str) -> None:
 
 
 def _check_tensor(
-    fqn: str, entry: TensorStorageMetadata, stored: dict[Any, Any], refuse: Any
+    fqn: str,
+    entry: TensorStorageMetadata,
+    stored: dict[Any, Any],
+    refuse: Callable[[str], CorruptCheckpointError],
 ) -> None:
     if not isinstance(entry.properties, TensorProperties) or not isinstance(
         entry.properties.dtype, torch.dtype
