@@ -153,6 +153,7 @@ def test_the_manager_restores_a_standard_step_and_continues_bit_exact(tmp_path: 
     _train(model, optimizer, 3, 3)
     fresh, fresh_optimizer = _model()
     with CheckpointManager(str(root), preemption=False) as manager:
+        assert manager.restore({"model": fresh, "optim": fresh_optimizer}) is None  # asked only
         assert manager.restore({"model": fresh, "optim": fresh_optimizer}, step=3) == 3
         with pytest.raises(NoCheckpointError):
             manager.restore({"model": fresh, "optim": fresh_optimizer}, step=4)
