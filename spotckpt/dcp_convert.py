@@ -15,18 +15,22 @@ gets a standard checkpoint back out.
   an unsigned or forged step is refused as a restore refuses it) and writes it with DCP's own
   ``FileSystemWriter`` into a local folder, whose ``.metadata`` DCP renames into place last.
 
-Both hold the whole state in memory once (as ``dcp_to_torch_save`` does): convert on a machine
-with at least the checkpoint's size of RAM. Tensors come out whole (one chunk each); DCP
-reshards them on every later load, onto any number of ranks. The nesting of the saved state
+Both stream: the state dict handed to DCP's save holds meta tensors (shapes and dtypes), and
+each tensor is read from the source when the writer asks for its data, so memory holds about
+the largest tensor (whole: a tensor saved sharded by many ranks is assembled once) plus the
+values, not the checkpoint. Tensors come out whole (one chunk each); DCP reshards them on every
+later load, onto any number of ranks. The nesting of the saved state
 dict (``planner_data``) travels with it, so ``dcp_to_torch_save`` rebuilds the same tree.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import logging
 import re
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -38,8 +42,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from spotckpt.catalog import Catalog
@@ -53,7 +58,12 @@ from spotckpt.engine.dcp_standard import (
 )
 from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
-from spotckpt.errors import AlreadyExistsError, InvalidArgumentError, NoCheckpointError
+from spotckpt.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NoCheckpointError,
+)
 from spotckpt.format.signing import Keyring
 from spotckpt.storage.base import ObjectStore
 from spotckpt.storage.registry import uri_scheme
@@ -117,10 +127,11 @@ def import_dcp(
     checkpoint = StandardCheckpoint(source, folder)
     chosen = step if step is not None else _named_step(checkpoint.uri)
     catalog = Catalog(destination, keyring)
-    if not overwrite:  # before the whole state is read
+    if not overwrite:  # before anything is read
         catalog.check_not_committed(chosen)
     metadata = checkpoint.metadata
-    state = _nest(_read_whole(StandardDcpReader(checkpoint), metadata), metadata.planner_data)
+    tensors = _Source(StandardDcpReader(checkpoint), metadata)
+    state = _nest(tensors.skeleton(), metadata.planner_data)
     job = catalog.ensure_job().id
     writer = ObjectStoreWriter(
         destination,
@@ -134,7 +145,7 @@ def import_dcp(
         ),
     )
     with _single_process():
-        dcp.save(state, storage_writer=writer, no_dist=True)
+        dcp.save(state, storage_writer=writer, planner=_StreamingSavePlanner(tensors), no_dist=True)
     report = _report(checkpoint.uri, destination.uri, chosen, metadata, started)
     log.info("imported %s as step %d of %s", checkpoint.uri, chosen, destination.uri)
     return report
@@ -164,10 +175,16 @@ def export_dcp(
     chosen = catalog.resolve(step)
     reader = ObjectStoreReader(store, catalog.read_manifest(chosen))
     metadata = reader.read_metadata()
-    state = _nest(_read_whole(reader, metadata), metadata.planner_data)
+    source = _Source(reader, metadata)
+    state = _nest(source.skeleton(), metadata.planner_data)
     target.mkdir(parents=True, exist_ok=True)
     with _single_process():
-        dcp.save(state, storage_writer=FileSystemWriter(str(target)), no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(str(target), thread_count=1),
+            planner=_StreamingSavePlanner(source),
+            no_dist=True,
+        )
     report = _report(store.uri, str(target), chosen, metadata, started)
     log.info("exported step %d of %s to %s", chosen, store.uri, target)
     return report
@@ -195,17 +212,69 @@ def _single_process() -> Iterator[None]:
             raise first_cause(error) from None
 
 
-def _read_whole(reader: StorageReader, metadata: Metadata) -> dict[str, Any]:
-    """Every entry of a checkpoint, flat by its DCP name: tensors whole, values unpickled."""
-    flat: dict[str, Any] = {
-        fqn: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        if isinstance(entry, TensorStorageMetadata)
-        else None
-        for fqn, entry in metadata.state_dict_metadata.items()
-    }
-    with _single_process():
-        dcp.load(flat, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
-    return flat
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner over a state dict whose tensors are meta tensors (shapes and
+    dtypes only): the writer asks for each tensor's data when it writes it, and gets it read
+    from the source then, so that a conversion holds about one tensor at a time."""
+
+    def __init__(self, source: _Source) -> None:
+        super().__init__()
+        self._source = source
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        whole = self._source.tensor(write_item.index.fqn)
+        chunk = write_item.tensor_data.chunk if write_item.tensor_data is not None else None
+        if chunk is None or tuple(chunk.sizes) == tuple(whole.shape):
+            return whole
+        return whole[
+            tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
+        ]
+
+
+class _Source:
+    """A checkpoint read one tensor at a time through a DCP storage reader (each read verified
+    as that reader verifies), the latest tensor kept for the writer's repeated asks."""
+
+    def __init__(self, reader: StorageReader, metadata: Metadata) -> None:
+        self.reader = reader
+        self.metadata = metadata
+        self._lock = threading.Lock()
+        self._held: tuple[str, torch.Tensor] | None = None
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        """The whole tensor `fqn`, read now unless it was the last one read."""
+        with self._lock:
+            if self._held is None or self._held[0] != fqn:
+                self._held = None  # let the previous one go before reading the next
+                entry = self.metadata.state_dict_metadata[fqn]
+                if not isinstance(entry, TensorStorageMetadata):
+                    raise InvalidTypeError(f"{fqn!r} is a value, not a tensor")
+                target = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                self._load({fqn: target})
+                self._held = (fqn, target)
+            return self._held[1]
+
+    def skeleton(self) -> dict[str, Any]:
+        """Every entry, flat by its DCP name: each tensor as a meta tensor of its shape and
+        dtype, each value loaded (values are small; unpickled with ``weights_only=True``)."""
+        values: dict[str, Any] = {}
+        skeleton: dict[str, Any] = {}
+        for fqn, entry in self.metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                size = tuple(entry.size)
+                skeleton[fqn] = torch.empty(size, dtype=entry.properties.dtype, device="meta")
+            else:
+                values[fqn] = skeleton[fqn] = None
+        if values:
+            self._load(values)
+            skeleton.update(values)
+        return skeleton
+
+    def _load(self, state: dict[str, Any]) -> None:
+        with _single_process():
+            dcp.load(state, storage_reader=self.reader, planner=DefaultLoadPlanner(), no_dist=True)
 
 
 def _nest(flat: dict[str, Any], paths: Any) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def import_dcp_command(
     FsspecWriter or s3torchconnector write them) or a root of step-<N>/ such folders. DST
     defaults to SPOTCKPT_URI or spotckpt.toml's uri; its storage options and signing key are
     the config's (with --storage-option over them). The step is committed create-only, with
-    CRC32Cs, signed when a signing key is configured. The whole state is held in memory once.
+    CRC32Cs, signed when a signing key is configured. Tensors are read one at a time.
     """
     from spotckpt.dcp_convert import import_dcp  # imports torch: only this command needs it
 
@@ -106,7 +106,7 @@ def export_dcp_command(
 
     OUT then loads with torch.distributed.checkpoint.load and FileSystemReader, or becomes a
     torch.save file with dcp_to_torch_save. The step is read verified, under the configured
-    signing keys. The whole state is held in memory once.
+    signing keys. Tensors are read one at a time.
     """
     if not 1 <= len(locations) <= 2:
         raise click.UsageError("export-dcp takes [URI] OUT: one or two locations")

@@ -486,3 +486,42 @@ def test_standard_to_spotckpt_and_back_is_the_same_checkpoint(tmp_path: Path) ->
         first = torch.load(_to_torch(original, tmp_path), weights_only=True)
         again = torch.load(_to_torch(tmp_path / "back", tmp_path), weights_only=True)
     assert _same(again, first) and _same(first, _state(6))
+
+
+@pytest.mark.parametrize("direction", ["import", "export"])
+def test_a_conversion_holds_about_one_tensor_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    """Each tensor is read when the writer asks for it: while the next is read, no more than
+    the one before it is still alive (the writer may hold it until it is uploaded)."""
+    import gc
+    import weakref
+
+    from spotckpt import dcp_convert
+
+    state = {f"layer{i}": torch.full((64, 64), float(i)) for i in range(12)}
+    alive: list[weakref.ref[torch.Tensor]] = []
+    most = 0
+    read = dcp_convert._Source.tensor
+
+    def counted(self: Any, fqn: str) -> torch.Tensor:
+        nonlocal most
+        tensor = read(self, fqn)
+        if not any(ref() is tensor for ref in alive):
+            gc.collect()
+            most = max(most, sum(ref() is not None for ref in alive))
+            alive.append(weakref.ref(tensor))
+        return tensor
+
+    folder = _write_standard(tmp_path / "dcp" / "step-1", state)
+    spot = open_store(str(tmp_path / "spot"))
+    if direction == "export":
+        import_dcp(open_store(str(folder.parent)), spot)
+    monkeypatch.setattr(dcp_convert._Source, "tensor", counted)
+    if direction == "import":
+        import_dcp(open_store(str(folder.parent)), spot)
+    else:
+        export_dcp(spot, 1, tmp_path / "out")
+    assert len(alive) == len(state)
+    assert most <= 1, f"{most} earlier tensors were still alive when the next was read"
+    assert _same(_load(spot.uri, state, 1), state)
