@@ -251,7 +251,7 @@ class _Source:
                 entry = self.metadata.state_dict_metadata[fqn]
                 if not isinstance(entry, TensorStorageMetadata):
                     raise InvalidTypeError(f"{fqn!r} is a value, not a tensor")
-                target = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                target = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
                 self._load({fqn: target})
                 self._held = (fqn, target)
             return self._held[1]

@@ -426,7 +426,7 @@ class StandardCheckpointFile:
     def _read_box(self, name: str, box: Box) -> torch.Tensor:
         entry = self._entry(name)
         _check_box(name, tuple(entry.size), box)
-        result = torch.empty(box[1], dtype=entry.properties.dtype)
+        result = torch.zeros(box[1], dtype=entry.properties.dtype)  # never another's bytes
         wanted = []
         for chunk in entry.chunks:
             held = _overlap(chunk, box)

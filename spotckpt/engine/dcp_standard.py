@@ -12,8 +12,10 @@ are (`StandardDcpReader`, ``dcp.load``) or by importing them (`spotckpt.dcp_conv
   What it describes is then checked (`_check_metadata`): types, every chunk inside its tensor,
   every item's object key valid and its range non-negative.
 - Each item of a ``.distcp`` object is a ``torch.save`` blob (a tensor chunk) or the raw bytes of
-  a pickled value. Before anything is read, every object an item lies in must exist and hold the
-  item's whole range (standard checkpoints carry no CRCs: sizes are what can be verified).
+  a pickled value. When the checkpoint is opened, every object an item lies in must exist and
+  hold the item's whole range (standard checkpoints carry no CRCs: sizes are what can be
+  verified), each chunk's item must be at least as long as the chunk's data, and a tensor's
+  chunks must hold exactly its elements: what a read allocates is bounded by the stored bytes.
   Tensors load with ``torch.load(weights_only=True)`` and must have the dtype and shape the
   metadata gives; values are unpickled only with ``weights_only=True`` as well.
 - Items written through a DCP stream extension (``_extensions``, such as ZStandard) carry
@@ -24,6 +26,7 @@ are (`StandardDcpReader`, ``dcp.load``) or by importing them (`spotckpt.dcp_conv
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 from collections.abc import Callable, Iterator
@@ -193,6 +196,10 @@ def _check_tensor(
     size = tuple(entry.size)
     if not all(_natural(n) for n in size):
         raise refuse(f"tensor {fqn!r} has size {size!r}")
+    if not isinstance(entry.chunks, list):
+        raise refuse(f"tensor {fqn!r} has no list of chunks")
+    itemsize = entry.properties.dtype.itemsize
+    covered = 0
     for chunk in entry.chunks:
         if not isinstance(chunk, ChunkStorageMetadata):
             raise refuse(f"tensor {fqn!r} has a chunk of type {type(chunk).__name__}")
@@ -204,8 +211,18 @@ def _check_tensor(
             for o, n, whole in zip(offsets, sizes, size, strict=True)
         ):
             raise refuse(f"tensor {fqn!r}: chunk {offsets!r}+{sizes!r} lies outside {size!r}")
-        if MetadataIndex(fqn, chunk.offsets) not in stored:
+        item = stored.get(MetadataIndex(fqn, chunk.offsets))
+        if item is None:
             raise refuse(f"tensor {fqn!r}: chunk at {offsets!r} has no stored item")
+        volume = math.prod(sizes)
+        if item.length < volume * itemsize:  # the stored bytes bound what a read allocates
+            raise refuse(
+                f"tensor {fqn!r}: chunk at {offsets!r} holds {volume * itemsize} bytes of data "
+                f"in an item of {item.length}"
+            )
+        covered += volume
+    if covered != math.prod(size):
+        raise refuse(f"tensor {fqn!r}: its chunks hold {covered} elements of its {math.prod(size)}")
 
 
 def _natural(value: Any) -> bool:
@@ -232,6 +249,9 @@ class StandardCheckpoint:
         self.folder = folder
         self.metadata = read_standard_metadata(store, folder)
         self._checked: set[str] = set()
+        # Every object must hold its items' ranges before anything is allocated for them: a
+        # tensor's chunks then hold no more data than the objects do.
+        self.check_objects(list(self.items()))
 
     @property
     def uri(self) -> str:

@@ -272,6 +272,11 @@ MALFORMED = {
         lambda m: m.storage_data.pop(_first_item(m, "extra.name")[0]),
         "no stored item",
     ),
+    "a tensor larger than its chunks": (
+        lambda m: setattr(m.state_dict_metadata["w"], "size", torch.Size([7, 5_000_000_000])),
+        "elements",
+    ),
+    "an item shorter than its chunk's data": (lambda m: _set_item(m, length=8), "bytes of data"),
     "a Metadata without fields": (lambda m: m.__dict__.clear(), "malformed"),
     "a chunk without fields": (
         lambda m: m.state_dict_metadata["w"].chunks[0].__dict__.clear(),
@@ -299,12 +304,12 @@ def test_a_metadata_larger_than_the_bound_is_refused_unread(
         spotckpt.dcp_reader(str(folder))
 
 
-def test_a_truncated_object_is_found_before_its_items_are_read(tmp_path: Path) -> None:
+def test_a_truncated_object_is_found_when_the_checkpoint_opens(tmp_path: Path) -> None:
     folder = _write_standard(tmp_path / "ck", _state(1))
     data = next(folder.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:-100])
-    with pytest.raises(CheckpointException, match=r"ObjectSizeError.*reach"):
-        _load(str(folder), _state(1))  # DCP's load wraps what its reader raises
+    with pytest.raises(ObjectSizeError, match="reach"):
+        spotckpt.dcp_reader(str(folder))  # when it opens, before DCP plans anything
 
 
 def test_an_item_of_another_dtype_or_shape_than_its_metadata_is_refused(tmp_path: Path) -> None:
