@@ -30,11 +30,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import spotckpt
-from spotckpt import CheckpointManager
+from spotckpt import CheckpointManager, dcp_writer
+from spotckpt.dcp_convert import import_dcp
 from spotckpt.engine.dcp_standard import StandardDcpReader
 from spotckpt.storage import open_store
 
@@ -237,14 +239,22 @@ def _check_rank_state(state: dict[str, Any], placement: Any, rank: int) -> None:
 @pytest.mark.process
 @pytest.mark.timeout(240)
 def test_two_ranks_save_dtensors_and_read_them_resharded(tmp_path: Path) -> None:
+    """Saved by two ranks with FileSystemWriter: read resharded through dcp_reader, restored by
+    the manager, imported and restored resharded; and two ranks overwriting a spotckpt step
+    (the third save, without overwrite, refused on every rank)."""
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
-    args = {"root": str(root), "out": str(out)}
+    args = {
+        "root": str(root),
+        "out": str(out),
+        "imported": str(tmp_path / "imported"),
+        "overwritten": str(tmp_path / "overwritten"),
+    }
     for rank, result in enumerate(launch_ranks(2, "ranks", args, timeout=180, worker=__file__)):
         assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-4000:]}"
     for rank in (0, 1):
         parts = json.loads((out / f"rank{rank}.json").read_text())
-        assert parts == {"resharded": "ok", "restored": "ok"}, f"rank {rank}: {parts}"
+        assert set(parts.values()) == {"ok"} and len(parts) == 4, f"rank {rank}: {parts}"
     assert sorted(p.name for p in (root / "step-5").iterdir()) == [
         ".metadata",
         "__0_0.distcp",
@@ -304,9 +314,42 @@ def ranks(rank: int, world: int, args: dict[str, Any]) -> None:
                 raise AssertionError("restore did not return step 5")
         _check_rank_state(state, Replicate(), rank)
 
-    _part(results, "resharded", resharded)
-    dist.barrier()
-    _part(results, "restored", restored)
+    def imported() -> None:
+        if rank == 0:
+            import_dcp(open_store(str(root)), open_store(args["imported"]), step=5)
+        dist.barrier()
+        state = _rank_state(mesh, Shard(1), blank=True)
+        with CheckpointManager(args["imported"], preemption=False) as manager:
+            if manager.restore(state) != 5:
+                raise AssertionError("the imported step did not restore")
+        _check_rank_state(state, Shard(1), rank)
+
+    def overwritten() -> None:
+        uri = args["overwritten"]
+        dcp.save(_rank_state(mesh, Shard(0), blank=True), storage_writer=dcp_writer(uri, 1))
+        dcp.save(
+            _rank_state(mesh, Shard(0), blank=False),
+            storage_writer=dcp_writer(uri, 1, overwrite=True),
+        )
+        try:
+            dcp.save(_rank_state(mesh, Shard(0), blank=True), storage_writer=dcp_writer(uri, 1))
+        except CheckpointException as error:
+            if "CheckpointAlreadyCommittedError" not in str(error):
+                raise
+        else:
+            raise AssertionError("a third save without overwrite replaced the step")
+        state = _rank_state(mesh, Shard(1), blank=True)
+        dcp.load(state, storage_reader=spotckpt.dcp_reader(uri, 1))
+        _check_rank_state(state, Shard(1), rank)
+
+    for name, part in [
+        ("resharded", resharded),
+        ("restored", restored),
+        ("imported", imported),
+        ("overwritten", overwritten),
+    ]:
+        _part(results, name, part)
+        dist.barrier()
     (Path(args["out"]) / f"rank{rank}.json").write_text(json.dumps(results))
 
 
