@@ -67,6 +67,9 @@ class ObjectInfo:
     key: str
     size: int
     last_modified: datetime | None = None
+    crc32c: int | None = None
+    """The provider's own CRC32C of the whole object, where an answer carried one (a GCS
+    rewrite's): a copy checked against it needs no read-back."""
 
 
 @dataclass(frozen=True)

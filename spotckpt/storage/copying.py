@@ -10,11 +10,13 @@ holds one piece besides what the target's writer buffers (a bucket store's parts
 whatever the object's size. A streamed copy computes the CRC32C of every byte it writes and checks
 it before the commit: against the caller's `Expected` size and CRC32C (a manifest's; and its BLAKE3
 where a signed manifest records one), and told nothing, that the source ends where its listing said.
-A server-side copy told what to expect (create-only) is read back from the target and checked there,
-and deleted when it differs: its bytes pass through this process once instead of twice, and nothing
-that differs stays; told nothing, it returns no CRC32C (the provider moved the bytes). Either way
-the target's rules hold: a create-only copy onto an existing key raises `AlreadyExistsError`, and a
-copy that fails midway leaves no object at the key (the target's writer aborts).
+A server-side copy told what to expect (create-only) is checked by the CRC32C the provider
+reported for it (a GCS rewrite's) or, where it reported none or a strong hash is expected, read
+back from the target and checked there; it is deleted when it differs. Its bytes pass through this
+process at most once instead of twice, and nothing that differs stays; told nothing, it returns no
+CRC32C (the provider moved the bytes). Either way the target's rules hold: a create-only copy onto
+an existing key raises `AlreadyExistsError`, and a copy that fails midway leaves no object at the
+key (the target's writer aborts).
 """
 
 from __future__ import annotations
@@ -119,14 +121,18 @@ def _checked_at_target(
     piece_bytes: int,
     on_piece: Callable[[int], None] | None,
 ) -> Copied:
-    """A server-side copy at `key` read back and checked against `expected`; deleted (and
-    CorruptCheckpointError) when it differs."""
+    """A server-side copy at `key` checked against `expected`: by the CRC32C the provider
+    reported for it where it did and no strong hash is expected (the bytes do not cross the
+    network again), else read back; deleted (and CorruptCheckpointError) when it differs."""
     try:
         if info.size != expected.size:
             raise CorruptCheckpointError(
                 f"copy of {key!r}: the provider copied {info.size} bytes, not the "
                 f"{expected.size} expected"
             )
+        if info.crc32c is not None and expected.blake3 is None:
+            _check_whole(target, key, expected.size, info.crc32c, None, expected)
+            return Copied(info, info.crc32c, server_side=True)
         checksum, digest = _read_back(target, key, expected, piece_bytes, on_piece)
         _check_whole(target, key, expected.size, checksum, digest, expected)
     except BaseException:

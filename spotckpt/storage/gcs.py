@@ -215,6 +215,16 @@ def _crc_b64(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
+def _crc32c_of(reported: str | None) -> int | None:
+    """The CRC32C GCS reported for an object (base64 big-endian), or None if it reported none or
+    something that is not one."""
+    try:
+        raw = base64.b64decode(reported or "", validate=True)
+    except ValueError:
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
 def _parse_time(value: Any) -> datetime | None:
     if isinstance(value, datetime):
         return value
@@ -669,9 +679,10 @@ class GCSStore(BucketStore[GCSOptions]):
         attempts = 0
         rewrite_token: str | None = None
         total = 0
+        target = self._bucket.blob(self.full_name(key))
 
         def step() -> tuple[str | None, int, int]:
-            nonlocal attempts
+            nonlocal attempts, target
             attempts += 1
             target = self._bucket.blob(self.full_name(key))
             if mark:
@@ -698,7 +709,7 @@ class GCSStore(BucketStore[GCSOptions]):
                 if info is not None:
                     return info
             raise
-        return ObjectInfo(key, total)
+        return ObjectInfo(key, total, crc32c=_crc32c_of(target.crc32c))
 
     def _same_identity(self, other: GCSStore) -> bool:
         """Whether `other` is reached through this store's endpoint with its credentials

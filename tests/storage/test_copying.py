@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import blake3
 import pytest
 
 from spotckpt.checksum import crc32c
@@ -168,3 +169,47 @@ def test_a_copy_between_gcs_buckets_is_a_rewrite_read_back_and_checked(
     assert not target.exists("bad")
     other = open_store(f"gs://{create_bucket(fake_gcs_endpoint)}/x", **options, project="another")
     assert not copy_object(source, key, other, key).server_side  # another identity: streamed
+
+
+def test_a_gcs_rewrite_is_checked_by_the_crc32c_gcs_reports_and_read_back_only_when_signed(
+    fake_gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rewrite's answer carries the copy's CRC32C: an unsigned copy is checked by it, with
+    no bytes read back over the network; a copy that must match a BLAKE3 is still read back."""
+    from spotckpt.storage import copying
+
+    from gcs_emulator import create_bucket
+
+    options = {"endpoint_url": fake_gcs_endpoint, "anonymous": True}
+    source = open_store(f"gs://{create_bucket(fake_gcs_endpoint)}/runs", **options)
+    target = open_store(f"gs://{create_bucket(fake_gcs_endpoint)}/mirror", **options)
+    payload = _payload(MIB + 3)
+    source.put("o", payload)
+    read_back: list[str] = []
+    real = copying._read_back
+
+    def counted(store: Any, key: str, *args: Any) -> tuple[int, str | None]:
+        read_back.append(key)
+        return real(store, key, *args)
+
+    monkeypatch.setattr(copying, "_read_back", counted)
+    good = Expected(len(payload), crc32c(payload))
+    copied = copy_object(source, "o", target, "plain", expected=good, create_only=True)
+    assert copied.server_side and copied.crc32c == good.crc32c and read_back == []
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        copy_object(
+            source,
+            "o",
+            target,
+            "bad",
+            expected=Expected(len(payload), good.crc32c ^ 1),
+            create_only=True,
+        )
+    assert not target.exists("bad") and read_back == []
+    strong = Expected(len(payload), good.crc32c, blake3.blake3(payload).hexdigest())
+    copy_object(source, "o", target, "signed", expected=strong, create_only=True)
+    assert read_back == ["signed"] and target.get("signed") == payload
+    forged = Expected(len(payload), good.crc32c, blake3.blake3(b"other").hexdigest())
+    with pytest.raises(CorruptCheckpointError, match="BLAKE3"):
+        copy_object(source, "o", target, "forged", expected=forged, create_only=True)
+    assert not target.exists("forged")
