@@ -364,7 +364,8 @@ class Catalog:
             self._reported.add(folder)
             log.warning(
                 "ignoring %r under %s: it looks like a step folder but is not the canonical "
-                "name of one (expected step- and %d ASCII digits)",
+                "name of one (expected step- and %d ASCII digits); if it holds a standard DCP "
+                "checkpoint (.metadata), dcp_reader reads it and `spotckpt import-dcp` imports it",
                 folder,
                 self.uri,
                 STEP_DIGITS,
