@@ -23,6 +23,7 @@ from typing import Any
 from spotckpt.errors import (
     AlreadyExistsError,
     CheckpointAlreadyCommittedError,
+    CheckpointError,
     InvalidKeyError,
     ManifestError,
     MirrorConflictError,
@@ -436,7 +437,9 @@ class Catalog:
         Once written, the objects are checked again: something that deleted them between the
         first check and the put (a gc with a short safety age, which saw no manifest yet) makes
         the manifest be deleted again and the save fail, rather than stay committed over
-        missing objects. A gc that runs after the put finds the manifest and keeps them.
+        missing objects (an overwrite puts the manifest it replaced back instead, when every
+        object that one needs is still there). A gc that runs after the put finds the manifest
+        and keeps them.
 
         With `overwrite` (only `spotckpt.dcp.dcp_writer`'s, as DCP's own writers overwrite) the
         put replaces a manifest already there in one atomic put: a reader sees the old step or
@@ -444,14 +447,39 @@ class Catalog:
         until gc collects them (after its safety age, unless a kept step references them).
         """
         self.check_referenced(step, referenced)
+        replaced: bytes | None = None
         if overwrite:
+            replaced = self._manifests.raw(step) if self.is_committed(step) else None
             self._replace_manifest(step, attempt, data)
         else:
             self._put_manifest(step, attempt, data)
         wrong = self.missing_objects(step, referenced)
         if wrong:
+            if replaced is not None and self._reinstate(step, replaced):
+                raise self._missing_error(
+                    step,
+                    wrong,
+                    "was withdrawn right after it was written (the step it replaced is back)",
+                )
             self.store.delete_many([manifest_key(step)])
             raise self._missing_error(step, wrong, "was withdrawn right after it was written")
+
+    def _reinstate(self, step: int, replaced: bytes) -> bool:
+        """Put back the manifest an overwrite replaced, when every object it needs is still
+        there (a gc may have taken them once the new manifest stopped naming them); False when
+        it cannot be: then no manifest at all is better than one over missing objects."""
+        try:
+            needed = self.stored_objects(step, replaced)
+            self.store.put(manifest_key(step), replaced)
+            self._readings.forget([step])
+            for key, expected in needed.items():
+                info = self.store.head(key)
+                if info is None or info.size != expected.size:
+                    return False
+        except CheckpointError as error:
+            log.warning("step %d: the manifest it replaced cannot be put back: %s", step, error)
+            return False
+        return True
 
     def _replace_manifest(self, step: int, attempt: str, data: bytes) -> None:
         self._readings.forget([step])  # what retention read of the old manifest is stale

@@ -47,7 +47,16 @@ import seam_run  # noqa: E402
 from backends import NAMES, Backends, usable  # noqa: E402
 from checker import Expectation, Recovery, check  # noqa: E402
 from recorder import CRASH_KINDS, MUTATING, TIER, Call, Fault, Trace  # noqa: E402
-from scenarios import KEEP_LAST, Root, Scenario, features_on, run, scenarios, settings  # noqa: E402
+from scenarios import (  # noqa: E402
+    KEEP_LAST,
+    Root,
+    Scenario,
+    features_on,
+    own,
+    run,
+    scenarios,
+    settings,
+)
 
 from spotckpt.catalog import Catalog  # noqa: E402
 from spotckpt.format.references import is_reference, object_path  # noqa: E402
@@ -146,6 +155,9 @@ def record(scenario: Scenario, space: Workspace) -> Recorded:
 
 def expectation(scenario: Scenario, trace: Trace, seq: int) -> Expectation:
     """What a fault at the call numbered `seq` promises, from what the scenario was told."""
+    module = own(scenario.op)
+    if module is not None:
+        return module.expectation(scenario, trace, seq)
     committed = trace.marked("committed", seq)
     tier = set(trace.marked("tier", seq))
     saving = set(trace.marked("saving", seq))
@@ -156,7 +168,11 @@ def expectation(scenario: Scenario, trace: Trace, seq: int) -> Expectation:
 
 
 def recover(scenario: Scenario, root: Root, expect: Expectation) -> Recovery:
-    """Check the root with the checker, as the job's restart would open it."""
+    """Check the root with the checker, as the job's restart would open it (an `OWN_OPS`
+    operation with its own recovery)."""
+    module = own(scenario.op)
+    if module is not None:
+        return module.recover(scenario, root, expect)
     chosen = settings(scenario, root, keep_last=None)
     chosen["preemption"] = False
     keys = seam_run.keyring(scenario.cell, root.paths)
@@ -165,11 +181,21 @@ def recover(scenario: Scenario, root: Root, expect: Expectation) -> Recovery:
 
 
 def rebuild(recorded: Recorded, call: Call, applied: bool, space: Workspace) -> Root:
-    """A fresh root holding what a crash at `call` leaves in the bucket."""
+    """A fresh root holding what a crash at `call` leaves in the bucket (and in the second root
+    of an operation that writes one: its keys carry the module's ``PREFIX``)."""
     root = space.fresh(recorded.scenario)
+    module = own(recorded.scenario.op)
+    prefix = module.PREFIX if module is not None else ""
+    objects = sorted(recorded.trace.objects_at(call.seq, applied).items())
     with root.opened() as store:
-        for key, data in sorted(recorded.trace.objects_at(call.seq, applied).items()):
-            store.put(key, data)
+        for key, data in objects:
+            if not (prefix and key.startswith(prefix)):
+                store.put(key, data)
+    if prefix and module is not None:
+        with module.target(root).opened() as second:
+            for key, data in objects:
+                if key.startswith(prefix):
+                    second.put(key[len(prefix) :], data)
     return root
 
 
@@ -182,8 +208,11 @@ def _state_key(recorded: Recorded, call: Call, applied: bool, expect: Expectatio
 
 
 def act(kind: str, scenario: Scenario, root: Root, trace: Trace) -> Callable[[], None] | None:
-    """What another actor does right before the faulted call, for the actor kinds."""
+    """What another actor does right before the faulted call, for the actor kinds (on the root
+    an `OWN_OPS` operation writes)."""
     keys = seam_run.keyring(scenario.cell, root.paths)
+    module = own(scenario.op)
+    root = root if module is None else module.target(root)
 
     def gc() -> None:
         with root.opened() as store:

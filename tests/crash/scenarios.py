@@ -7,16 +7,22 @@ but not explored (`Trace.start_exploring`), then its operation is. The scenario 
 was told: ``saving`` before it asks for a step, ``committed`` once a bucket save returned (after
 ``wait()`` for asynchronous ones), ``tier`` once a fast-tier-only save returned. Errors the
 operation meets are kept (spotckpt's own are expected under faults; any other is a violation).
+
+The operations of `OWN_OPS` bring their set-up, expectation and recovery in a module of their
+own (`own`): ``mirror`` (`mirror_op`: steps copied to a second root) and ``overwrite``
+(`overwrite_op`: DCP saving twice into one step).
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -32,6 +38,8 @@ from spotckpt.storage import ObjectStore, open_store
 from spotckpt.verify import verify_checkpoint
 
 OPS = ("saves", "restore", "gc", "verify", "two_jobs")
+OWN_OPS = {"mirror": "mirror_op", "overwrite": "overwrite_op"}
+"""Operations with their own set-up, expectation and recovery: the module of each (`own`)."""
 FEATURES = ("incremental", "signed", "compressed", "indexed", "fast_tier", "thread_async")
 """The seam matrix's features (`seam_cells.FEATURES`) that run in this process; process-mode
 async and several nodes run in the killed-process sample."""
@@ -91,7 +99,8 @@ def scenarios(backends: tuple[str, ...] = ("local",)) -> list[Scenario]:
     """On the local folder: every operation with no feature, each feature alone, and the pairs
     that met at a seam before (incremental with signing, compression, the tier and async;
     signing with the tier); two jobs on one root with a few of them. On a server: the
-    sets whose requests differ most (`CLOUD_SETS`), saving, restoring and collecting."""
+    sets whose requests differ most (`CLOUD_SETS`), saving, restoring and collecting. The
+    `OWN_OPS` on the local folder, with the feature sets of their modules."""
     sets: list[tuple[str, ...]] = [(), *((f,) for f in FEATURES), *PAIRS]
     found = []
     for backend in backends:
@@ -102,6 +111,12 @@ def scenarios(backends: tuple[str, ...] = ("local",)) -> list[Scenario]:
             if op == "two_jobs" and features not in TWO_JOB_SETS:
                 continue
             found.append(Scenario(features, op, backend))
+        if local:
+            for op, module in OWN_OPS.items():
+                found += [
+                    Scenario(features, op, backend)
+                    for features in importlib.import_module(module).FEATURE_SETS
+                ]
     return [s for s in found if not (s.tier and s.op in ("gc", "verify", "two_jobs"))]
 
 
@@ -194,9 +209,12 @@ def run(scenario: Scenario, root: Root, trace: Trace) -> Outcome:
         if "process_async" in scenario.features:  # its copy in DCP's upload process records
             store.child_log = root.folder / UPLOAD_LOG
         try:
-            _setup(scenario, root, store, trace)
+            module = own(scenario.op)
+            (_setup if module is None else module.setup)(scenario, root, store, trace)
             trace.start_exploring()
-            OPERATIONS[scenario.op](scenario, root, store, trace)
+            (OPERATIONS[scenario.op] if module is None else module.operate)(
+                scenario, root, store, trace
+            )
             store.close()
         except SimulatedCrash:
             pass  # the process died at its fault: what it left is for the recovery to judge
@@ -206,6 +224,12 @@ def run(scenario: Scenario, root: Root, trace: Trace) -> Outcome:
             outcome.raw = not trace.dead
             outcome.error = "".join(traceback.format_exception(error))[-3000:]
     return outcome
+
+
+def own(op: str) -> ModuleType | None:
+    """The module of an `OWN_OPS` operation (its ``setup``, ``operate``, ``expectation``,
+    ``recover``, ``target`` root and trace key ``PREFIX``); None for the others."""
+    return importlib.import_module(OWN_OPS[op]) if op in OWN_OPS else None
 
 
 def _close(manager: CheckpointManager, trace: Trace) -> None:

@@ -34,10 +34,16 @@ from scenarios import Scenario, scenarios
 
 import spotckpt.policy
 from spotckpt.catalog import Catalog
+from spotckpt.layout import manifest_key
+from spotckpt.mirroring import Mirror, StepCopy
 
 SEED = int(os.environ.get("SPOTCKPT_CRASH_SEED", "46"))
 SAMPLE_POINTS = 300
 SAMPLE_SCENARIOS = 10
+ALWAYS_SAMPLED = ("saves", "gc", "mirror", "overwrite")
+"""Operations a scenario of which is always in the sample."""
+OVERWRITE_PUT = "0:put:step-000000005/manifest.json#1"
+"""The overwriting save's manifest put (``#0`` is the set-up's first save)."""
 
 
 @pytest.fixture
@@ -52,10 +58,11 @@ def _only(verdicts: list[Verdict]) -> list[str]:
 @pytest.mark.timeout(300)
 def test_a_sample_of_crash_points_keeps_every_invariant(space: Workspace) -> None:
     """At least 300 trace-derived points (a crash before a call, or after it with the answer
-    lost) on scenarios drawn from every operation; each state recovered and checked."""
+    lost) on scenarios drawn from every operation (saves, gc, a mirror's copy and DCP's
+    overwrite always among them); each state recovered and checked."""
     rng = random.Random(SEED)
     rebuilt = [s for s in scenarios() if not s.tier]
-    chosen = [rng.choice([s for s in rebuilt if s.op == op]) for op in ("saves", "gc")]
+    chosen = [rng.choice([s for s in rebuilt if s.op == op]) for op in ALWAYS_SAMPLED]
     chosen += rng.sample([s for s in rebuilt if s not in chosen], SAMPLE_SCENARIOS - len(chosen))
     todo = plan(chosen, CRASH_KINDS, space, SAMPLE_POINTS, SEED)
     verdicts = explore(todo, space)
@@ -71,6 +78,11 @@ REGRESSIONS = [
     ("saves-plain-local", "0:put:step-000000002/manifest.json#0", "gc"),
     ("saves-incremental-local", "0:put:step-000000003/manifest.json#0", "gc"),
     ("saves-incremental-local", "0:head:step-000000001/a-~0/r00000-000.safetensors#3", "gc"),
+    # gc right before an overwrite's manifest put took the new attempt's objects; the put
+    # replaced the old manifest and the commit's second check deleted it: no step was left.
+    # Now the commit puts the replaced manifest back (its objects are all still there).
+    ("overwrite-plain-local", "0:put:step-000000005/manifest.json#1", "gc"),
+    ("overwrite-compressed-local", "0:put:step-000000005/manifest.json#1", "gc"),
 ]
 
 
@@ -114,6 +126,47 @@ def test_retention_that_ignores_references_is_caught(
     lines = list(report(verdicts))
     assert not lines[-1].endswith("violations: 0"), lines
     assert any("reproduce: python tests/crash/explore.py" in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_a_mirror_that_commits_before_it_copies_is_caught(
+    space: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bug: a mirror's copy puts the manifest first, then the objects; a crash at any
+    object of step 1's copy leaves the mirror listing a step it does not hold."""
+
+    def manifest_first(self: Mirror, step: int) -> StepCopy:
+        data = self.source.manifest_bytes(step)
+        if self.target.is_committed(step):
+            return StepCopy(step, already=True)
+        needed = self.source.stored_objects(step, data)
+        self._same_job()
+        self.target.store.put(manifest_key(step), data)
+        self._copy_objects(needed)
+        return StepCopy(step)
+
+    monkeypatch.setattr(Mirror, "copy_step", manifest_first)
+    todo = plan([Scenario.parse("mirror-plain-local")], ("crash",), space, None, SEED)
+    todo.items = [i for i in todo.items if i[1].name.startswith("0:open:mirror/step-000000001/")]
+    verdicts = explore(todo, space)
+    assert todo.items and all(v.violations for v in verdicts), _only(verdicts)
+    assert any("does not verify" in text for v in verdicts for text in v.violations)
+
+
+@pytest.mark.timeout(120)
+def test_an_overwrite_that_deletes_the_old_manifest_first_is_caught(
+    space: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted bug: DCP's overwrite deletes the old manifest, then puts the new; a crash at
+    the put leaves no step, where docs/dcp.md promises the old one or the new."""
+
+    def delete_first(self: Catalog, step: int, attempt: str, data: bytes) -> None:
+        self.store.delete_many([manifest_key(step)])
+        self.store.put(manifest_key(step), data)
+
+    monkeypatch.setattr(Catalog, "_replace_manifest", delete_first)
+    (verdict,) = _at(Scenario.parse("overwrite-plain-local"), OVERWRITE_PUT, "crash", space)
+    assert any("the steps listed are []" in text for text in verdict.violations), verdict
 
 
 @pytest.mark.process
