@@ -7,6 +7,7 @@ mapped or refused with what to use instead. Covers the overwrite block of docs/d
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,12 @@ from spotckpt.catalog import Catalog  # noqa: E402
 from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions  # noqa: E402
 from spotckpt.errors import InvalidArgumentError  # noqa: E402
 from spotckpt.gc import collect_garbage  # noqa: E402
-from spotckpt.storage import open_store  # noqa: E402
+from spotckpt.layout import manifest_key  # noqa: E402
+from spotckpt.storage import ObjectStore, open_store  # noqa: E402
+from spotckpt.storage.base import ObjectInfo  # noqa: E402
 from spotckpt.verify import verify_checkpoint  # noqa: E402
+
+from tests_support import FailingStore  # noqa: E402
 
 
 def _state(value: float) -> dict[str, object]:
@@ -112,6 +117,50 @@ def test_a_fault_at_any_call_of_a_resave_leaves_the_old_step_or_the_new(tmp_path
             assert verify_checkpoint(open_store(str(root)), 5).ok, f"{kind} at {point}"
             seen.add(_value(_load(str(root))))
     assert seen == {1.0, 2.0}  # some faults came before the manifest's put, some after
+
+
+class _GcBeforeThePut(FailingStore):
+    """A real store where, right before the overwriting manifest put, something deletes the
+    objects under `gone` (a gc with a short safety age: no manifest named the new attempt's)."""
+
+    def __init__(self, inner: ObjectStore, gone: Callable[[str], bool]) -> None:
+        super().__init__(inner, fail_after_bytes=1 << 62)
+        self.gone = gone
+        self.fired = False
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        if key == manifest_key(5) and not create_only and not self.fired:
+            self.fired = True
+            self.inner.delete_many([o.key for o in self.inner.list("step-") if self.gone(o.key)])
+        return self.inner.put(key, data, create_only=create_only)
+
+
+@pytest.mark.parametrize("taken", ["the new objects", "the new and the old objects"])
+def test_objects_deleted_right_before_the_put_leave_the_old_step_or_none(
+    tmp_path: Path, taken: str
+) -> None:
+    """The commit's second check finds the new objects gone: the replaced manifest is put back
+    when its own objects are all there, else no manifest stays (never one over missing
+    objects)."""
+    uri = str(tmp_path / "ck")
+    dcp.save(_state(1.0), storage_writer=spotckpt.dcp_writer(uri, 5), no_dist=True)
+    old = Catalog(open_store(uri)).committed_attempt(5)
+    assert old is not None
+
+    def gone(key: str) -> bool:
+        return key.endswith(".safetensors") and (taken != "the new objects" or old not in key)
+
+    store = _GcBeforeThePut(open_store(uri), gone)
+    writer = ObjectStoreWriter(store, 5, WriterOptions(overwrite=True))  # type: ignore[arg-type]
+    with pytest.raises(CheckpointException, match="withdrawn right after it was written"):
+        dcp.save(_state(2.0), storage_writer=writer, no_dist=True)
+    assert store.fired
+    if taken == "the new objects":
+        assert Catalog(open_store(uri)).committed_attempt(5) == old
+        assert verify_checkpoint(open_store(uri), 5).ok
+        assert _value(_load(uri)) == 1.0
+    else:
+        assert Catalog(open_store(uri)).steps() == []
 
 
 def _copy(source: Path, target: Path) -> Path:
