@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from spotckpt.catalog import Catalog
@@ -62,6 +63,9 @@ DEFAULT_COPIES = 4
 """Objects copied at once."""
 HEADS = 16
 """Objects looked up at the mirror at once (what is there already)."""
+RESAVE_CHECK_STEPS = 8
+"""Of the steps both roots hold, the newest this many are checked at each catch-up for a save
+made again at the source (``dcp_writer(overwrite=True)``) after they were mirrored."""
 STOP_CHECK_S = 0.5
 """How often held copies look whether they are to stop for good."""
 CLOSE_JOIN_S = 60.0
@@ -264,6 +268,9 @@ class Mirror:
         self._total = 0
         self._lock = threading.Lock()
         self._ours = False  # the mirror was found to carry the source's job identity
+        self._same_save: dict[int, tuple[int, datetime | None]] = {}
+        """Steps found to be one save at both roots, by the source manifest's size and time
+        then: read again only when those change (an overwrite at the source)."""
 
     # One step ---------------------------------------------------------------------------------
 
@@ -425,6 +432,10 @@ class Mirror:
         report = MirrorReport(self.source.uri, self.target.uri)
         ours = self._same_job()  # before anything is copied or retired there
         wanted = sorted(set(steps)) if steps is not None else self._missing(keep_last)
+        if steps is None:
+            for step, why in self._saved_again(keep_last).items():
+                log.warning("step %d at %s: %s", step, self.target.uri, why)
+                report.failed[step] = f"MirrorConflictError: {why}"
         for step in wanted:
             try:
                 report.copied.append(self.copy_step(step))
@@ -479,6 +490,34 @@ class Mirror:
         window = ours[-keep_last:] if keep_last is not None and keep_last > 0 else ours
         theirs = set(self.target.steps())
         return [step for step in window if step not in theirs]
+
+    def _saved_again(self, keep_last: int | None) -> dict[int, str]:
+        """Of the newest `RESAVE_CHECK_STEPS` steps both roots hold, those the source committed
+        again (another attempt: ``dcp_writer(overwrite=True)``) after they were mirrored, and
+        why that is a conflict. A mirror never overwrites a committed step; a restore reads the
+        source's save while the source can be read (`spotckpt.restore`)."""
+        ours = self.source.steps()
+        window = ours[-keep_last:] if keep_last is not None and keep_last > 0 else ours
+        theirs = set(self.target.steps())
+        conflicts = {}
+        for step in [s for s in window if s in theirs][-RESAVE_CHECK_STEPS:]:
+            info = self.source.store.head(manifest_key(step))
+            if info is None:
+                continue
+            mark = (info.size, info.last_modified)
+            if self._same_save.get(step) == mark:
+                continue
+            saved = self.source.committed_attempt(step)
+            if saved is not None and saved == self.target.committed_attempt(step):
+                self._same_save[step] = mark
+                continue
+            conflicts[step] = (
+                f"step {step} was saved again at {self.source.uri} after it was mirrored (a "
+                "save with overwrite): the mirror keeps the save it holds, which a restore reads "
+                "only while the source cannot be read; mirror into a fresh root to copy the "
+                "new one"
+            )
+        return conflicts
 
     def lag(self) -> tuple[int, float | None]:
         """Steps of the source newer than the mirror's newest, and how much older (seconds, by

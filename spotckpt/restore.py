@@ -278,10 +278,10 @@ class RestoreOrder:
         """
         try:
             plan = self.collective.run_on_coordinator(lambda: self._restore_plan(step))
-        except NoCheckpointError:
+        except NoCheckpointError as missing:
             if step is None:
                 raise
-            return self._restore_standard(state, step, strict)
+            return self._restore_standard(state, step, strict, missing)
         candidates, scope = plan
         restoring = _Restoring()
         if scope is not None:
@@ -483,6 +483,8 @@ class RestoreOrder:
     ) -> None:
         step, index = candidate
         copy = self.copies[index]
+        if index:
+            self.collective.run_on_coordinator(lambda: self._check_same_save(step, copy))
         manifest = copy.loader.manifest(state, step)
         restoring.written = True  # from here on, a failure may leave part of it in `state`
         self.last_read_stats = stats = copy.loader.load(state, manifest, copy.store, strict)
@@ -493,14 +495,17 @@ class RestoreOrder:
             if self.collective.rank == 0:
                 self._adopt_identity(copy)
 
-    def _restore_standard(self, state: State, step: int, strict: bool) -> int:
+    def _restore_standard(
+        self, state: State, step: int, strict: bool, missing: NoCheckpointError
+    ) -> int:
         """An explicit `step` that the root holds only as a standard DCP checkpoint (a
         ``step-<N>/`` folder with DCP's ``.metadata``, as DCP's own writers leave it), loaded as
         it is (`spotckpt.engine.dcp_standard`). Such a checkpoint carries no signature: under a
-        configured key it is refused, as any unsigned step is (import it, signed, first)."""
+        configured key it is refused, as any unsigned step is (import it, signed, first).
+        Without one, `missing` (why no committed step was found) is raised."""
         folder = self.collective.run_on_coordinator(lambda: find_standard(self.catalog.store, step))
         if folder is None:
-            raise NoCheckpointError(f"step {step} has no committed checkpoint at {self.uri}")
+            raise missing  # no spotckpt step, and no standard one either
         if self.catalog.keyring is not None:
             raise SignatureError(
                 f"step {step} at {self.uri} is a standard DCP checkpoint, which carries no "
@@ -512,6 +517,24 @@ class RestoreOrder:
         self.last_restore_uri = self.uri
         log.info("restored step %d from the standard DCP checkpoint %s/%s", step, self.uri, folder)
         return step
+
+    def _check_same_save(self, step: int, copy: Copy) -> None:
+        """NoCheckpointError (the next candidate: the job's own root's) when the job's root
+        holds `step` as another save than mirror `copy` does: saved again with overwrite after
+        it was mirrored. The root is the source of truth while it can be read."""
+        try:
+            own = self.catalog.committed_attempt(step)
+        except StorageError:
+            return  # the root cannot be read: the mirror's copy is the one there is
+        if own is not None and copy.catalog.committed_attempt(step) != own:
+            log.warning(
+                "step %d at mirror %s is another save than at %s (saved again after it was "
+                "mirrored): reading the root's",
+                step,
+                copy.uri,
+                self.uri,
+            )
+            raise NoCheckpointError(f"step {step} at {copy.uri} is not the root's save of it")
 
     def _adopt_identity(self, copy: Copy) -> None:
         """After a restore from mirror `copy` into a job's root without a job identity (a new
