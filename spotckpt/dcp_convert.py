@@ -162,7 +162,12 @@ def export_dcp(
     """Write committed step `step` (default: the latest) of the spotckpt root `store` as a
     standard DCP checkpoint into the local folder `out` (see the module docstring).
 
-    AlreadyExistsError when `out` holds a DCP checkpoint already, unless `overwrite`."""
+    AlreadyExistsError when `out` holds a DCP checkpoint already, unless `overwrite`. An
+    overwrite first deletes the old checkpoint's ``.metadata`` (so that an export that dies
+    midway leaves no checkpoint, rather than the old ``.metadata`` over half-rewritten data
+    files) and then its data files (those DCP's ``FileSystemWriter`` names
+    ``__<rank>_<n>.distcp``, which the new checkpoint may not all rewrite); every other file in
+    `out` stays. That happens once the step is read and verified, just before writing."""
     started = time.monotonic()
     target = _local_folder(str(out))
     if (target / METADATA_NAME).exists() and not overwrite:
@@ -178,6 +183,8 @@ def export_dcp(
     source = _Source(reader, metadata)
     state = _nest(source.skeleton(), metadata.planner_data)
     target.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        _remove_standard(target)
     with _single_process():
         dcp.save(
             state,
@@ -188,6 +195,17 @@ def export_dcp(
     report = _report(store.uri, str(target), chosen, metadata, started)
     log.info("exported step %d of %s to %s", chosen, store.uri, target)
     return report
+
+
+_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")  # what DCP's FileSystemWriter names its files
+
+
+def _remove_standard(folder: Path) -> None:
+    """Delete the DCP checkpoint in `folder`: its ``.metadata`` first, then its data files."""
+    (folder / METADATA_NAME).unlink(missing_ok=True)
+    for entry in folder.iterdir():
+        if _DATA_FILE.fullmatch(entry.name) and entry.is_file():
+            entry.unlink()
 
 
 def _local_folder(out: str) -> Path:
@@ -277,42 +295,83 @@ class _Source:
             dcp.load(state, storage_reader=self.reader, planner=DefaultLoadPlanner(), no_dist=True)
 
 
+_MAX_DEPTH = 64  # far deeper than any state dict's; a deeper tree would overflow DCP's recursion
+
+
 def _nest(flat: dict[str, Any], paths: Any) -> dict[str, Any]:
-    """The state dict's own tree, rebuilt from each entry's path (``planner_data``): the flat
-    dict when the paths do not describe one tree of dicts and lists."""
-    if not isinstance(paths, dict) or set(paths) != set(flat):
-        return flat
-    root: dict[Any, Any] = {}
+    """The state dict's own tree, rebuilt from each entry's path (``planner_data``, which a
+    forged checkpoint may set to anything): the flat dict, which holds every entry under its
+    FQN, unless the paths are what DCP's flatten makes of one tree of dicts and lists. That is:
+    each path's str keys and int list indices (each below the number of entries) joined by dots
+    are its FQN, no path is a prefix of another or deeper than `_MAX_DEPTH`, and every list is
+    dense (no gap to fill with None). So no entry is dropped or renamed, and nothing is
+    allocated beyond the entries."""
     try:
-        for fqn, value in flat.items():
-            path = paths[fqn]
-            if not isinstance(path, tuple | list) or not path:
-                return flat
-            node: Any = root
-            for key, after in itertools.pairwise(path):
-                node = _child(node, key, [] if type(after) is int else {})
-            _put(node, path[-1], value)
-    except (TypeError, IndexError, KeyError):
+        if not _dcp_paths(flat, paths):
+            raise _NotATree("a path that DCP's flatten does not make")
+        return _plain(_tree(flat, paths))
+    except _NotATree as why:
+        log.debug("planner_data is not the tree of the checkpoint's entries (%s): kept flat", why)
         return flat
+
+
+class _NotATree(Exception):
+    """The paths of ``planner_data`` do not describe one tree of the checkpoint's entries."""
+
+
+class _Keyed(dict[str, Any]):
+    """A dict being rebuilt (apart from the entries' own values, which may be dicts)."""
+
+
+class _Indexed(dict[int, Any]):
+    """A list being rebuilt: its items by index, made a list once every item is in."""
+
+
+def _dcp_paths(flat: dict[str, Any], paths: Any) -> bool:
+    """Whether each entry's path is one that DCP's flatten makes, of its FQN."""
+    if not isinstance(paths, dict) or paths.keys() != flat.keys():
+        return False
+    return all(
+        isinstance(path, tuple | list)
+        and 0 < len(path) <= _MAX_DEPTH
+        and all(type(key) is str or (type(key) is int and 0 <= key < len(flat)) for key in path)
+        and ".".join(map(str, path)) == fqn
+        for fqn, path in paths.items()
+    )
+
+
+def _tree(flat: dict[str, Any], paths: dict[str, Any]) -> _Keyed:
+    root = _Keyed()
+    for fqn, value in flat.items():
+        path = paths[fqn]
+        node: _Keyed | _Indexed = root
+        for key, after in itertools.pairwise(path):
+            _check_key(node, key)
+            if key not in node:
+                node[key] = _Indexed() if type(after) is int else _Keyed()
+            node = node[key]
+            if not isinstance(node, _Keyed | _Indexed):
+                raise _NotATree(f"{fqn!r} runs through another entry")
+        _check_key(node, path[-1])
+        if path[-1] in node:
+            raise _NotATree(f"{fqn!r} ends on another entry's path")
+        node[path[-1]] = value
     return root
 
 
-def _child(node: Any, key: Any, empty: dict[Any, Any] | list[Any]) -> Any:
-    if _put(node, key, empty, keep=True) is None:
-        return empty
-    return node[key]
+def _check_key(node: _Keyed | _Indexed, key: Any) -> None:
+    if isinstance(node, _Indexed) != (type(key) is int):
+        raise _NotATree(f"{key!r} under both a dict's keys and a list's indices")
 
 
-def _put(node: Any, key: Any, value: Any, *, keep: bool = False) -> Any:
-    """Set `node[key]` (growing a list), unless `keep` and it is set: returns what was there."""
-    if isinstance(node, list) and type(key) is int:
-        node.extend([None] * (key + 1 - len(node)))
-    elif not (isinstance(node, dict) and type(key) in (str, int)):
-        raise TypeError(f"path element {key!r} under a {type(node).__name__}")
-    found = node[key] if isinstance(node, list) else node.get(key)
-    if found is None or not keep:
-        node[key] = value
-    return found
+def _plain(node: _Keyed | _Indexed) -> Any:
+    """`node` as plain dicts and lists; _NotATree when a list would have a gap."""
+    items = {k: _plain(v) if isinstance(v, _Keyed | _Indexed) else v for k, v in node.items()}
+    if isinstance(node, _Keyed):
+        return items
+    if sorted(items) != list(range(len(items))):
+        raise _NotATree("a list with a gap")
+    return [items[index] for index in range(len(items))]
 
 
 def _named_step(uri: str) -> int:

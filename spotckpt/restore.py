@@ -512,7 +512,11 @@ class RestoreOrder:
                 "signature, and a signing key is configured: import it with "
                 "`spotckpt import-dcp`, which signs it, and restore the imported step"
             )
-        checkpoint = StandardCheckpoint(self.catalog.store, folder)
+        store = self.catalog.store
+        checked = self.collective.run_on_coordinator(  # read once; every rank fails alike
+            lambda: StandardCheckpoint(store, folder).metadata
+        )
+        checkpoint = StandardCheckpoint(store, folder, metadata=checked)
         self.loader.load_standard(state, checkpoint, step, strict)
         self.last_restore_uri = self.uri
         log.info("restored step %d from the standard DCP checkpoint %s/%s", step, self.uri, folder)

@@ -5,19 +5,17 @@
 A team that checkpointed a run with DCP switches to spotckpt by reading those folders where they
 are (`StandardDcpReader`, ``dcp.load``) or by importing them (`spotckpt.dcp_convert`).
 
-- ``.metadata`` is a pickle. `read_standard_metadata` reads it (its size bounded first) with an
-  unpickler that admits DCP's metadata classes, torch's dtypes and sizes, paths and plain
-  containers, and nothing else: a pickle that names any other global (``os.system``,
-  ``builtins.eval``...) is refused before anything is called, with `CorruptCheckpointError`.
-  What it describes is then checked (`_check_metadata`): types, every chunk inside its tensor,
-  every item's object key valid and its range non-negative.
+- ``.metadata`` is a pickle, read by `spotckpt.engine.dcp_metadata` without ever handing it a
+  real class or function, and checked before anything else is read.
 - Each item of a ``.distcp`` object is a ``torch.save`` blob (a tensor chunk) or the raw bytes of
   a pickled value. When the checkpoint is opened, every object an item lies in must exist and
   hold the item's whole range (standard checkpoints carry no CRCs: sizes are what can be
   verified), each chunk's item must be at least as long as the chunk's data, and a tensor's
   chunks must hold exactly its elements: what a read allocates is bounded by the stored bytes.
-  Tensors load with ``torch.load(weights_only=True)`` and must have the dtype and shape the
-  metadata gives; values are unpickled only with ``weights_only=True`` as well.
+  A tensor item is a ``torch.save`` zip whose records must all be stored uncompressed and fit
+  in the item (a deflated record would inflate past the stored bytes); it loads with
+  ``torch.load(weights_only=True)`` and must have the dtype and shape the metadata gives.
+  Values are unpickled only with ``weights_only=True`` as well.
 - Items written through a DCP stream extension (``_extensions``, such as ZStandard) carry
   ``transform_descriptors``; they are refused with a message, as their decoders would run code
   named by the checkpoint.
@@ -26,10 +24,9 @@ are (`StandardDcpReader`, ``dcp.load``) or by importing them (`spotckpt.dcp_conv
 from __future__ import annotations
 
 import io
-import math
-import pickle
 import re
-from collections.abc import Callable, Iterator
+import zipfile
+from collections.abc import Iterator
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,195 +35,28 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from spotckpt.engine.dcp_metadata import METADATA_NAME, read_standard_metadata
 from spotckpt.engine.reader import safe_value_stream
 from spotckpt.errors import (
     CorruptCheckpointError,
-    InvalidKeyError,
     ObjectMissingError,
     ObjectSizeError,
 )
 from spotckpt.layout import STEP_PREFIX
-from spotckpt.storage.base import ObjectStore, check_key, join_key
+from spotckpt.storage.base import ObjectStore, join_key
 
-METADATA_NAME = ".metadata"
-"""The object that makes a folder a standard DCP checkpoint (written last by DCP's writers)."""
-MAX_METADATA_BYTES = 512 << 20
-"""The largest ``.metadata`` read: far above what a checkpoint of a million tensors needs."""
 PARALLEL_READS = 8
 """Items fetched at the same time (each is held in memory until it is loaded)."""
-
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_ADMITTED: frozenset[tuple[str, str]] = frozenset(
-    {
-        *(
-            (_METADATA_MODULE, name)
-            for name in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorProperties",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath")),
-        ("pathlib", "PureWindowsPath"),
-    }
-)
-"""The globals a DCP ``.metadata`` pickle may name (besides torch's dtypes): classes whose
-construction from pickled fields runs no code of the pickle's choosing."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only `_ADMITTED` globals and torch's dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ADMITTED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which a DCP metadata never does")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("it holds a persistent id, which a DCP metadata never does")
-
-
-def read_standard_metadata(store: ObjectStore, folder: str = "") -> Metadata:
-    """The checked metadata of the standard DCP checkpoint in `folder` of `store`
-    (ObjectNotFoundError when it has none; CorruptCheckpointError when it is unsafe or
-    malformed)."""
-    key = join_key(folder, METADATA_NAME) if folder else METADATA_NAME
-    where = f"{store.uri.rstrip('/')}/{key}"
-    info = store.head(key)
-    if info is None:
-        raise ObjectMissingError(f"{where}: no DCP metadata there")
-    if info.size > MAX_METADATA_BYTES:
-        raise ObjectSizeError(
-            f"{where} is {info.size} bytes, more than the {MAX_METADATA_BYTES} a DCP metadata "
-            "may be: refused unread"
-        )
-    data = store.get_range(key, 0, info.size)
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as error:  # a malformed pickle raises anything from any class it built
-        raise CorruptCheckpointError(
-            f"{where} is refused as a DCP metadata: {type(error).__name__}: {error}"
-        ) from None
-    _check_metadata(metadata, where)
-    return metadata
-
-
-def _check_metadata(metadata: Any, where: str) -> None:
-    """CorruptCheckpointError unless `metadata` is what DCP's writers write: typed entries, chunks
-    inside their tensors, and a stored item for every chunk and value. A pickle may build an
-    admitted class with any fields, or none: a field that is missing or of another type is a
-    refusal too."""
-
-    def refuse(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where} is refused as a DCP metadata: {why}")
-
-    try:
-        _check_fields(metadata, refuse)
-    except (AttributeError, TypeError, ValueError) as error:
-        raise refuse(f"it is malformed ({type(error).__name__}: {error})") from None
-
-
-def _check_fields(metadata: Any, refuse: Callable[[str], CorruptCheckpointError]) -> None:
-    if not isinstance(metadata, Metadata):
-        raise refuse(f"it holds a {type(metadata).__name__}, not a Metadata")
-    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(
-        metadata.storage_data, dict
-    ):
-        raise refuse("its entries or its storage data are not dicts")
-    for index, stored in metadata.storage_data.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(stored, _StorageInfo):
-            raise refuse(f"storage data entry {index!r} is not a MetadataIndex: _StorageInfo")
-        if not _natural(stored.offset) or not _natural(stored.length):
-            raise refuse(f"{index.fqn!r} has offset {stored.offset!r}, length {stored.length!r}")
-        try:
-            check_key(stored.relative_path)
-        except InvalidKeyError as error:
-            raise refuse(f"{index.fqn!r}: {error}") from None
-        if stored.transform_descriptors:
-            raise refuse(
-                f"{index.fqn!r} was written through DCP stream extensions "
-                f"{list(stored.transform_descriptors)!r}, which spotckpt does not run; load it "
-                "with DCP's own reader and save it again without _extensions"
-            )
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if not isinstance(fqn, str):
-            raise refuse(f"entry {fqn!r} is not named by a string")
-        if isinstance(entry, BytesStorageMetadata):
-            if MetadataIndex(fqn) not in metadata.storage_data:
-                raise refuse(f"value {fqn!r} has no stored item")
-            continue
-        if not isinstance(entry, TensorStorageMetadata):
-            raise refuse(f"{fqn!r} is a {type(entry).__name__}")
-        _check_tensor(fqn, entry, metadata.storage_data, refuse)
-
-
-def _check_tensor(
-    fqn: str,
-    entry: TensorStorageMetadata,
-    stored: dict[Any, Any],
-    refuse: Callable[[str], CorruptCheckpointError],
-) -> None:
-    if not isinstance(entry.properties, TensorProperties) or not isinstance(
-        entry.properties.dtype, torch.dtype
-    ):
-        raise refuse(f"tensor {fqn!r} has no dtype")
-    size = tuple(entry.size)
-    if not all(_natural(n) for n in size):
-        raise refuse(f"tensor {fqn!r} has size {size!r}")
-    if not isinstance(entry.chunks, list):
-        raise refuse(f"tensor {fqn!r} has no list of chunks")
-    itemsize = entry.properties.dtype.itemsize
-    covered = 0
-    for chunk in entry.chunks:
-        if not isinstance(chunk, ChunkStorageMetadata):
-            raise refuse(f"tensor {fqn!r} has a chunk of type {type(chunk).__name__}")
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(offsets) != len(size) or len(sizes) != len(size):
-            raise refuse(f"tensor {fqn!r}: chunk at {offsets!r} has another rank than {size!r}")
-        if not all(
-            _natural(o) and _natural(n) and o + n <= whole
-            for o, n, whole in zip(offsets, sizes, size, strict=True)
-        ):
-            raise refuse(f"tensor {fqn!r}: chunk {offsets!r}+{sizes!r} lies outside {size!r}")
-        item = stored.get(MetadataIndex(fqn, chunk.offsets))
-        if item is None:
-            raise refuse(f"tensor {fqn!r}: chunk at {offsets!r} has no stored item")
-        volume = math.prod(sizes)
-        if item.length < volume * itemsize:  # the stored bytes bound what a read allocates
-            raise refuse(
-                f"tensor {fqn!r}: chunk at {offsets!r} holds {volume * itemsize} bytes of data "
-                f"in an item of {item.length}"
-            )
-        covered += volume
-    if covered != math.prod(size):
-        raise refuse(f"tensor {fqn!r}: its chunks hold {covered} elements of its {math.prod(size)}")
-
-
-def _natural(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -244,14 +74,28 @@ class Item:
 class StandardCheckpoint:
     """One standard DCP checkpoint in `folder` of `store`, checked and read item by item."""
 
-    def __init__(self, store: ObjectStore, folder: str = "") -> None:
+    def __init__(
+        self, store: ObjectStore, folder: str = "", metadata: Metadata | None = None
+    ) -> None:
+        """Read and check the metadata, and check every object's size; or take `metadata` as
+        another rank read and checked it (with the objects: `spotckpt.restore` opens it on the
+        coordinator and hands the others what it found)."""
         self.store = store
         self.folder = folder
-        self.metadata = read_standard_metadata(store, folder)
+        self.metadata = read_standard_metadata(store, folder) if metadata is None else metadata
+        self._chunks: dict[tuple[str, tuple[int, ...]], ChunkStorageMetadata] = {
+            (fqn, tuple(chunk.offsets)): chunk
+            for fqn, entry in self.metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+            for chunk in entry.chunks
+        }
         self._checked: set[str] = set()
         # Every object must hold its items' ranges before anything is allocated for them: a
         # tensor's chunks then hold no more data than the objects do.
-        self.check_objects(list(self.items()))
+        if metadata is None:
+            self.check_objects(list(self.items()))
+        else:
+            self._checked.update(s.relative_path for s in self.metadata.storage_data.values())
 
     @property
     def uri(self) -> str:
@@ -270,9 +114,7 @@ class StandardCheckpoint:
             raise CorruptCheckpointError(f"{self.uri}: no stored item for {index.fqn!r}")
         entry = self.metadata.state_dict_metadata.get(index.fqn)
         if isinstance(entry, TensorStorageMetadata):
-            chunk = next(
-                (c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset or ())), None
-            )
+            chunk = self._chunks.get((index.fqn, tuple(index.offset or ())))
             return Item(index, index.fqn, stored, chunk, entry.properties.dtype)
         return Item(index, index.fqn, stored, None, None)
 
@@ -312,6 +154,7 @@ class StandardCheckpoint:
             )
         if item.chunk is None:
             return data
+        _check_stored(data, f"{self.uri}: {item.fqn!r}")
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as error:
@@ -334,6 +177,24 @@ class StandardCheckpoint:
                 f"{item.dtype} {tuple(item.chunk.sizes)}"
             )
         return tensor
+
+
+def _check_stored(data: bytes, what: str) -> None:
+    """CorruptCheckpointError unless `data` is a zip whose records are all stored (not
+    deflated) and together no longer than `data`: ``torch.save`` writes them so, and a
+    deflated record could make ``torch.load`` allocate far more than was read."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError) as error:
+        raise CorruptCheckpointError(f"{what} is not a torch.save item: {error}") from None
+    if any(r.compress_type != zipfile.ZIP_STORED for r in records) or sum(
+        r.file_size for r in records
+    ) > len(data):
+        raise CorruptCheckpointError(
+            f"{what} holds compressed records or more bytes than it is long; torch.save writes "
+            "neither"
+        )
 
 
 class StandardDcpReader(StorageReader):
@@ -371,14 +232,11 @@ class StandardDcpReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the plan's items, `PARALLEL_READS` at a time, in offset order per object."""
         checkpoint = self.checkpoint
+        wanted = {id(r): checkpoint.item(r.storage_index) for r in plan.items}
         requests = sorted(
             plan.items,
-            key=lambda r: (
-                checkpoint.item(r.storage_index).stored.relative_path,
-                checkpoint.item(r.storage_index).stored.offset,
-            ),
+            key=lambda r: (wanted[id(r)].stored.relative_path, wanted[id(r)].stored.offset),
         )
-        wanted = {id(r): checkpoint.item(r.storage_index) for r in requests}
         checkpoint.check_objects(list(wanted.values()))
         with ThreadPoolExecutor(PARALLEL_READS, thread_name_prefix="spotckpt-dcp-read") as pool:
             pending: list[tuple[ReadItem, PoolFuture[torch.Tensor | bytes]]] = []

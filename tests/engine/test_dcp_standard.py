@@ -36,7 +36,7 @@ import spotckpt
 from spotckpt import CheckpointAlreadyCommittedError, CheckpointManager
 from spotckpt.catalog import Catalog
 from spotckpt.dcp_convert import export_dcp, import_dcp
-from spotckpt.engine import dcp_standard
+from spotckpt.engine import dcp_metadata
 from spotckpt.errors import (
     AlreadyExistsError,
     CorruptCheckpointError,
@@ -299,7 +299,7 @@ def test_a_metadata_larger_than_the_bound_is_refused_unread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = _write_standard(tmp_path / "ck", _state(1))
-    monkeypatch.setattr(dcp_standard, "MAX_METADATA_BYTES", 64)
+    monkeypatch.setattr(dcp_metadata, "MAX_METADATA_BYTES", 64)
     with pytest.raises(ObjectSizeError, match="refused unread"):
         spotckpt.dcp_reader(str(folder))
 
