@@ -530,3 +530,95 @@ def test_a_conversion_holds_about_one_tensor_at_a_time(
     assert len(alive) == len(state)
     assert most <= 1, f"{most} earlier tensors were still alive when the next was read"
     assert _same(_load(spot.uri, state, 1), state)
+
+
+def _build_on(module: str, name: str, attribute: str, value: bytes) -> bytes:
+    """A pickle that names `module.name` and BUILDs `attribute` = `value` (pickled) onto it:
+    how a forged metadata would change a class or function for the rest of the process."""
+    key = attribute.encode()
+    return (
+        b"\x80\x04c"
+        + f"{module}\n{name}\n".encode()
+        + b"}X"
+        + len(key).to_bytes(4, "little")
+        + key
+        + value
+        + b"sb."
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "attribute"),
+    [
+        ("pathlib", "PurePosixPath", "__truediv__"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex", "__hash__"),
+        ("torch.serialization", "_get_layout", "cache"),
+        ("collections", "OrderedDict", "__len__"),
+    ],
+)
+def test_a_metadata_that_builds_onto_an_admitted_name_changes_nothing(
+    tmp_path: Path, module: str, name: str, attribute: str
+) -> None:
+    import collections
+    import pathlib
+
+    folder = _write_standard(tmp_path / "ck", _state(1))
+    (folder / ".metadata").write_bytes(_build_on(module, name, attribute, b"N"))
+    layouts = dict(torch.serialization._get_layout.cache)  # type: ignore[attr-defined]
+    with pytest.raises(CorruptCheckpointError, match="refused as a DCP metadata"):
+        spotckpt.dcp_reader(str(folder))
+    assert str(pathlib.PurePosixPath("a") / "b") == "a/b"
+    assert hash(MetadataIndex("w")) == hash(MetadataIndex("w"))
+    assert len(collections.OrderedDict(a=1)) == 1
+    assert torch.serialization._get_layout.cache in ({}, layouts)  # type: ignore[attr-defined]
+    _write_standard(tmp_path / "again", _state(2))  # DCP itself still works in this process
+    assert _same(_load(str(tmp_path / "again"), _state(2)), _state(2))
+
+
+def test_a_deflated_tensor_item_is_refused_before_it_inflates(tmp_path: Path) -> None:
+    import zipfile
+
+    folder = _write_standard(tmp_path / "ck", _state(1))
+    _, stored = _first_item(_metadata(folder))
+    blob = (folder / stored.relative_path).read_bytes()[
+        stored.offset : stored.offset + stored.length
+    ]
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as source, zipfile.ZipFile(deflated, "w") as target:
+        for record in source.infolist():
+            target.writestr(record, source.read(record), compress_type=zipfile.ZIP_DEFLATED)
+    (folder / "deflated.distcp").write_bytes(deflated.getvalue() + b"\0" * stored.length)
+    _forge(
+        folder,
+        lambda m: _set_item(m, relative_path="deflated.distcp", offset=0, length=stored.length),
+    )
+    with pytest.raises(CheckpointException, match="compressed records"):
+        _load(str(folder), _state(1))
+
+
+def test_two_items_on_one_range_are_refused(tmp_path: Path) -> None:
+    folder = _write_standard(tmp_path / "ck", _state(1))
+    _, stored = _first_item(_metadata(folder), "w")
+    _forge(folder, lambda m: _set_item(m, "half", **vars(stored)))
+    with pytest.raises(CorruptCheckpointError, match="items of .* overlap"):
+        spotckpt.dcp_reader(str(folder))
+
+
+def test_overlapping_chunks_that_sum_to_the_tensor_are_refused(tmp_path: Path) -> None:
+    folder = _write_standard(tmp_path / "ck", {"w": torch.randn(7, 5)})
+    extra = io.BytesIO()
+    torch.save(torch.randn(3, 5), extra)
+    (folder / "extra.distcp").write_bytes(extra.getvalue())
+
+    def overlap(metadata: Any) -> None:
+        metadata.state_dict_metadata["w"].chunks = [
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 5])),
+            ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([3, 5])),
+        ]
+        metadata.storage_data[MetadataIndex("w", torch.Size([3, 0]))] = _StorageInfo(
+            "extra.distcp", 0, len(extra.getvalue())
+        )
+
+    _forge(folder, overlap)
+    with pytest.raises(CorruptCheckpointError, match="two of its chunks overlap"):
+        spotckpt.dcp_reader(str(folder))
