@@ -600,7 +600,7 @@ def test_two_items_on_one_range_are_refused(tmp_path: Path) -> None:
     folder = _write_standard(tmp_path / "ck", _state(1))
     _, stored = _first_item(_metadata(folder), "w")
     _forge(folder, lambda m: _set_item(m, "half", **vars(stored)))
-    with pytest.raises(CorruptCheckpointError, match="items of .* overlap"):
+    with pytest.raises(CorruptCheckpointError, match=r"items of .* overlap"):
         spotckpt.dcp_reader(str(folder))
 
 
