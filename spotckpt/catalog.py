@@ -449,7 +449,7 @@ class Catalog:
         self.check_referenced(step, referenced)
         replaced: bytes | None = None
         if overwrite:
-            replaced = self._manifests.raw(step) if self.is_committed(step) else None
+            replaced = self._replaced(step)
             self._replace_manifest(step, attempt, data)
         else:
             self._put_manifest(step, attempt, data)
@@ -464,21 +464,35 @@ class Catalog:
             self.store.delete_many([manifest_key(step)])
             raise self._missing_error(step, wrong, "was withdrawn right after it was written")
 
+    def _replaced(self, step: int) -> bytes | None:
+        """The manifest an overwrite of `step` replaces, for `_reinstate`; None when there is
+        none to put back (not committed, gone meanwhile, or not readable)."""
+        try:
+            return self._manifests.raw(step)
+        except (NoCheckpointError, ManifestError, ObjectNotFoundError):
+            return None
+
     def _reinstate(self, step: int, replaced: bytes) -> bool:
         """Put back the manifest an overwrite replaced, when every object it needs is still
-        there (a gc may have taken them once the new manifest stopped naming them); False when
-        it cannot be: then no manifest at all is better than one over missing objects."""
+        there before and after the put (a gc may have taken them once the new manifest stopped
+        naming them); False when it cannot be: then no manifest at all is better than one over
+        missing objects."""
         try:
             needed = self.stored_objects(step, replaced)
+            if not self._all_there(needed):
+                return False
             self.store.put(manifest_key(step), replaced)
             self._readings.forget([step])
-            for key, expected in needed.items():
-                info = self.store.head(key)
-                if info is None or info.size != expected.size:
-                    return False
+            return self._all_there(needed)
         except CheckpointError as error:
             log.warning("step %d: the manifest it replaced cannot be put back: %s", step, error)
             return False
+
+    def _all_there(self, needed: Mapping[str, Expected]) -> bool:
+        for key, expected in needed.items():
+            info = self.store.head(key)
+            if info is None or info.size != expected.size:
+                return False
         return True
 
     def _replace_manifest(self, step: int, attempt: str, data: bytes) -> None:

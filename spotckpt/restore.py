@@ -221,6 +221,9 @@ class RestoreOrder:
         self.last_read_stats: ReadStats | None = None
         self.last_restore_sources: dict[str, int] = {}
         self.last_restore_uri: str | None = None
+        self._root_steps: set[int] | None = None
+        """The job's root's steps as the coordinator's last listing of every copy found them;
+        None when it could not be read then (or there are no mirrors)."""
         self.nearest = nearest
         """The copy a restore reads first (the `nearest_copy` setting); None: the fastest."""
         self.copies = [Copy(self.catalog, loader)] + [
@@ -460,6 +463,7 @@ class RestoreOrder:
                 continue
             job = job or (found.id if found is not None else None)
             listed.append((time.monotonic() - started, index, steps))
+        self._root_steps = next((steps for _, index, steps in listed if index == 0), None)
         if not listed:
             raise StorageError(f"neither {self.uri} nor any of its mirrors can be read")
         return listed
@@ -503,7 +507,12 @@ class RestoreOrder:
         it is (`spotckpt.engine.dcp_standard`). Such a checkpoint carries no signature: under a
         configured key it is refused, as any unsigned step is (import it, signed, first).
         Without one, `missing` (why no committed step was found) is raised."""
-        folder = self.collective.run_on_coordinator(lambda: find_standard(self.catalog.store, step))
+        try:
+            folder = self.collective.run_on_coordinator(
+                lambda: find_standard(self.catalog.store, step)
+            )
+        except StorageError:
+            raise missing from None  # the root cannot be read: why no step was found stands
         if folder is None:
             raise missing  # no spotckpt step, and no standard one either
         if self.catalog.keyring is not None:
@@ -526,10 +535,12 @@ class RestoreOrder:
         """NoCheckpointError (the next candidate: the job's own root's) when the job's root
         holds `step` as another save than mirror `copy` does: saved again with overwrite after
         it was mirrored. The root is the source of truth while it can be read."""
+        if self._root_steps is None or step not in self._root_steps:
+            return  # the root could not be read, or lacks the step: the mirror's is the one
         try:
             own = self.catalog.committed_attempt(step)
         except StorageError:
-            return  # the root cannot be read: the mirror's copy is the one there is
+            return  # the root cannot be read now: the mirror's copy is the one there is
         if own is not None and copy.catalog.committed_attempt(step) != own:
             log.warning(
                 "step %d at mirror %s is another save than at %s (saved again after it was "

@@ -16,6 +16,7 @@ disjoint from every other item's in its object, each chunk's item long enough fo
 
 from __future__ import annotations
 
+import bisect
 import io
 import itertools
 import math
@@ -53,8 +54,12 @@ byte of the pickle, plus `EXPANSION_FLOOR`: shared objects are counted where the
 EXPANSION_FLOOR = 1 << 20
 MAX_CHUNKS = 1 << 16
 """Chunks one tensor may have (one per rank that held a piece: far more ranks than jobs run)."""
+MAX_CELLS = 1 << 22
+"""Cells of the grid a tensor's chunk edges make, counted to find overlapping chunks."""
+MAX_PAIRWISE = 4096
+"""Chunks compared pair by pair when their edges make a larger grid than `MAX_CELLS`."""
 OVERLAP_CELLS = 1 << 24
-"""Chunk-pair comparisons made at once when checking that a tensor's chunks are disjoint."""
+"""Chunk-pair comparisons made at once when comparing pair by pair."""
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _CLASSES = frozenset(
@@ -123,7 +128,7 @@ class _Unpickler(pickle.Unpickler):
             return _Leaf("dtype", name)
         if (module, name) == ("torch.serialization", "_get_layout"):
             return lambda *args: _Leaf("layout", args[0] if args else None)
-        if module == "pathlib" and name in _PATHS:
+        if module in ("pathlib", "pathlib._local") and name in _PATHS:  # 3.13 spells it so
             return lambda *args: _Leaf("path", args)
         if (module, name) == ("collections", "OrderedDict"):
             return lambda *args: dict(*args)
@@ -402,10 +407,33 @@ def _check_tensor(fqn: str, entry: TensorStorageMetadata, stored: dict[Any, Any]
 
 def _check_disjoint(fqn: str, chunks: list[ChunkStorageMetadata]) -> None:
     """_Malformed when two non-empty chunks of a tensor overlap (with their volumes summing to
-    the tensor's, an overlap would hide a gap); `OVERLAP_CELLS` comparisons at a time."""
+    the tensor's, an overlap would hide a gap).
+
+    The chunks' edges cut the tensor into a grid of cells (as many as ranks for a tensor
+    sharded on one dimension); each chunk is a box of whole cells, counted into the grid, and
+    a cell counted twice is an overlap. A grid of more than `MAX_CELLS` cells (chunks that do
+    not line up, which DCP's sharding does not make) is compared pair by pair instead, for at
+    most `MAX_PAIRWISE` chunks."""
     boxes = [c for c in chunks if math.prod(c.sizes) > 0]
     if len(boxes) < 2 or not boxes[0].offsets:
         return
+    cuts = [
+        sorted({edge for c in boxes for edge in (c.offsets[d], c.offsets[d] + c.sizes[d])})
+        for d in range(len(boxes[0].offsets))
+    ]
+    if math.prod(len(edges) - 1 for edges in cuts) <= MAX_CELLS:
+        grid = torch.zeros([len(edges) - 1 for edges in cuts], dtype=torch.int32)
+        for c in boxes:
+            cells = tuple(
+                slice(bisect.bisect_left(edges, o), bisect.bisect_left(edges, o + n))
+                for edges, o, n in zip(cuts, c.offsets, c.sizes, strict=True)
+            )
+            grid[cells] += 1
+        if bool((grid > 1).any()):
+            raise _Malformed(f"tensor {fqn!r}: two of its chunks overlap")
+        return
+    if len(boxes) > MAX_PAIRWISE:
+        raise _Malformed(f"tensor {fqn!r}: {len(boxes)} chunks that do not line up in a grid")
     low = torch.tensor([list(c.offsets) for c in boxes], dtype=torch.int64)
     high = low + torch.tensor([list(c.sizes) for c in boxes], dtype=torch.int64)
     count, dims = low.shape

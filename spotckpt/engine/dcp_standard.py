@@ -187,6 +187,11 @@ def _check_stored(data: bytes, what: str) -> None:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             records = archive.infolist()
     except (zipfile.BadZipFile, ValueError, EOFError) as error:
+        if data[8:9] == b"{":  # a safetensors header's length, then its JSON
+            raise CorruptCheckpointError(
+                f"{what} was written with serialization_format=SAFETENSORS, which spotckpt does "
+                "not read (nor does DCP's own FileSystemReader): save with the default format"
+            ) from None
         raise CorruptCheckpointError(f"{what} is not a torch.save item: {error}") from None
     if any(r.compress_type != zipfile.ZIP_STORED for r in records) or sum(
         r.file_size for r in records
@@ -294,12 +299,13 @@ def find_standard(store: ObjectStore, step: int | None) -> str | None:
     when there is none."""
     if step is None and is_standard_checkpoint(store):
         return ""
-    found: dict[int, str] = {}
+    found: dict[int, list[str]] = {}
     for prefix in store.list_delimited(STEP_PREFIX, "/").prefixes:
         match = STANDARD_STEP.fullmatch(prefix[:-1])
         if match is not None and (step is None or int(match.group(1)) == step):
-            found.setdefault(int(match.group(1)), prefix[:-1])
+            found.setdefault(int(match.group(1)), []).append(prefix[:-1])
     for number in sorted(found, reverse=True):
-        if is_standard_checkpoint(store, found[number]):
-            return found[number]
+        for folder in found[number]:  # every spelling: spotckpt's own folder may hold no DCP
+            if is_standard_checkpoint(store, folder):
+                return folder
     return None

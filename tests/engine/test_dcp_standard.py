@@ -622,3 +622,44 @@ def test_overlapping_chunks_that_sum_to_the_tensor_are_refused(tmp_path: Path) -
     _forge(folder, overlap)
     with pytest.raises(CorruptCheckpointError, match="two of its chunks overlap"):
         spotckpt.dcp_reader(str(folder))
+
+
+def test_a_metadata_pickled_by_python_3_13_with_pathlib_local_reads(tmp_path: Path) -> None:
+    """Python 3.13 pickles a PosixPath as ``pathlib._local.PosixPath`` (DCP's FileSystemWriter
+    keeps the checkpoint's path in the metadata)."""
+    folder = _write_standard(tmp_path / "ck", _state(1))
+    data = pickle.dumps(_metadata(folder), protocol=2)  # GLOBAL opcodes: names spelled out
+    spelled = data.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+    assert spelled != data
+    (folder / ".metadata").write_bytes(spelled)
+    assert _same(_load(str(folder), _state(1)), _state(1))
+
+
+def test_a_safetensors_serialized_checkpoint_is_named_as_such(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    folder = tmp_path / "ck"
+    writer = FileSystemWriter(str(folder), serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save({"w": torch.randn(4, 4)}, storage_writer=writer, no_dist=True)
+    with pytest.raises((CheckpointException, CorruptCheckpointError), match="SAFETENSORS"):
+        _load(str(folder), {"w": torch.randn(4, 4)})
+
+
+def test_spotckpt_s_own_folder_of_a_step_does_not_hide_a_dcp_folder_of_it(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _write_standard(root / "step-5", _state(5))
+    (root / "step-000000005" / "a-left").mkdir(parents=True)  # a failed save's leftovers
+    (root / "step-000000005" / "a-left" / "r00000-000.safetensors").write_bytes(b"x")
+    assert _same(_load(str(root), _state(5), 5), _state(5))
+
+
+def test_many_chunks_in_a_grid_are_checked_cell_by_cell() -> None:
+    """A tensor saved by 4,096 ranks (one chunk each): its chunks' grid is checked, not every
+    pair; a chunk that overlaps another within it is still found."""
+    from spotckpt.engine import dcp_metadata
+
+    chunks = [ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 8])) for r in range(4096)]
+    dcp_metadata._check_disjoint("w", chunks)  # 4,096 cells, not ~16M pairs
+    stray = ChunkStorageMetadata(torch.Size([7, 2]), torch.Size([1, 1]))
+    with pytest.raises(Exception, match="overlap"):
+        dcp_metadata._check_disjoint("w", [*chunks, stray])
