@@ -9,14 +9,14 @@ one load, and any other name is refused before anything is called. The tree of s
 converted into DCP's real objects by explicit construction (`_Converter`), every field checked
 for its type; objects the pickle shares between places are charged wherever they appear, so a
 small pickle cannot expand into an unbounded tree (`EXPANSION_PER_BYTE`). What the converted
-metadata describes is checked last (`_check_metadata`): every chunk inside its tensor, chunks of a
-tensor disjoint and covering it exactly, every item's object key valid, its range non-negative and
-disjoint from every other item's in its object, each chunk's item long enough for its data.
+metadata describes is checked last (`_check_metadata`): DCP's own rules for each tensor's chunks
+(inside it, disjoint, filling it: `spotckpt.engine.plan_check`), every item's object key valid, its
+range non-negative and disjoint from every other item's in its object, each chunk's item long
+enough for its data.
 """
 
 from __future__ import annotations
 
-import bisect
 import io
 import itertools
 import math
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from spotckpt.engine.plan_check import chunk_arrays, tensor_errors
 from spotckpt.errors import (
     CorruptCheckpointError,
     InvalidKeyError,
@@ -54,12 +55,6 @@ byte of the pickle, plus `EXPANSION_FLOOR`: shared objects are counted where the
 EXPANSION_FLOOR = 1 << 20
 MAX_CHUNKS = 1 << 16
 """Chunks one tensor may have (one per rank that held a piece: far more ranks than jobs run)."""
-MAX_CELLS = 1 << 22
-"""Cells of the grid a tensor's chunk edges make, counted to find overlapping chunks."""
-MAX_PAIRWISE = 4096
-"""Chunks compared pair by pair when their edges make a larger grid than `MAX_CELLS`."""
-OVERLAP_CELLS = 1 << 24
-"""Chunk-pair comparisons made at once when comparing pair by pair."""
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _CLASSES = frozenset(
@@ -379,70 +374,28 @@ def _check_metadata(metadata: Metadata) -> None:
 
 
 def _check_tensor(fqn: str, entry: TensorStorageMetadata, stored: dict[Any, Any]) -> None:
+    """DCP's own rules for a tensor's chunks (inside the tensor, disjoint, filling it:
+    `spotckpt.engine.plan_check`, in O(n log n)), and a stored item long enough for each."""
     size = tuple(entry.size)
+    if any(len(c.offsets) != len(size) or len(c.sizes) != len(size) for c in entry.chunks):
+        raise _Malformed(f"tensor {fqn!r} has a chunk of another rank than its {size!r}")
+    if size:
+        offsets, sizes = chunk_arrays(entry.chunks, len(size))
+        errors = tensor_errors(fqn, entry.size, offsets, sizes, True)
+        if errors:
+            raise _Malformed(errors[0])
+    elif len(entry.chunks) != 1:
+        raise _Malformed(f"scalar {fqn!r} has {len(entry.chunks)} chunks")
     itemsize = entry.properties.dtype.itemsize
-    covered = 0
     for chunk in entry.chunks:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(offsets) != len(size) or len(sizes) != len(size):
-            raise _Malformed(f"tensor {fqn!r}: chunk at {offsets!r} has another rank than {size!r}")
-        if not all(o + n <= whole for o, n, whole in zip(offsets, sizes, size, strict=True)):
-            raise _Malformed(f"tensor {fqn!r}: chunk {offsets!r}+{sizes!r} lies outside {size!r}")
         item = stored.get(MetadataIndex(fqn, chunk.offsets))
         if item is None:
-            raise _Malformed(f"tensor {fqn!r}: chunk at {offsets!r} has no stored item")
-        volume = math.prod(sizes)
-        if item.length < volume * itemsize:  # the stored bytes bound what a read allocates
             raise _Malformed(
-                f"tensor {fqn!r}: chunk at {offsets!r} holds {volume * itemsize} bytes of data "
+                f"tensor {fqn!r}: chunk at {tuple(chunk.offsets)!r} has no stored item"
+            )
+        data = math.prod(chunk.sizes) * itemsize
+        if item.length < data:  # the stored bytes bound what a read allocates
+            raise _Malformed(
+                f"tensor {fqn!r}: chunk at {tuple(chunk.offsets)!r} holds {data} bytes of data "
                 f"in an item of {item.length}"
             )
-        covered += volume
-    if covered != math.prod(size):
-        raise _Malformed(
-            f"tensor {fqn!r}: its chunks hold {covered} elements of its {math.prod(size)}"
-        )
-    _check_disjoint(fqn, entry.chunks)
-
-
-def _check_disjoint(fqn: str, chunks: list[ChunkStorageMetadata]) -> None:
-    """_Malformed when two non-empty chunks of a tensor overlap (with their volumes summing to
-    the tensor's, an overlap would hide a gap).
-
-    The chunks' edges cut the tensor into a grid of cells (as many as ranks for a tensor
-    sharded on one dimension); each chunk is a box of whole cells, counted into the grid, and
-    a cell counted twice is an overlap. A grid of more than `MAX_CELLS` cells (chunks that do
-    not line up, which DCP's sharding does not make) is compared pair by pair instead, for at
-    most `MAX_PAIRWISE` chunks."""
-    boxes = [c for c in chunks if math.prod(c.sizes) > 0]
-    if len(boxes) < 2 or not boxes[0].offsets:
-        return
-    cuts = [
-        sorted({edge for c in boxes for edge in (c.offsets[d], c.offsets[d] + c.sizes[d])})
-        for d in range(len(boxes[0].offsets))
-    ]
-    if math.prod(len(edges) - 1 for edges in cuts) <= MAX_CELLS:
-        grid = torch.zeros([len(edges) - 1 for edges in cuts], dtype=torch.int32)
-        for c in boxes:
-            cells = tuple(
-                slice(bisect.bisect_left(edges, o), bisect.bisect_left(edges, o + n))
-                for edges, o, n in zip(cuts, c.offsets, c.sizes, strict=True)
-            )
-            grid[cells] += 1
-        if bool((grid > 1).any()):
-            raise _Malformed(f"tensor {fqn!r}: two of its chunks overlap")
-        return
-    if len(boxes) > MAX_PAIRWISE:
-        raise _Malformed(f"tensor {fqn!r}: {len(boxes)} chunks that do not line up in a grid")
-    low = torch.tensor([list(c.offsets) for c in boxes], dtype=torch.int64)
-    high = low + torch.tensor([list(c.sizes) for c in boxes], dtype=torch.int64)
-    count, dims = low.shape
-    rows = max(1, OVERLAP_CELLS // (count * dims))
-    for first in range(0, count, rows):
-        block = slice(first, first + rows)
-        meets = (low[block, None, :] < high[None, :, :]) & (low[None, :, :] < high[block, None, :])
-        overlapping = meets.all(dim=2)
-        own = torch.arange(overlapping.shape[0])
-        overlapping[own, own + first] = False  # a chunk with itself
-        if bool(overlapping.any()):
-            raise _Malformed(f"tensor {fqn!r}: two of its chunks overlap")

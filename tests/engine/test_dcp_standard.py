@@ -262,7 +262,7 @@ MALFORMED = {
         lambda m: m.state_dict_metadata["w"].chunks.__setitem__(
             0, ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([7, 5]))
         ),
-        "outside",
+        "out of bounds",
     ),
     "chunk without an item": (
         lambda m: m.storage_data.pop(_first_item(m)[0]),
@@ -274,7 +274,7 @@ MALFORMED = {
     ),
     "a tensor larger than its chunks": (
         lambda m: setattr(m.state_dict_metadata["w"], "size", torch.Size([7, 5_000_000_000])),
-        "elements",
+        "invalid fill",
     ),
     "an item shorter than its chunk's data": (lambda m: _set_item(m, length=8), "bytes of data"),
     "a Metadata without fields": (lambda m: m.__dict__.clear(), "malformed"),
@@ -620,7 +620,7 @@ def test_overlapping_chunks_that_sum_to_the_tensor_are_refused(tmp_path: Path) -
         )
 
     _forge(folder, overlap)
-    with pytest.raises(CorruptCheckpointError, match="two of its chunks overlap"):
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
         spotckpt.dcp_reader(str(folder))
 
 
@@ -653,13 +653,26 @@ def test_spotckpt_s_own_folder_of_a_step_does_not_hide_a_dcp_folder_of_it(tmp_pa
     assert _same(_load(str(root), _state(5), 5), _state(5))
 
 
-def test_many_chunks_in_a_grid_are_checked_cell_by_cell() -> None:
-    """A tensor saved by 4,096 ranks (one chunk each): its chunks' grid is checked, not every
-    pair; a chunk that overlaps another within it is still found."""
+def test_many_chunks_are_checked_by_dcp_s_rules_without_comparing_every_pair() -> None:
+    """A tensor saved by 4,096 ranks (one chunk each) passes; one more chunk inside another is
+    an overlap, one fewer a gap (`spotckpt.engine.plan_check`, O(n log n))."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
     from spotckpt.engine import dcp_metadata
 
     chunks = [ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 8])) for r in range(4096)]
-    dcp_metadata._check_disjoint("w", chunks)  # 4,096 cells, not ~16M pairs
+    stored = {
+        MetadataIndex("w", c.offsets): _StorageInfo("d", 64 * i, 64) for i, c in enumerate(chunks)
+    }
+
+    def check(some: list[ChunkStorageMetadata]) -> None:
+        entry = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([4096, 8]), some)
+        dcp_metadata._check_tensor("w", entry, stored)
+
+    check(chunks)
     stray = ChunkStorageMetadata(torch.Size([7, 2]), torch.Size([1, 1]))
+    stored[MetadataIndex("w", stray.offsets)] = _StorageInfo("d", 1 << 30, 64)
     with pytest.raises(Exception, match="overlap"):
-        dcp_metadata._check_disjoint("w", [*chunks, stray])
+        check([*chunks, stray])
+    with pytest.raises(Exception, match="fill"):
+        check(chunks[1:])
