@@ -60,6 +60,7 @@ from spotckpt.engine.reader import ObjectStoreReader
 from spotckpt.engine.writer import ObjectStoreWriter, WriterOptions
 from spotckpt.errors import (
     AlreadyExistsError,
+    CheckpointError,
     InvalidArgumentError,
     InvalidTypeError,
     NoCheckpointError,
@@ -315,7 +316,7 @@ def _nest(flat: dict[str, Any], paths: Any) -> dict[str, Any]:
         return flat
 
 
-class _NotATree(Exception):
+class _NotATree(CheckpointError):
     """The paths of ``planner_data`` do not describe one tree of the checkpoint's entries."""
 
 

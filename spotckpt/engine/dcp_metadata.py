@@ -162,8 +162,9 @@ def read_standard_metadata(store: ObjectStore, folder: str = "") -> Metadata:
     return metadata
 
 
-class _Malformed(Exception):
-    """What a metadata's conversion or check found wrong (the refusal's reason)."""
+class _Malformed(CorruptCheckpointError):
+    """What a metadata's conversion or check found wrong (the refusal's reason, raised again
+    with where the metadata is)."""
 
 
 def _natural(value: Any) -> bool:
