@@ -189,7 +189,11 @@ def export_dcp(
     with _single_process():
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(str(target), thread_count=1),
+            # One file per item: DCP's writer holds every tensor of a file until the file
+            # is done, so one file per rank would hold the whole state.
+            storage_writer=FileSystemWriter(
+                str(target), single_file_per_rank=False, thread_count=1
+            ),
             planner=_StreamingSavePlanner(source),
             no_dist=True,
         )

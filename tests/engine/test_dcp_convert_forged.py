@@ -141,7 +141,10 @@ def test_an_overwrite_replaces_the_old_checkpoint_s_files_and_no_other(tmp_path:
     _old_checkpoint(out)
     export_dcp(open_store(root), 1, out, overwrite=True)
     names = {p.name for p in out.iterdir()}
-    assert names == {".metadata", "__0_0.distcp", "notes.txt", "__0_9.distcp.bak"}
+    written = {
+        s.relative_path for s in FileSystemReader(str(out)).read_metadata().storage_data.values()
+    }
+    assert names == {".metadata", "notes.txt", "__0_9.distcp.bak", *written}  # no old file left
     loaded = {fqn: torch.zeros(i + 1) for i, fqn in enumerate(FQNS)}
     dcp.load(loaded, storage_reader=FileSystemReader(str(out)), no_dist=True)
     assert all(torch.equal(loaded[fqn], want) for fqn, want in _flat(1).items())
