@@ -431,11 +431,14 @@ class Mirror:
         kept step references stay). MirrorConflictError for a mirror of another job."""
         report = MirrorReport(self.source.uri, self.target.uri)
         ours = self._same_job()  # before anything is copied or retired there
-        wanted = sorted(set(steps)) if steps is not None else self._missing(keep_last)
         if steps is None:
-            for step, why in self._saved_again(keep_last).items():
+            window, theirs = self._window(keep_last)
+            wanted = [step for step in window if step not in theirs]
+            for step, why in self._saved_again([s for s in window if s in theirs]).items():
                 log.warning("step %d at %s: %s", step, self.target.uri, why)
                 report.failed[step] = f"MirrorConflictError: {why}"
+        else:
+            wanted = sorted(set(steps))
         for step in wanted:
             try:
                 report.copied.append(self.copy_step(step))
@@ -456,7 +459,11 @@ class Mirror:
         the objects and bytes the mirror lacks (each counted once, though several steps
         reference it); a step whose manifest does not read is left out (`catch_up` reports
         it). The bytes are what the copy moves out of the source's region: its egress."""
-        wanted = sorted(set(steps)) if steps is not None else self._missing(keep_last)
+        if steps is None:
+            window, theirs = self._window(keep_last)
+            wanted = [step for step in window if step not in theirs]
+        else:
+            wanted = sorted(set(steps))
         needed: dict[str, Expected] = {}
         planned = []
         for step in wanted:
@@ -482,25 +489,22 @@ class Mirror:
         self._ours = True
         return True
 
-    def _missing(self, keep_last: int | None) -> list[int]:
-        """The source's committed steps the mirror lacks (of its newest `keep_last`, the only
-        ones the mirror's retention keeps), so that a step that failed before a newer one was
-        copied is tried again."""
+    def _window(self, keep_last: int | None) -> tuple[list[int], set[int]]:
+        """The source's committed steps of its newest `keep_last` (the only ones the mirror's
+        retention keeps; all without), and the mirror's: one listing of each root. Those of
+        the window the mirror lacks are copied, so that a step that failed before a newer one
+        was copied is tried again."""
         ours = self.source.steps()
         window = ours[-keep_last:] if keep_last is not None and keep_last > 0 else ours
-        theirs = set(self.target.steps())
-        return [step for step in window if step not in theirs]
+        return window, set(self.target.steps())
 
-    def _saved_again(self, keep_last: int | None) -> dict[int, str]:
-        """Of the newest `RESAVE_CHECK_STEPS` steps both roots hold, those the source committed
-        again (another attempt: ``dcp_writer(overwrite=True)``) after they were mirrored, and
-        why that is a conflict. A mirror never overwrites a committed step; a restore reads the
-        source's save while the source can be read (`spotckpt.restore`)."""
-        ours = self.source.steps()
-        window = ours[-keep_last:] if keep_last is not None and keep_last > 0 else ours
-        theirs = set(self.target.steps())
+    def _saved_again(self, both: list[int]) -> dict[int, str]:
+        """Of the newest `RESAVE_CHECK_STEPS` of `both` (steps both roots hold), those the
+        source committed again (another attempt: ``dcp_writer(overwrite=True)``) after they
+        were mirrored, and why that is a conflict. A mirror never overwrites a committed step;
+        a restore reads the source's save while the source can be read (`spotckpt.restore`)."""
         conflicts = {}
-        for step in [s for s in window if s in theirs][-RESAVE_CHECK_STEPS:]:
+        for step in both[-RESAVE_CHECK_STEPS:]:
             info = self.source.store.head(manifest_key(step))
             if info is None:
                 continue

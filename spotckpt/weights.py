@@ -432,7 +432,6 @@ class StandardCheckpointFile:
             held = _overlap(chunk, box)
             if held is not None:
                 wanted.append((self._checkpoint.item(MetadataIndex(name, chunk.offsets)), held))
-        self._checkpoint.check_objects([item for item, _ in wanted])
         covered = 0
         for item, (low, size) in wanted:
             stored = self._checkpoint.read(item)

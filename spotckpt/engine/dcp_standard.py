@@ -26,7 +26,6 @@ from __future__ import annotations
 import io
 import re
 import zipfile
-from collections.abc import Iterator
 from concurrent.futures import Future as PoolFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,7 +63,6 @@ class Item:
     """One stored item of a standard checkpoint: what a read of it returns and checks."""
 
     index: MetadataIndex
-    fqn: str
     stored: _StorageInfo
     chunk: ChunkStorageMetadata | None
     """The tensor chunk the item holds; None for a pickled value."""
@@ -89,13 +87,10 @@ class StandardCheckpoint:
             if isinstance(entry, TensorStorageMetadata)
             for chunk in entry.chunks
         }
-        self._checked: set[str] = set()
         # Every object must hold its items' ranges before anything is allocated for them: a
-        # tensor's chunks then hold no more data than the objects do.
+        # tensor's chunks then hold no more data than the objects do. Once, when it opens.
         if metadata is None:
-            self.check_objects(list(self.items()))
-        else:
-            self._checked.update(s.relative_path for s in self.metadata.storage_data.values())
+            self._check_objects()
 
     @property
     def uri(self) -> str:
@@ -115,24 +110,17 @@ class StandardCheckpoint:
         entry = self.metadata.state_dict_metadata.get(index.fqn)
         if isinstance(entry, TensorStorageMetadata):
             chunk = self._chunks.get((index.fqn, tuple(index.offset or ())))
-            return Item(index, index.fqn, stored, chunk, entry.properties.dtype)
-        return Item(index, index.fqn, stored, None, None)
+            return Item(index, stored, chunk, entry.properties.dtype)
+        return Item(index, stored, None, None)
 
-    def items(self) -> Iterator[Item]:
-        """Every stored item, value by value and chunk by chunk."""
-        for index in self.metadata.storage_data:
-            yield self.item(index)
-
-    def check_objects(self, items: list[Item]) -> None:
-        """ObjectMissingError / ObjectSizeError unless every object `items` lie in exists and
-        holds their whole ranges (checked once per object, before any item is read)."""
+    def _check_objects(self) -> None:
+        """ObjectMissingError / ObjectSizeError unless every object an item lies in exists and
+        holds the items' whole ranges (one HEAD per object)."""
         ends: dict[str, int] = {}
-        for item in items:
-            path = item.stored.relative_path
-            ends[path] = max(ends.get(path, 0), item.stored.offset + item.stored.length)
+        for stored in self.metadata.storage_data.values():
+            path = stored.relative_path
+            ends[path] = max(ends.get(path, 0), stored.offset + stored.length)
         for path, end in ends.items():
-            if path in self._checked:
-                continue
             key = self.key(path)
             info = self.store.head(key)
             if info is None:
@@ -141,7 +129,6 @@ class StandardCheckpoint:
                 raise ObjectSizeError(
                     f"{self.uri}: object {path!r} is {info.size} bytes; its items reach {end}"
                 )
-        self._checked.update(ends)
 
     def read(self, item: Item) -> torch.Tensor | bytes:
         """The item's tensor chunk (dtype and shape checked), or a pickled value's raw bytes."""
@@ -150,16 +137,16 @@ class StandardCheckpoint:
         )
         if len(data) != item.stored.length:
             raise ObjectSizeError(
-                f"{self.uri}: {item.fqn!r} read {len(data)} bytes of {item.stored.length}"
+                f"{self.uri}: {item.index.fqn!r} read {len(data)} bytes of {item.stored.length}"
             )
         if item.chunk is None:
             return data
-        _check_stored(data, f"{self.uri}: {item.fqn!r}")
+        _check_stored(data, f"{self.uri}: {item.index.fqn!r}")
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as error:
             raise CorruptCheckpointError(
-                f"{self.uri}: {item.fqn!r} does not load with torch.load(weights_only=True): "
+                f"{self.uri}: {item.index.fqn!r} does not load with torch.load(weights_only=True): "
                 f"{type(error).__name__}"
             ) from None
         if (
@@ -173,7 +160,7 @@ class StandardCheckpoint:
                 else type(tensor).__name__
             )
             raise CorruptCheckpointError(
-                f"{self.uri}: {item.fqn!r} holds {got}, where the metadata says "
+                f"{self.uri}: {item.index.fqn!r} holds {got}, where the metadata says "
                 f"{item.dtype} {tuple(item.chunk.sizes)}"
             )
         return tensor
@@ -242,7 +229,6 @@ class StandardDcpReader(StorageReader):
             plan.items,
             key=lambda r: (wanted[id(r)].stored.relative_path, wanted[id(r)].stored.offset),
         )
-        checkpoint.check_objects(list(wanted.values()))
         with ThreadPoolExecutor(PARALLEL_READS, thread_name_prefix="spotckpt-dcp-read") as pool:
             pending: list[tuple[ReadItem, PoolFuture[torch.Tensor | bytes]]] = []
             for request in requests:
