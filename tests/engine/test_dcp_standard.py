@@ -676,3 +676,21 @@ def test_many_chunks_are_checked_by_dcp_s_rules_without_comparing_every_pair() -
         check([*chunks, stray])
     with pytest.raises(Exception, match="fill"):
         check(chunks[1:])
+
+
+def test_a_checkpoint_made_by_torch_save_to_dcp_opens_imports_and_restores(
+    tmp_path: Path,
+) -> None:
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    saved = {"model": {"w": torch.randn(5, 3), "b": torch.arange(4)}, "step": 7, "opt": {"lr": 0.1}}
+    torch.save(saved, tmp_path / "whole.pt")
+    torch_save_to_dcp(str(tmp_path / "whole.pt"), str(tmp_path / "dcp" / "step-7"))
+    with spotckpt.open_checkpoint(str(tmp_path / "dcp"), 7) as opened:
+        assert torch.equal(opened.get_tensor("model.w"), saved["model"]["w"])
+    import_dcp(open_store(str(tmp_path / "dcp")), open_store(str(tmp_path / "spot")))
+    state = {"model": {"w": torch.zeros(5, 3), "b": torch.zeros(4, dtype=torch.int64)}}
+    state |= {"step": 0, "opt": {"lr": 0.0}}
+    with CheckpointManager(str(tmp_path / "spot"), preemption=False) as manager:
+        assert manager.restore(state) == 7
+    assert _same(state, saved)
